@@ -1,0 +1,1 @@
+"""Simulated engines, workload traces and replay benchmarks for kvrouter."""

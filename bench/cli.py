@@ -1,0 +1,16 @@
+"""``kvrouter bench``: generate traces, replay them, compare results."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    from bench.replay import cli as replay_cli
+    from bench.workloads import cli as workloads_cli
+
+    bench = commands.add_parser("bench", help="workload traces, replay and comparison")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH_COMMAND")
+    workloads_cli.register(sub)
+    replay_cli.register(sub)

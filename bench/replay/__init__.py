@@ -1,0 +1,1 @@
+"""Trace replay against an OpenAI-compatible endpoint, with reports and comparisons."""

@@ -1,0 +1,1 @@
+"""A simulated vLLM / SGLang engine: OpenAI API, prefix-cached KV blocks, roofline timing."""

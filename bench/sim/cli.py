@@ -1,0 +1,141 @@
+"""``kvrouter sim engine`` and ``kvrouter sim fleet``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from bench.sim.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_TIME_SCALE,
+    EngineConfig,
+)
+from router.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_BASE_PORT = 8100
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"preset ({', '.join(preset_names())}) or a config.json path")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model id clients send (default: the --model name)")
+    parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per engine")
+    parser.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8 (default: the model's)")
+    parser.add_argument("--kv-tokens", type=int, default=None,
+                        help="KV cache size in tokens (overrides the GPU-memory computation)")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
+                        help="run this many times faster than real time (ratios are kept)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="tokens per streamed chunk")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfig:
+    """Build and validate an engine config from parsed flags (raises ``ValueError``)."""
+    model = load_model(args.model)
+    return EngineConfig(
+        model=model,
+        gpu=gpu(args.gpu),
+        served_model_name=args.served_model_name or model.name,
+        flavor=args.flavor,
+        tensor_parallel_size=args.tp,
+        kv_cache_dtype_bytes=(int(dtype_bytes(args.kv_cache_dtype))
+                              if args.kv_cache_dtype else None),
+        kv_tokens=args.kv_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        time_scale=args.time_scale,
+        stream_interval=args.stream_interval,
+        seed=args.seed,
+        engine_id=engine_id,
+    )
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that rebuild ``args``' engine options in a child process."""
+    flags = ["--host", args.host, "--flavor", args.flavor, "--model", args.model,
+             "--gpu", args.gpu, "--tp", str(args.tp),
+             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+             "--max-num-seqs", str(args.max_num_seqs),
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+             "--time-scale", str(args.time_scale), "--stream-interval", str(args.stream_interval)]
+    optional = {"--served-model-name": args.served_model_name,
+                "--kv-cache-dtype": args.kv_cache_dtype, "--kv-tokens": args.kv_tokens,
+                "--max-model-len": args.max_model_len}
+    for flag, value in optional.items():
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    sim = commands.add_parser("sim", help="simulated vLLM / SGLang engines")
+    sub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
+    engine = sub.add_parser("engine", help="one simulated engine on one port")
+    engine.add_argument("--port", type=int, default=8000)
+    engine.add_argument("--engine-id", default="0", help="the 'engine' metric label")
+    add_engine_arguments(engine)
+    engine.set_defaults(func=run_engine)
+    fleet = sub.add_parser("fleet", help="N simulated engines, each in its own process and port")
+    fleet.add_argument("--n", type=int, default=4)
+    fleet.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT)
+    add_engine_arguments(fleet)
+    fleet.set_defaults(func=run_fleet)
+
+
+def _run(coro: Any) -> int:
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(coro)
+        else:
+            uvloop.run(coro)
+    return 0
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from bench.sim.engine import kv_capacity_tokens
+    from bench.sim.server import serve
+
+    try:
+        config = engine_config(args, args.engine_id)
+    except (CapacityError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    log.info("simulated %s engine %s on http://%s:%d: model %s on %dx %s, %d KV tokens, "
+             "time scale %g", config.flavor, config.engine_id, args.host, args.port,
+             config.served_model_name, config.tensor_parallel_size, config.gpu.name,
+             kv_capacity_tokens(config), config.time_scale)
+    return _run(serve(config, args.host, args.port))
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    from bench.sim.fleet import run_fleet_forever
+
+    try:
+        engine_config(args)
+    except (CapacityError, ValueError) as exc:
+        print(f"error: {exc}")
+        return 2
+    return _run(run_fleet_forever(args.n, args.host, args.base_port, engine_flags(args)))

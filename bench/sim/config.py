@@ -1,0 +1,65 @@
+"""Typed, validated configuration of one simulated engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.capacity import GpuSpec, ModelShape
+
+Flavor = Literal["vllm", "sglang"]
+
+DEFAULT_BLOCK_TOKENS = 16
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_TIME_SCALE = 1.0
+# Fraction of peak dense FLOP/s a prefill achieves (model FLOPs utilisation).
+DEFAULT_PREFILL_EFFICIENCY = 0.5
+# Fraction of peak HBM bandwidth a decode step achieves.
+DEFAULT_DECODE_EFFICIENCY = 0.7
+# Fixed per-step cost: scheduling, sampling, kernel launches (seconds, simulated).
+DEFAULT_STEP_OVERHEAD_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: ModelShape
+    gpu: GpuSpec
+    served_model_name: str
+    flavor: Flavor = "vllm"
+    tensor_parallel_size: int = 1
+    kv_cache_dtype_bytes: int | None = None  # None: the model's dtype
+    kv_tokens: int | None = None  # overrides the capacity computed from GPU memory
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    time_scale: float = DEFAULT_TIME_SCALE
+    prefill_efficiency: float = DEFAULT_PREFILL_EFFICIENCY
+    decode_efficiency: float = DEFAULT_DECODE_EFFICIENCY
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
+    stream_interval: int = 1  # tokens per streamed chunk, as vLLM's --stream-interval
+    seed: int = 0
+    engine_id: str = "0"
+    extra_labels: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str]] = [
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.kv_tokens is None or self.kv_tokens >= self.block_tokens,
+             "kv_tokens must hold at least one block"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.block_tokens >= 1, "block_tokens must be >= 1"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.time_scale > 0, "time_scale must be > 0"),
+            (0 < self.prefill_efficiency <= 1, "prefill_efficiency must be in (0, 1]"),
+            (0 < self.decode_efficiency <= 1, "decode_efficiency must be in (0, 1]"),
+            (self.step_overhead_s >= 0, "step_overhead_s must be >= 0"),
+            (self.stream_interval >= 1, "stream_interval must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)

@@ -1,0 +1,209 @@
+"""The simulated engine: a scheduler loop paced by a roofline on a scaled clock."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import AsyncIterator
+
+import xxhash
+
+from bench.sim.config import EngineConfig
+from bench.sim.faults import Faults
+from bench.sim.kv_cache import BlockPool
+from bench.sim.metrics import EngineMetrics
+from bench.sim.request import SimRequest
+from bench.sim.roofline import Roofline
+from bench.sim.scheduler import Scheduler, StepOutcome
+from router.capacity import plan as capacity_plan
+
+log = logging.getLogger(__name__)
+
+# Reply length when a request does not ask for an exact one (no ignore_eos): lognormal.
+NATURAL_REPLY_MEDIAN_TOKENS = 200
+NATURAL_REPLY_SIGMA = 0.8
+
+
+class SimClock:
+    """Simulated seconds since start: wall-clock time multiplied by ``scale``."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self._origin = time.monotonic()
+
+    def now(self) -> float:
+        return (time.monotonic() - self._origin) * self.scale
+
+    async def sleep_until(self, sim_time: float) -> None:
+        delay = (sim_time - self.now()) / self.scale
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def kv_capacity_tokens(config: EngineConfig) -> int:
+    if config.kv_tokens is not None:
+        return config.kv_tokens
+    plan = capacity_plan(
+        config.model, config.gpu, config.tensor_parallel_size,
+        config.gpu_memory_utilization, config.kv_cache_dtype_bytes,
+    )
+    return plan.resident_tokens
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.block_tokens = config.block_tokens
+        self.num_blocks = kv_capacity_tokens(config) // config.block_tokens
+        if self.num_blocks < 1:
+            raise ValueError("the model's weights leave no memory for the KV cache")
+        self.max_model_len = min(
+            config.max_model_len or config.model.max_position_embeddings,
+            self.num_blocks * config.block_tokens,
+        )
+        self.roofline = Roofline.for_engine(config)
+        self.clock = SimClock(config.time_scale)
+        self.faults = Faults()
+        self.start_time = time.time()
+        self.metrics = EngineMetrics(
+            config.flavor, config.served_model_name, config.engine_id,
+            self.cache_config_labels(), self.start_time,
+        )
+        self.pool = BlockPool(self.num_blocks, config.block_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self._rng = random.Random(config.seed)
+        self._wake = asyncio.Event()
+        self._counter = 0
+
+    def cache_config_labels(self) -> dict[str, str]:
+        kv_dtype = self.config.kv_cache_dtype_bytes
+        return {
+            "block_size": str(self.config.block_tokens),
+            "cache_dtype": "auto" if kv_dtype is None else ("fp8" if kv_dtype == 1 else "auto"),
+            "enable_prefix_caching": "True",
+            "gpu_memory_utilization": str(self.config.gpu_memory_utilization),
+            "num_gpu_blocks": str(self.num_blocks),
+            "num_cpu_blocks": "0",
+            "prefix_caching_hash_algo": "xxhash",
+            "swap_space": "0",
+        }
+
+    # -- requests ---------------------------------------------------------------------
+
+    def submit(
+        self, prompt: bytes, max_tokens: int, exact_length: bool,
+        seed: int | None = None, cache_salt: str | None = None,
+    ) -> SimRequest:
+        """Queue a request; it generates ``max_tokens`` tokens when ``exact_length``,
+        else a natural (lognormal) length capped at ``max_tokens``."""
+        self._counter += 1
+        rng = random.Random(seed if seed is not None else self._rng.getrandbits(64))
+        length, reason = max_tokens, "length"
+        if not exact_length:
+            natural = max(1, int(rng.lognormvariate(math.log(NATURAL_REPLY_MEDIAN_TOKENS),
+                                                    NATURAL_REPLY_SIGMA)))
+            if natural < max_tokens:
+                length, reason = natural, "stop"
+        parent = xxhash.xxh3_64_intdigest(cache_salt) if cache_salt else 0
+        request = SimRequest(
+            f"{self.config.engine_id}-{self._counter}", prompt, length, self.clock.now(),
+            self.block_tokens, rng, parent, reason,
+        )
+        self.scheduler.add(request)
+        self._wake.set()
+        return request
+
+    def abort(self, request: SimRequest) -> None:
+        if not request.finished:
+            self.scheduler.abort(request)
+            self._record_finished(request, self.clock.now())
+
+    def restart(self) -> list[SimRequest]:
+        """Lose every request in flight and the whole cache, as a process restart does."""
+        dropped = self.scheduler.reset()
+        self.start_time = time.time()
+        self.metrics.reset(self.start_time)
+        for request in dropped:
+            request.updated.set()
+        log.info("simulated restart: dropped %d requests, cache emptied", len(dropped))
+        return dropped
+
+    # -- the loop ---------------------------------------------------------------------
+
+    async def run(self) -> None:
+        scheduler = self.scheduler
+        while True:
+            await self.faults.wait_unstalled()
+            if not scheduler.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            plan = scheduler.schedule()
+            for queried, hit in plan.prefix_queries:
+                self.metrics.record_prefix_query(queried, hit)
+            for _ in plan.preempted:
+                self.metrics.record_preemption()
+            start = self.clock.now()
+            if not plan.work:
+                # Nothing fits this instant (every block pinned); wait for a change.
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                continue
+            for request, _, _ in plan.work:
+                if request.scheduled_at is None:
+                    request.scheduled_at = start
+            await self.clock.sleep_until(start + self.roofline.step_seconds(plan.shape()))
+            await self.faults.wait_unstalled()
+            now = self.clock.now()
+            self._publish(scheduler.complete(plan, now), now)
+            self.record_gauges()
+
+    def record_gauges(self) -> None:
+        self.metrics.record_step(
+            len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage()
+        )
+
+    def _publish(self, outcome: StepOutcome, now: float) -> None:
+        interval = self.config.stream_interval
+        for request in outcome.first_tokens:
+            self.metrics.record_first_token(now - request.arrival)
+        for request in outcome.finished:
+            self._record_finished(request, now)
+        for request in outcome.advanced:
+            if request.finished or request.output_tokens == 1 or (
+                request.output_tokens % interval == 0
+            ):
+                request.updated.set()
+
+    def _record_finished(self, request: SimRequest, now: float) -> None:
+        scheduled = request.scheduled_at if request.scheduled_at is not None else now
+        first = request.first_token_at if request.first_token_at is not None else now
+        times = request.token_times
+        self.metrics.record_finished(
+            finished_reason=request.finish_reason or "abort",
+            prompt_tokens=request.prompt_tokens,
+            generation_tokens=request.output_tokens,
+            e2e_s=now - request.arrival,
+            queue_s=scheduled - request.arrival,
+            prefill_s=first - scheduled,
+            decode_s=now - first,
+            inter_token_s=[b - a for a, b in zip(times, times[1:], strict=False)],
+        )
+
+
+@contextlib.asynccontextmanager
+async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
+    """An engine with its loop running; the loop is cancelled on exit."""
+    engine = Engine(config)
+    task = asyncio.create_task(engine.run(), name=f"sim-engine-{config.engine_id}")
+    try:
+        yield engine
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,55 @@
+"""Faults a test can switch on in a running simulated engine.
+
+* ``fail_requests``: completions answer ``fail_status`` (default 500) with an error body.
+* ``stall``: the engine stops making progress (a hung GPU): requests in flight and new
+  ones get no tokens until the stall is lifted. ``/health`` stalls too.
+* ``fail_health``: ``/health`` answers 503 while completions still work.
+
+A restart with an empty cache is ``Engine.restart``; it is exposed beside these at
+``POST /sim/restart``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class FaultState:
+    fail_requests: bool = False
+    fail_status: int = 500
+    stall: bool = False
+    fail_health: bool = False
+
+
+class Faults:
+    def __init__(self) -> None:
+        self.state = FaultState()
+        self._running = asyncio.Event()
+        self._running.set()
+
+    def update(self, changes: dict[str, Any]) -> FaultState:
+        """Apply a partial update; unknown keys or wrong types raise ``ValueError``."""
+        known = asdict(self.state)
+        for key, value in changes.items():
+            if key not in known:
+                raise ValueError(f"unknown fault {key!r}; known: {', '.join(known)}")
+            if type(value) is not type(known[key]):
+                raise ValueError(f"fault {key!r} must be a {type(known[key]).__name__}")
+        if not 400 <= int(changes.get("fail_status", self.state.fail_status)) <= 599:
+            raise ValueError("fail_status must be an HTTP error status (400-599)")
+        for key, value in changes.items():
+            setattr(self.state, key, value)
+        if self.state.stall:
+            self._running.clear()
+        else:
+            self._running.set()
+        return self.state
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self.state)
+
+    async def wait_unstalled(self) -> None:
+        await self._running.wait()

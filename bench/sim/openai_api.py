@@ -1,0 +1,190 @@
+"""Request parsing and response shapes of vLLM's OpenAI-compatible API (simulated)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from bench.tokenizer import encode_piece, encode_token_ids, render_chat
+
+Kind = Literal["chat", "completion"]
+
+
+class ApiError(Exception):
+    """An error answered with vLLM's error body and an HTTP status."""
+
+    def __init__(self, status: int, message: str, err_type: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type or _ERROR_TYPES.get(status, "InternalServerError")
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.err_type,
+                          "param": self.param, "code": self.status}}
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    kind: Kind
+    model: str
+    prompt: bytes
+    max_tokens: int
+    exact_length: bool
+    stream: bool
+    include_usage: bool
+    seed: int | None
+    cache_salt: str | None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt) // 4
+
+
+def _field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...],
+           default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    allowed = types if isinstance(types, tuple) else (types,)
+    # bool is an int subclass: never accept it where a number is expected.
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise ApiError(400, f"'{name}' has the wrong type", param=name)
+    return value
+
+
+def _prompt(kind: Kind, body: Mapping[str, Any]) -> bytes:
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ApiError(400, "each message needs a string 'role'", param="messages")
+            content = message.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise ApiError(400, "message 'content' must be a string or a list of parts",
+                               param="messages")
+        return render_chat(messages, add_generation_prompt=True)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return encode_piece(prompt)
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
+    ):
+        return encode_token_ids(prompt)
+    raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids "
+                   "(batched prompts are not simulated)", param="prompt")
+
+
+def parse_request(kind: Kind, body: Any, served_model: str, max_model_len: int) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = _field(body, "model", str, served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+    if _field(body, "n", int, 1) != 1:
+        raise ApiError(400, "only n=1 is simulated", param="n")
+    prompt = _prompt(kind, body)
+    prompt_tokens = len(prompt) // 4
+    requested = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
+    if requested is not None and requested < 1:
+        raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+    max_tokens = requested if requested is not None else max_model_len - prompt_tokens
+    if prompt_tokens + max(max_tokens, 1) > max_model_len or max_tokens < 1:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param="messages" if kind == "chat" else "prompt",
+        )
+    min_tokens = _field(body, "min_tokens", int, 0)
+    stream_options = _field(body, "stream_options", dict, {})
+    return ParsedRequest(
+        kind=kind,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        exact_length=bool(_field(body, "ignore_eos", bool, False)) or min_tokens >= max_tokens,
+        stream=bool(_field(body, "stream", bool, False)),
+        include_usage=bool(stream_options.get("include_usage", False)),
+        seed=_field(body, "seed", int),
+        cache_salt=_field(body, "cache_salt", str),
+    )
+
+
+def new_id(kind: Kind) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def stream_chunk(kind: Kind, rid: str, model: str, created: int, text: str | None,
+                 finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0}
+    if kind == "chat":
+        delta: dict[str, Any] = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice["delta"] = delta
+    else:
+        choice["text"] = text or ""
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason
+    if finish_reason is not None:
+        choice["stop_reason"] = None
+    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: Kind, rid: str, model: str, created: int,
+                usage_body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": usage_body}
+
+
+def full_response(kind: Kind, rid: str, model: str, created: int, text: str,
+                  finish_reason: str, usage_body: dict[str, Any]) -> dict[str, Any]:
+    if kind == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None,
+                        "tool_calls": [], "reasoning_content": None},
+            "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None,
+                  "finish_reason": finish_reason, "stop_reason": None, "prompt_logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model,
+            "choices": [choice], "usage": usage_body, "prompt_logprobs": None}
+
+
+def models_body(model: str, max_model_len: int, owned_by: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{
+        "id": model, "object": "model", "created": int(time.time()), "owned_by": owned_by,
+        "root": model, "parent": None, "max_model_len": max_model_len, "permission": [],
+    }]}

@@ -1,0 +1,178 @@
+"""Continuous batching as vLLM's V1 scheduler does it, on plain values (no clock, no I/O).
+
+Each step has a token budget (``max_num_batched_tokens``) and a seat limit
+(``max_num_seqs``). Running requests are served first: a decode takes one token, an
+unfinished prefill takes the next chunk that fits (chunked prefill). When the pool has no
+block for a running request, the newest running request is preempted: its blocks are
+released (their cached contents stay hittable) and it goes back to the front of the
+waiting queue. Waiting requests are then admitted first-come first-served, each starting
+from the longest cached prefix of its tokens, while budget, seats and blocks last; no
+waiting request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from bench.sim.kv_cache import BlockPool
+from bench.sim.request import SimRequest, Status
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one step computes: (request, new tokens, context before) per request."""
+
+    work: list[tuple[SimRequest, int, int]] = field(default_factory=list)
+    preempted: list[SimRequest] = field(default_factory=list)
+    # Prefix-cache lookups made while admitting: (prompt tokens queried, tokens hit).
+    prefix_queries: list[tuple[int, int]] = field(default_factory=list)
+
+    def shape(self) -> list[tuple[int, int]]:
+        return [(new, context) for _, new, context in self.work]
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """Requests that produced a token this step, and the ones among them that finished."""
+
+    advanced: list[SimRequest] = field(default_factory=list)
+    first_tokens: list[SimRequest] = field(default_factory=list)
+    finished: list[SimRequest] = field(default_factory=list)
+
+
+def _blocks_for(tokens: int, block_tokens: int) -> int:
+    return -(-tokens // block_tokens)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: SimRequest) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: SimRequest) -> None:
+        """Drop a request wherever it is (client gone) and free what it held."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+            self._free(request)
+        elif request.status is Status.WAITING:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = Status.FINISHED
+        request.finish_reason = request.finish_reason or "abort"
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self._schedule_running(plan, self.max_num_batched_tokens)
+        if not plan.preempted:
+            self._schedule_waiting(plan, budget)
+        return plan
+
+    def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        block_tokens = self.pool.block_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            new = min(request.num_tokens - request.num_computed, budget)
+            need = _blocks_for(request.num_computed + new, block_tokens) - len(request.blocks)
+            while need > self.pool.num_free:
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not Status.RUNNING:
+                break
+            if need > 0:
+                request.blocks += self.pool.allocate(need)
+            plan.work.append((request, new, request.num_computed))
+            budget -= new
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        pool, block_tokens = self.pool, self.pool.block_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # A hit never covers the last token: at least one token must be computed.
+            hit = pool.cached_prefix(request.hashes, (request.num_tokens - 1) // block_tokens)
+            computed = len(hit) * block_tokens
+            new = min(request.num_tokens - computed, budget)
+            need = _blocks_for(computed + new, block_tokens) - len(hit)
+            if need + pool.free_among(hit) > pool.num_free:
+                break
+            self.waiting.popleft()
+            pool.touch(hit)
+            request.blocks = hit + pool.allocate(need)
+            request.num_computed = computed
+            if request.num_preemptions == 0:
+                request.cached_tokens = computed
+                plan.prefix_queries.append((request.num_tokens, computed))
+            request.status = Status.RUNNING
+            self.running.append(request)
+            plan.work.append((request, new, computed))
+            budget -= new
+
+    def complete(self, plan: StepPlan, now: float) -> StepOutcome:
+        """Apply a step's computation: cache full blocks, sample tokens, finish requests."""
+        outcome = StepOutcome()
+        pool, block_tokens = self.pool, self.pool.block_tokens
+        for request, new, context in plan.work:
+            if request.status is not Status.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed = context + new
+            for index in range(context // block_tokens, request.num_computed // block_tokens):
+                pool.register(request.blocks[index], request.hashes[index])
+            if request.num_computed < request.num_tokens:
+                continue  # prefill chunk, no token yet
+            if request.first_token_at is None:
+                request.first_token_at = now
+                outcome.first_tokens.append(request)
+            request.append_generated(block_tokens)
+            request.token_times.append(now)
+            outcome.advanced.append(request)
+            if request.output_tokens >= request.max_output:
+                self._finish(request, now)
+                outcome.finished.append(request)
+        return outcome
+
+    def _finish(self, request: SimRequest, now: float) -> None:
+        self.running.remove(request)
+        self._free(request)
+        request.status = Status.FINISHED
+        request.finish_reason = request.end_reason
+        request.finished_at = now
+
+    def _preempt(self, request: SimRequest) -> None:
+        self._free(request)
+        request.num_computed = 0
+        request.num_preemptions += 1
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
+
+    def _free(self, request: SimRequest) -> None:
+        self.pool.release(request.blocks)
+        request.blocks = []
+
+    def reset(self) -> list[SimRequest]:
+        """Drop every request (an engine restart); returns the ones that were dropped."""
+        dropped = [*self.running, *self.waiting]
+        for request in dropped:
+            request.status = Status.FINISHED
+            request.finish_reason = "abort"
+        self.running.clear()
+        self.waiting.clear()
+        self.pool.reset()
+        return dropped

@@ -1,0 +1,273 @@
+"""The simulated engine's HTTP server: vLLM's OpenAI API (and SGLang's extras) on aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from bench.sim.config import EngineConfig
+from bench.sim.engine import Engine, running_engine
+from bench.sim.openai_api import (
+    ApiError,
+    Kind,
+    ParsedRequest,
+    full_response,
+    models_body,
+    new_id,
+    parse_request,
+    stream_chunk,
+    usage,
+    usage_chunk,
+)
+from bench.sim.request import SimRequest
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+CONFIG_KEY = web.AppKey("config", EngineConfig)
+VLLM_VERSION = "0.11.0"
+SGLANG_VERSION = "0.5.3"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _error(exc: ApiError) -> web.Response:
+    return _json(exc.body(), exc.status)
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "completion")
+
+
+async def _completion(http: web.Request, kind: Kind) -> web.StreamResponse:
+    engine = http.app[ENGINE_KEY]
+    faults = engine.faults.state
+    try:
+        if faults.fail_requests:
+            raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
+        parsed = parse_request(kind, await _read_json(http), engine.config.served_model_name,
+                               engine.max_model_len)
+    except ApiError as exc:
+        return _error(exc)
+    sim = engine.submit(parsed.prompt, parsed.max_tokens, parsed.exact_length, parsed.seed,
+                        parsed.cache_salt)
+    try:
+        if parsed.stream:
+            return await _stream(http, parsed, sim)
+        return await _respond_whole(parsed, sim)
+    finally:
+        engine.abort(sim)  # no-op when it finished; frees blocks when the client left
+
+
+async def _next_update(sim: SimRequest) -> None:
+    await sim.updated.wait()
+    sim.updated.clear()
+
+
+def _dropped(sim: SimRequest) -> bool:
+    """The engine lost the request (simulated restart): end the connection abruptly."""
+    return sim.finished and sim.finish_reason == "abort"
+
+
+async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> web.StreamResponse:
+    while not sim.finished:
+        await _next_update(sim)
+    if _dropped(sim):
+        raise ConnectionResetError("engine restarted")
+    body = full_response(
+        parsed.kind, new_id(parsed.kind), parsed.model, int(time.time()), sim.output_text(),
+        sim.finish_reason or "length", usage(sim.prompt_tokens, sim.output_tokens,
+                                             sim.cached_tokens),
+    )
+    return _json(body)
+
+
+async def _stream(http: web.Request, parsed: ParsedRequest, sim: SimRequest) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(http)
+    rid, created, kind, model = new_id(parsed.kind), int(time.time()), parsed.kind, parsed.model
+
+    async def send(obj: dict[str, Any]) -> None:
+        await response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
+
+    if kind == "chat":
+        await send(stream_chunk(kind, rid, model, created, "", None, first=True))
+    sent = 0
+    while True:
+        await _next_update(sim)
+        if _dropped(sim):
+            raise ConnectionResetError("engine restarted")
+        if sim.output_tokens > sent:
+            finish = sim.finish_reason if sim.finished else None
+            await send(stream_chunk(kind, rid, model, created, sim.output_text(sent), finish))
+            sent = sim.output_tokens
+        if sim.finished:
+            break
+    if parsed.include_usage:
+        await send(usage_chunk(kind, rid, model, created,
+                               usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens)))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    owner = "vllm" if engine.config.flavor == "vllm" else "sglang"
+    return _json(models_body(engine.config.served_model_name, engine.max_model_len, owner))
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if engine.faults.state.stall:
+        await engine.faults.wait_unstalled()
+    if engine.faults.state.fail_health:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """SGLang's deep health check: run a one-token generation through the engine."""
+    engine = request.app[ENGINE_KEY]
+    sim = engine.submit(b"ping", 1, True)
+    try:
+        while not sim.finished:
+            await _next_update(sim)
+    finally:
+        engine.abort(sim)
+    return web.Response(status=200 if not _dropped(sim) else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    engine.record_gauges()
+    body, content_type = engine.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def version(request: web.Request) -> web.Response:
+    flavor = request.app[ENGINE_KEY].config.flavor
+    return _json({"version": VLLM_VERSION if flavor == "vllm" else SGLANG_VERSION})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    name = request.app[ENGINE_KEY].config.served_model_name
+    return _json({"model_path": name, "tokenizer_path": name, "is_generation": True})
+
+
+async def server_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    config = engine.config
+    return _json({
+        "model_path": config.served_model_name,
+        "served_model_name": config.served_model_name,
+        "tp_size": config.tensor_parallel_size,
+        "page_size": config.block_tokens,
+        "chunked_prefill_size": config.max_num_batched_tokens,
+        "max_running_requests": config.max_num_seqs,
+        "context_length": engine.max_model_len,
+        "max_total_num_tokens": engine.num_blocks * engine.block_tokens,
+        "mem_fraction_static": config.gpu_memory_utilization,
+        "version": SGLANG_VERSION,
+        "internal_states": [{"last_gen_throughput": 0.0}],
+    })
+
+
+async def get_faults(request: web.Request) -> web.Response:
+    return _json(request.app[ENGINE_KEY].faults.as_dict())
+
+
+async def set_faults(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        changes = await _read_json(request)
+        if not isinstance(changes, dict):
+            raise ApiError(400, "expected a JSON object of faults")
+        engine.faults.update(changes)
+    except ApiError as exc:
+        return _error(exc)
+    except ValueError as exc:
+        return _error(ApiError(400, str(exc)))
+    return _json(engine.faults.as_dict())
+
+
+async def restart(request: web.Request) -> web.Response:
+    """Simulate a process restart: in-flight requests dropped, cache empty, counters reset."""
+    engine = request.app[ENGINE_KEY]
+    dropped = engine.restart()
+    return _json({"dropped_requests": len(dropped), "process_start_time_seconds":
+                  engine.start_time})
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except web.HTTPRequestEntityTooLarge:
+        return _error(ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes"))
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return _error(ApiError(exc.status, exc.reason))
+        raise
+
+
+def create_app(config: EngineConfig) -> web.Application:
+    """The engine's application; the engine loop runs for the app's lifetime."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
+    app[CONFIG_KEY] = config
+
+    async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
+        async with running_engine(app[CONFIG_KEY]) as engine:
+            app[ENGINE_KEY] = engine
+            yield
+
+    app.cleanup_ctx.append(engine_ctx)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    app.router.add_get("/sim/faults", get_faults)
+    app.router.add_post("/sim/faults", set_faults)
+    app.router.add_post("/sim/restart", restart)
+    if config.flavor == "sglang":
+        app.router.add_get("/model_info", model_info)
+        app.router.add_get("/get_model_info", model_info)
+        app.router.add_get("/server_info", server_info)
+        app.router.add_get("/get_server_info", server_info)
+        app.router.add_get("/health_generate", health_generate)
+    return app
+
+
+async def serve(config: EngineConfig, host: str, port: int) -> None:
+    """Run one engine until cancelled."""
+    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        with contextlib.suppress(Exception):
+            await runner.cleanup()

@@ -1,0 +1,98 @@
+"""The simulator's stand-in tokenizer and chat template.
+
+Rule: a token is 4 UTF-8 bytes. Every piece of the rendered prompt (a message's role
+header, its content, its end marker) is encoded on its own and padded with ``0xFF``
+(a byte UTF-8 never produces) to a multiple of 4 bytes, so each piece is a whole number
+of tokens. Because pieces never share a token, appending messages only appends tokens,
+exactly as with a real chat template whose pieces are separated by special tokens.
+
+A tokenized prompt is kept as ``bytes`` (4 bytes per token) rather than a list of ints:
+slicing and hashing 16-token blocks of it is cheap, and a 100K-token prompt is one
+400 KB object instead of 100K Python ints.
+
+The template is ChatML-shaped::
+
+    <|im_start|>{role}\n  {content}  <|im_end|>\n   ... then <|im_start|>assistant\n
+
+Text the simulated engine generates is made of 4-byte ASCII tokens, so an assistant
+reply sent back in the next turn re-tokenizes to the very tokens that were generated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import orjson
+
+TOKEN_BYTES = 4
+_PAD = b"\xff"
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>\n"
+
+
+def encode_piece(text: str) -> bytes:
+    """Encode one template piece: UTF-8, padded to a whole number of tokens."""
+    raw = text.encode("utf-8")
+    short = -len(raw) % TOKEN_BYTES
+    return raw + _PAD * short if short else raw
+
+
+def num_tokens(encoded: bytes) -> int:
+    return len(encoded) // TOKEN_BYTES
+
+
+def encode_token_ids(ids: Iterable[int]) -> bytes:
+    """Encode a completions prompt given as token ids (each must fit in 32 bits)."""
+    return b"".join(i.to_bytes(TOKEN_BYTES, "little") for i in ids)
+
+
+def decode_generated(encoded: bytes) -> str:
+    """Text of generated tokens (always 4-byte ASCII, never padded)."""
+    return encoded.decode("ascii")
+
+
+def content_text(content: Any) -> str:
+    """Flatten OpenAI message content (a string or a list of parts) to text.
+
+    Non-text parts render as a stable placeholder, so the same part always gives the
+    same tokens.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for part in content:
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+        else:
+            parts.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
+    return "".join(parts)
+
+
+def _render_message(message: Mapping[str, Any]) -> list[bytes]:
+    role = str(message.get("role", "user"))
+    pieces = [encode_piece(f"{IM_START}{role}\n")]
+    text = content_text(message.get("content"))
+    if text:
+        pieces.append(encode_piece(text))
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        pieces.append(encode_piece(orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS).decode()))
+    pieces.append(encode_piece(IM_END))
+    return pieces
+
+
+GENERATION_PROMPT = encode_piece(f"{IM_START}assistant\n")
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> bytes:
+    """Tokenize a chat conversation with the fixed template."""
+    pieces: list[bytes] = []
+    for message in messages:
+        pieces.extend(_render_message(message))
+    if add_generation_prompt:
+        pieces.append(GENERATION_PROMPT)
+    return b"".join(pieces)

@@ -1,0 +1,1 @@
+"""Routing policies, one per module, behind one small interface."""
