@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import random
@@ -71,7 +72,7 @@ class Engine:
         self.start_time = time.time()
         self.metrics = EngineMetrics(
             config.flavor, config.served_model_name, config.engine_id,
-            self.cache_config_labels(), self.start_time,
+            self.cache_config_labels(), self.start_time, max_model_len=self.max_model_len,
         )
         self.pool = BlockPool(self.num_blocks, config.block_tokens)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
@@ -80,16 +81,23 @@ class Engine:
         self._counter = 0
 
     def cache_config_labels(self) -> dict[str, str]:
-        kv_dtype = self.config.kv_cache_dtype_bytes
+        """vLLM's CacheConfig fields as ``vllm:cache_config_info`` labels (``str()`` of each)."""
+        config = self.config
+        if config.flavor == "sglang":
+            return {"max_total_num_tokens": str(self.num_blocks * config.block_tokens)}
         return {
-            "block_size": str(self.config.block_tokens),
-            "cache_dtype": "auto" if kv_dtype is None else ("fp8" if kv_dtype == 1 else "auto"),
+            "block_size": str(config.block_tokens),
+            "cache_dtype": "fp8" if config.kv_cache_dtype_bytes == 1 else "auto",
             "enable_prefix_caching": "True",
-            "gpu_memory_utilization": str(self.config.gpu_memory_utilization),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization),
+            "is_attention_free": "False",
+            "kv_cache_memory_bytes": "None",
+            "kv_sharing_fast_prefill": "False",
+            "num_cpu_blocks": "None",
             "num_gpu_blocks": str(self.num_blocks),
-            "num_cpu_blocks": "0",
-            "prefix_caching_hash_algo": "xxhash",
-            "swap_space": "0",
+            "num_gpu_blocks_override": "None" if config.kv_tokens is None else str(self.num_blocks),
+            "prefix_caching_hash_algo": "sha256",
+            "sliding_window": "None",
         }
 
     # -- requests ---------------------------------------------------------------------
@@ -108,7 +116,7 @@ class Engine:
                                                     NATURAL_REPLY_SIGMA)))
             if natural < max_tokens:
                 length, reason = natural, "stop"
-        parent = xxhash.xxh3_64_intdigest(cache_salt) if cache_salt else 0
+        parent = xxhash.xxh3_64_intdigest(cache_salt.encode()) if cache_salt else 0
         request = SimRequest(
             f"{self.config.engine_id}-{self._counter}", prompt, length, self.clock.now(),
             self.block_tokens, rng, parent, reason,
@@ -192,7 +200,7 @@ class Engine:
             queue_s=scheduled - request.arrival,
             prefill_s=first - scheduled,
             decode_s=now - first,
-            inter_token_s=[b - a for a, b in zip(times, times[1:], strict=False)],
+            inter_token_s=[b - a for a, b in itertools.pairwise(times)],
         )
 
 

@@ -26,9 +26,10 @@ class SimRequest:
     """
 
     __slots__ = (
-        "arrival", "blocks", "cached_tokens", "end_reason", "finish_reason", "finished_at", "first_token_at",
-        "hashes", "id", "max_output", "num_computed", "num_preemptions", "output_tokens",
-        "prompt_tokens", "rng", "scheduled_at", "status", "token_times", "tokens", "updated",
+        "arrival", "blocks", "cached_tokens", "end_reason", "finish_reason", "finished_at",
+        "first_token_at", "hashes", "id", "max_output", "num_computed", "num_preemptions",
+        "output_tokens", "prompt_tokens", "rng", "scheduled_at", "status", "token_times",
+        "tokens", "updated",
     )
 
     def __init__(

@@ -12,6 +12,7 @@ waiting request is admitted in a step that preempted.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -66,10 +67,8 @@ class Scheduler:
             self.running.remove(request)
             self._free(request)
         elif request.status is Status.WAITING:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
-            except ValueError:
-                pass
         request.status = Status.FINISHED
         request.finish_reason = request.finish_reason or "abort"
 

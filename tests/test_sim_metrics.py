@@ -1,0 +1,308 @@
+"""The simulated engine's /metrics: vLLM's and SGLang's names, labels, buckets and values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.sim.metrics import EngineMetrics, build_1_2_5_buckets
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+CACHE_CONFIG = {
+    "block_size": "16",
+    "cache_dtype": "auto",
+    "enable_prefix_caching": "True",
+    "gpu_memory_utilization": "0.9",
+    "num_gpu_blocks": "2048",
+}
+VLLM_LABELS = {"model_name": MODEL, "engine": "0"}
+SGLANG_SCHED_LABELS = {"model_name": MODEL, "engine_type": "unified", "tp_rank": "0",
+                       "pp_rank": "0", "moe_ep_rank": "0"}
+SGLANG_TOK_LABELS = {"model_name": MODEL, "engine_type": "unified"}
+
+
+def _vllm(start_time: float = 1000.0, engine_id: str = "0") -> EngineMetrics:
+    return EngineMetrics("vllm", MODEL, engine_id, CACHE_CONFIG, start_time, max_model_len=1000)
+
+
+def _sglang(start_time: float = 1000.0) -> EngineMetrics:
+    return EngineMetrics("sglang", MODEL, "0", {**CACHE_CONFIG, "max_total_num_tokens": "32768"},
+                         start_time)
+
+
+def _families(metrics: EngineMetrics) -> dict[str, Metric]:
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    return {family.name: family for family in text_string_to_metric_families(body.decode())}
+
+
+def _value(families: dict[str, Metric], sample_name: str, **labels: str) -> float:
+    family_name = sample_name.removesuffix("_total")
+    for suffix in ("_bucket", "_count", "_sum"):
+        if family_name not in families:
+            family_name = family_name.removesuffix(suffix)
+    matches = [s.value for s in families[family_name].samples
+               if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert len(matches) == 1, f"{sample_name} {labels}: {matches}"
+    return matches[0]
+
+
+def _bucket_bounds(family: Metric) -> list[float]:
+    return [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")]
+
+
+def _label_names(family: Metric, sample_name: str) -> set[str]:
+    return {name for s in family.samples if s.name == sample_name for name in s.labels}
+
+
+def test_vllm_families_have_vllm_names_types_and_labels() -> None:
+    families = _families(_vllm())
+    expected = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:num_preemptions": "counter",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter",
+        "vllm:request_prompt_tokens": "histogram",
+        "vllm:request_generation_tokens": "histogram",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:request_time_per_output_token_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+        "vllm:request_inference_time_seconds": "histogram",
+        "vllm:request_prefill_time_seconds": "histogram",
+        "vllm:request_decode_time_seconds": "histogram",
+        "vllm:cache_config_info": "gauge",
+        "process_start_time_seconds": "gauge",
+    }
+    for name, kind in expected.items():
+        assert families[name].type == kind, name
+    assert not [name for name in families if name.startswith("sglang:")]
+    assert _label_names(families["vllm:num_requests_running"], "vllm:num_requests_running") == {
+        "model_name", "engine"}
+    assert _label_names(families["vllm:request_success"], "vllm:request_success_total") == {
+        "model_name", "engine", "finished_reason"}
+    assert families["vllm:time_to_first_token_seconds"].documentation == (
+        "Histogram of time to first token in seconds.")
+    assert families["vllm:kv_cache_usage_perc"].documentation == (
+        "KV-cache usage. 1 means 100 percent usage.")
+
+
+def test_vllm_bucket_bounds_match_vllm() -> None:
+    families = _families(_vllm())
+    ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, math.inf]
+    tpot = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+            10.0, 20.0, 40.0, 80.0, math.inf]
+    latency = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0, math.inf]
+    assert _bucket_bounds(families["vllm:time_to_first_token_seconds"]) == ttft
+    assert _bucket_bounds(families["vllm:inter_token_latency_seconds"]) == tpot
+    assert _bucket_bounds(families["vllm:request_time_per_output_token_seconds"]) == tpot
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_inference_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds"):
+        assert _bucket_bounds(families[f"vllm:{name}"]) == latency, name
+    tokens = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, math.inf]
+    assert _bucket_bounds(families["vllm:request_prompt_tokens"]) == tokens
+    assert _bucket_bounds(families["vllm:request_generation_tokens"]) == tokens
+
+
+def test_build_1_2_5_buckets_matches_vllm_docstring() -> None:
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(4096) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
+
+
+def test_vllm_cache_config_info_labels_are_the_config_keys_plus_engine() -> None:
+    family = _families(_vllm(engine_id="3"))["vllm:cache_config_info"]
+    assert family.documentation == "Information of the LLMEngine CacheConfig"
+    [sample] = family.samples
+    assert sample.labels == {**CACHE_CONFIG, "engine": "3"}
+    assert sample.value == 1.0
+
+
+def test_vllm_values_follow_recorded_calls() -> None:
+    metrics = _vllm()
+    metrics.record_step(running=3, waiting=2, kv_usage=0.25)
+    metrics.record_prefix_query(queries=100, hits=40)
+    metrics.record_prefix_query(queries=60, hits=0)
+    metrics.record_preemption()
+    metrics.record_preemption()
+    metrics.record_first_token(0.03)
+    metrics.record_finished("stop", prompt_tokens=120, generation_tokens=10, e2e_s=2.0,
+                            queue_s=0.5, prefill_s=0.3, decode_s=1.2, inter_token_s=[0.1] * 9)
+    metrics.record_finished("length", prompt_tokens=7, generation_tokens=1, e2e_s=0.4,
+                            queue_s=0.0, prefill_s=0.4, decode_s=0.0, inter_token_s=[])
+    f = _families(metrics)
+    lbl = VLLM_LABELS
+    assert _value(f, "vllm:num_requests_running", **lbl) == 3
+    assert _value(f, "vllm:num_requests_waiting", **lbl) == 2
+    assert _value(f, "vllm:kv_cache_usage_perc", **lbl) == 0.25
+    assert _value(f, "vllm:prefix_cache_queries_total", **lbl) == 160
+    assert _value(f, "vllm:prefix_cache_hits_total", **lbl) == 40
+    assert _value(f, "vllm:num_preemptions_total", **lbl) == 2
+    assert _value(f, "vllm:prompt_tokens_total", **lbl) == 127
+    assert _value(f, "vllm:generation_tokens_total", **lbl) == 11
+    for reason, count in {"stop": 1, "length": 1, "abort": 0, "error": 0}.items():
+        assert _value(f, "vllm:request_success_total", finished_reason=reason, **lbl) == count
+    ttft = "vllm:time_to_first_token_seconds"
+    assert _value(f, f"{ttft}_bucket", le="0.02", **lbl) == 0
+    assert _value(f, f"{ttft}_bucket", le="0.04", **lbl) == 1
+    assert _value(f, f"{ttft}_sum", **lbl) == pytest.approx(0.03)
+    assert _value(f, "vllm:inter_token_latency_seconds_count", **lbl) == 9
+    assert _value(f, "vllm:inter_token_latency_seconds_sum", **lbl) == pytest.approx(0.9)
+    # Mean TPOT leaves out the prefill's token: 1.2 s over 9 tokens; 0 for a 1-token request.
+    tpot = "vllm:request_time_per_output_token_seconds"
+    assert _value(f, f"{tpot}_sum", **lbl) == pytest.approx(1.2 / 9)
+    assert _value(f, f"{tpot}_count", **lbl) == 2
+    assert _value(f, "vllm:e2e_request_latency_seconds_sum", **lbl) == pytest.approx(2.4)
+    assert _value(f, "vllm:e2e_request_latency_seconds_bucket", le="0.5", **lbl) == 1
+    assert _value(f, "vllm:request_queue_time_seconds_sum", **lbl) == pytest.approx(0.5)
+    assert _value(f, "vllm:request_prefill_time_seconds_sum", **lbl) == pytest.approx(0.7)
+    assert _value(f, "vllm:request_decode_time_seconds_sum", **lbl) == pytest.approx(1.2)
+    assert _value(f, "vllm:request_inference_time_seconds_sum", **lbl) == pytest.approx(1.9)
+    assert _value(f, "vllm:request_prompt_tokens_bucket", le="100.0", **lbl) == 1
+    assert _value(f, "vllm:request_prompt_tokens_bucket", le="200.0", **lbl) == 2
+    assert _value(f, "vllm:request_generation_tokens_sum", **lbl) == 11
+    assert _value(f, "process_start_time_seconds") == 1000.0
+
+
+def test_vllm_rejects_unknown_reason_and_impossible_hits() -> None:
+    metrics = _vllm()
+    with pytest.raises(ValueError, match="stop, length, abort"):
+        metrics.record_finished("timeout", 1, 1, 0.1, 0.0, 0.1, 0.0, [])
+    with pytest.raises(ValueError, match="hits <= queries"):
+        metrics.record_prefix_query(queries=10, hits=11)
+
+
+def test_sglang_flavor_emits_sglang_names_labels_and_buckets() -> None:
+    families = _families(_sglang())
+    assert not [name for name in families if name.startswith("vllm:")]
+    expected = {
+        "sglang:num_running_reqs": "gauge",
+        "sglang:num_queue_reqs": "gauge",
+        "sglang:token_usage": "gauge",
+        "sglang:cache_hit_rate": "gauge",
+        "sglang:max_total_num_tokens": "gauge",
+        "sglang:num_retracted_requests": "counter",
+        "sglang:prompt_tokens": "counter",
+        "sglang:generation_tokens": "counter",
+        "sglang:cached_tokens": "counter",
+        "sglang:num_requests": "counter",
+        "sglang:num_aborted_requests": "counter",
+        "sglang:time_to_first_token_seconds": "histogram",
+        "sglang:inter_token_latency_seconds": "histogram",
+        "sglang:e2e_request_latency_seconds": "histogram",
+        "sglang:queue_time_seconds": "histogram",
+        "process_start_time_seconds": "gauge",
+    }
+    for name, kind in expected.items():
+        assert families[name].type == kind, name
+    assert _label_names(families["sglang:num_running_reqs"], "sglang:num_running_reqs") == set(
+        SGLANG_SCHED_LABELS)
+    assert _label_names(families["sglang:prompt_tokens"], "sglang:prompt_tokens_total") == set(
+        SGLANG_TOK_LABELS)
+    assert _bucket_bounds(families["sglang:time_to_first_token_seconds"]) == [
+        0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, math.inf]
+    assert _bucket_bounds(families["sglang:e2e_request_latency_seconds"]) == [
+        0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200,
+        1800, 2400, math.inf]
+    assert _bucket_bounds(families["sglang:inter_token_latency_seconds"])[:3] == [
+        0.002, 0.004, 0.006]
+    assert _bucket_bounds(families["sglang:queue_time_seconds"])[:3] == [0.0, 0.1, 0.2]
+    assert families["sglang:cache_hit_rate"].documentation == "The prefix cache hit rate."
+    assert _value(families, "sglang:max_total_num_tokens", **SGLANG_SCHED_LABELS) == 32768
+
+
+def test_sglang_values_follow_recorded_calls() -> None:
+    metrics = _sglang()
+    metrics.record_prefix_query(queries=100, hits=75)
+    metrics.record_prefix_query(queries=100, hits=25)
+    metrics.record_step(running=4, waiting=1, kv_usage=0.6)
+    metrics.record_preemption()
+    metrics.record_first_token(0.5)
+    metrics.record_finished("stop", 200, 5, e2e_s=3.0, queue_s=0.15, prefill_s=0.4,
+                            decode_s=2.0, inter_token_s=[0.03] * 4)
+    metrics.record_finished("abort", 50, 2, e2e_s=1.0, queue_s=0.0, prefill_s=0.2,
+                            decode_s=0.1, inter_token_s=[0.05])
+    f = _families(metrics)
+    sched, tok = SGLANG_SCHED_LABELS, SGLANG_TOK_LABELS
+    assert _value(f, "sglang:num_running_reqs", **sched) == 4
+    assert _value(f, "sglang:num_queue_reqs", **sched) == 1
+    assert _value(f, "sglang:token_usage", **sched) == 0.6
+    assert _value(f, "sglang:cache_hit_rate", **sched) == 0.5
+    assert _value(f, "sglang:num_retracted_requests_total", **sched) == 1
+    assert _value(f, "sglang:cached_tokens_total", **tok) == 100
+    assert _value(f, "sglang:prompt_tokens_total", **tok) == 250
+    assert _value(f, "sglang:generation_tokens_total", **tok) == 7
+    assert _value(f, "sglang:num_requests_total", **tok) == 2
+    assert _value(f, "sglang:num_aborted_requests_total", **tok) == 1
+    assert _value(f, "sglang:time_to_first_token_seconds_bucket", le="0.4", **tok) == 0
+    assert _value(f, "sglang:time_to_first_token_seconds_bucket", le="0.6", **tok) == 1
+    assert _value(f, "sglang:inter_token_latency_seconds_count", **tok) == 5
+    assert _value(f, "sglang:inter_token_latency_seconds_sum", **tok) == pytest.approx(0.17)
+    assert _value(f, "sglang:e2e_request_latency_seconds_sum", **tok) == pytest.approx(4.0)
+    assert _value(f, "sglang:queue_time_seconds_bucket", le="0.1", **sched) == 1
+    assert _value(f, "sglang:queue_time_seconds_bucket", le="0.2", **sched) == 2
+
+
+def test_sglang_cache_hit_rate_is_per_batch_and_held_between_batches() -> None:
+    metrics = _sglang()
+    metrics.record_prefix_query(queries=100, hits=80)
+    metrics.record_step(1, 0, 0.1)
+    assert _value(_families(metrics), "sglang:cache_hit_rate", **SGLANG_SCHED_LABELS) == 0.8
+    metrics.record_step(1, 0, 0.1)  # a decode-only step
+    assert _value(_families(metrics), "sglang:cache_hit_rate", **SGLANG_SCHED_LABELS) == 0.8
+    metrics.record_prefix_query(queries=50, hits=0)
+    metrics.record_step(2, 0, 0.2)
+    assert _value(_families(metrics), "sglang:cache_hit_rate", **SGLANG_SCHED_LABELS) == 0.0
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_reset_zeroes_counters_and_moves_start_time(flavor: str) -> None:
+    metrics = _vllm() if flavor == "vllm" else _sglang()
+    metrics.record_step(5, 5, 0.9)
+    metrics.record_prefix_query(10, 5)
+    metrics.record_preemption()
+    metrics.record_first_token(0.2)
+    metrics.record_finished("stop", 10, 3, 1.0, 0.1, 0.2, 0.7, [0.3, 0.4])
+    metrics.reset(start_time=2000.0)
+    f = _families(metrics)
+    assert _value(f, "process_start_time_seconds") == 2000.0
+    if flavor == "vllm":
+        assert _value(f, "vllm:prompt_tokens_total", **VLLM_LABELS) == 0
+        assert _value(f, "vllm:num_preemptions_total", **VLLM_LABELS) == 0
+        assert _value(f, "vllm:prefix_cache_queries_total", **VLLM_LABELS) == 0
+        assert _value(f, "vllm:request_success_total", finished_reason="stop", **VLLM_LABELS) == 0
+        assert _value(f, "vllm:time_to_first_token_seconds_count", **VLLM_LABELS) == 0
+        assert _value(f, "vllm:num_requests_running", **VLLM_LABELS) == 0
+        assert _value(f, "vllm:cache_config_info", engine="0") == 1
+    else:
+        assert _value(f, "sglang:prompt_tokens_total", **SGLANG_TOK_LABELS) == 0
+        assert _value(f, "sglang:num_requests_total", **SGLANG_TOK_LABELS) == 0
+        assert _value(f, "sglang:num_retracted_requests_total", **SGLANG_SCHED_LABELS) == 0
+        assert _value(f, "sglang:e2e_request_latency_seconds_count", **SGLANG_TOK_LABELS) == 0
+        assert _value(f, "sglang:cache_hit_rate", **SGLANG_SCHED_LABELS) == 0
+
+
+def test_two_instances_do_not_share_state() -> None:
+    first, second = _vllm(start_time=10.0), _vllm(start_time=20.0, engine_id="1")
+    first.record_finished("stop", 100, 10, 1.0, 0.1, 0.2, 0.7, [])
+    first.record_step(7, 0, 0.5)
+    f1, f2 = _families(first), _families(second)
+    assert _value(f1, "vllm:prompt_tokens_total", **VLLM_LABELS) == 100
+    assert _value(f2, "vllm:prompt_tokens_total", model_name=MODEL, engine="1") == 0
+    assert _value(f2, "vllm:num_requests_running", model_name=MODEL, engine="1") == 0
+    assert _value(f1, "process_start_time_seconds") == 10.0
+    assert _value(f2, "process_start_time_seconds") == 20.0
+    # And neither touched the global registry.
+    from prometheus_client import REGISTRY
+    assert REGISTRY.get_sample_value("vllm:prompt_tokens_total", VLLM_LABELS) is None
