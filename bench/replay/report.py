@@ -1,0 +1,105 @@
+"""Tables of run summaries: one column per run, one row per metric (rich)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from bench.replay.result import MISS_FRACTION, RunResult, Summary, summarize
+
+
+def _pct(value: float) -> str:
+    return f"{value:.1%}"
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _count(value: int) -> str:
+    return f"{value:,}"
+
+
+Row = tuple[str, Callable[[Summary], str]]
+
+# Shared by the end-of-run report and `bench compare`, so both read the same.
+METRIC_ROWS: tuple[Row, ...] = (
+    ("requests", lambda s: _count(s.requests)),
+    ("errors", lambda s: _count(s.errors)),
+    ("hit rate (token-weighted)", lambda s: _pct(s.hit_rate)),
+    ("oracle hit rate", lambda s: _pct(s.oracle_hit_rate)),
+    ("prompt tokens", lambda s: _count(s.prompt_tokens)),
+    ("cached tokens", lambda s: _count(s.cached_tokens)),
+    ("turn-0 requests", lambda s: _count(s.turn0_requests)),
+    ("turn-0 below half the oracle", lambda s: _count(s.turn0_missed)),
+    ("later turns", lambda s: _count(s.later_requests)),
+    ("later turns missed", lambda s: f"{s.missed_turns:,} ({_pct(s.missed_share)})"),
+    ("TTFT p50", lambda s: _secs(s.ttft_p50)),
+    ("TTFT p90", lambda s: _secs(s.ttft_p90)),
+    ("TTFT p99", lambda s: _secs(s.ttft_p99)),
+    ("TTFT p50, missed turns", lambda s: _secs(s.missed_ttft_p50)),
+    ("TTFT p90, missed turns", lambda s: _secs(s.missed_ttft_p90)),
+    ("TTFT p99, missed turns", lambda s: _secs(s.missed_ttft_p99)),
+    ("latency p50", lambda s: _secs(s.latency_p50)),
+    ("latency p99", lambda s: _secs(s.latency_p99)),
+    ("duration", lambda s: _secs(s.duration_s)),
+    ("requests/s", lambda s: f"{s.requests_per_s:.2f}"),
+    ("output tokens/s", lambda s: f"{s.output_tokens_per_s:,.0f}"),
+)
+
+CAPTION = (
+    "Times are simulated seconds (wall-clock x time scale). A later turn (turn > 0) "
+    f"missed when its cached tokens were under {MISS_FRACTION:.0%} of the oracle's "
+    "(a perfect router with unlimited cache)."
+)
+
+
+def summary_table(summaries: Sequence[Summary], labels: Sequence[str]) -> Table:
+    table = Table()
+    table.add_column("metric")
+    for label in labels:
+        table.add_column(label, justify="right")
+    for name, cell in METRIC_ROWS:
+        table.add_row(name, *(cell(s) for s in summaries))
+    return table
+
+
+def by_turn_table(summaries: Sequence[Summary], labels: Sequence[str]) -> Table:
+    """Hit rate (and the oracle's) by turn index, one column pair per run."""
+    table = Table(title="hit rate by turn (measured / oracle)")
+    table.add_column("turn", justify="right")
+    for label in labels:
+        table.add_column(label, justify="right")
+    turns = sorted({t.turn for s in summaries for t in s.by_turn})
+    for turn in turns:
+        cells = []
+        for summary in summaries:
+            stats = next((t for t in summary.by_turn if t.turn == turn), None)
+            cells.append("-" if stats is None else
+                         f"{_pct(stats.hit_rate)} / {_pct(stats.oracle_hit_rate)} "
+                         f"(n={stats.requests})")
+        table.add_row(str(turn), *cells)
+    return table
+
+
+def print_run_report(result: RunResult, console: Console) -> Summary:
+    """The end-of-run report; returns the summary it printed."""
+    meta = result.meta
+    summary = summarize(result.records, meta.duration_s)
+    console.print(
+        f"replay {meta.trace} -> {meta.target}  model={meta.model}  "
+        f"time scale={meta.time_scale:g}  concurrency={meta.concurrency}",
+        highlight=False, markup=False,
+    )
+    print_tables(console, [summary], ["result"])
+    return summary
+
+
+def print_tables(console: Console, summaries: Sequence[Summary], labels: Sequence[str]) -> None:
+    console.print(summary_table(summaries, labels))
+    console.print(CAPTION, highlight=False, markup=False)
+    console.print(by_turn_table(summaries, labels))

@@ -1,0 +1,185 @@
+"""Replay a trace: sessions arrive open-loop, turns within a session are closed-loop.
+
+Timing. Session *i* starts ``(arrival_i - arrival_0) / time_scale`` wall seconds after
+the run starts (the first selected session starts at once). Turn *k+1* of a session is
+sent ``gap / time_scale`` seconds after turn *k*'s response ended. At most
+``concurrency`` requests are in flight; a request waiting for a slot is not yet sent, so
+its TTFT does not include that wait. Recorded times are multiplied back by
+``time_scale`` (simulated seconds, see ``bench.replay.result``).
+
+Failures. A failed request is recorded and the session goes on with its next turn; the
+failed turn is left out of the conversation (see ``Conversation``), so later turns still
+extend the prefix the engine may hold.
+
+Duration. With ``duration_s`` (simulated seconds from the first arrival), sessions that
+arrive later are not replayed and no new turn starts after it; requests in flight finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from bench.block_hash import DEFAULT_BLOCK_TOKENS
+from bench.replay.client import (
+    DEFAULT_REQUEST_TIMEOUT_S,
+    ChatClient,
+    ChatRequest,
+    discover_model,
+    open_http_session,
+)
+from bench.replay.conversation import Conversation, tokenize_prompt, tokenize_reply
+from bench.replay.oracle import PrefixOracle
+from bench.replay.result import RequestRecord, RunMeta, RunResult
+from bench.tokenizer import num_tokens
+from bench.workloads.trace import Session, Turn, group_sessions
+
+DEFAULT_CONCURRENCY = 64
+DEFAULT_TIME_SCALE = 1.0
+
+RecordSink = Callable[[RequestRecord], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayConfig:
+    target: str
+    trace: Path
+    model: str | None = None  # None: the first model the target lists
+    concurrency: int = DEFAULT_CONCURRENCY
+    time_scale: float = DEFAULT_TIME_SCALE
+    max_sessions: int | None = None
+    duration_s: float | None = None  # simulated seconds
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # wall seconds
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str]] = [
+            (self.target.startswith(("http://", "https://")), "target must be an http(s) URL"),
+            (self.concurrency >= 1, "concurrency must be >= 1"),
+            (self.time_scale > 0, "time_scale must be > 0"),
+            (self.max_sessions is None or self.max_sessions >= 1, "max_sessions must be >= 1"),
+            (self.duration_s is None or self.duration_s > 0, "duration must be > 0"),
+            (self.request_timeout_s > 0, "request_timeout must be > 0"),
+            (self.block_tokens >= 1, "block_tokens must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def select_sessions(
+    turns: Sequence[Turn], max_sessions: int | None = None, duration_s: float | None = None
+) -> list[Session]:
+    """The sessions a run replays, by arrival: the first ``max_sessions`` of those that
+    arrive within ``duration_s`` of the first."""
+    sessions = group_sessions(turns)
+    if duration_s is not None and sessions:
+        first = sessions[0].arrival
+        sessions = [s for s in sessions if s.arrival - first < duration_s]
+    return sessions[:max_sessions] if max_sessions is not None else sessions
+
+
+class _Run:
+    """The state of one replay: the clock, the in-flight bound, the oracle, the records."""
+
+    def __init__(self, config: ReplayConfig, client: ChatClient, sink: RecordSink | None) -> None:
+        self._scale = config.time_scale
+        self._client = client
+        self._sink = sink
+        self._slots = asyncio.Semaphore(config.concurrency)
+        self._oracle = PrefixOracle(config.block_tokens)
+        self._deadline = (
+            None if config.duration_s is None else config.duration_s / config.time_scale
+        )
+        self._t0 = time.perf_counter()
+        self.records: list[RequestRecord] = []
+
+    def elapsed(self) -> float:
+        """Wall seconds since the run started."""
+        return time.perf_counter() - self._t0
+
+    def _past_deadline(self) -> bool:
+        return self._deadline is not None and self.elapsed() >= self._deadline
+
+    async def launch(self, sessions: Sequence[Session]) -> None:
+        if not sessions:
+            return
+        first = sessions[0].arrival
+        async with asyncio.TaskGroup() as group:
+            for session in sessions:
+                delay = (session.arrival - first) / self._scale - self.elapsed()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                group.create_task(self._session(session))
+
+    async def _session(self, session: Session) -> None:
+        conversation = Conversation(session.turns[0].system)
+        for turn in session.turns:
+            if turn.turn > 0 and turn.gap > 0:
+                await asyncio.sleep(turn.gap / self._scale)
+            if self._past_deadline():
+                return
+            await self._turn(turn, conversation)
+
+    async def _turn(self, turn: Turn, conversation: Conversation) -> None:
+        messages = conversation.request(turn)
+        prompt = tokenize_prompt(messages)
+        async with self._slots:
+            # The oracle sees requests in the order they are sent.
+            oracle_hit = self._oracle.hit_tokens(prompt)
+            self._oracle.observe_prompt(prompt)
+            start = self.elapsed()
+            outcome = await self._client.stream_chat(
+                ChatRequest(turn.session, messages, turn.output_tokens)
+            )
+        if outcome.error is None:
+            conversation.commit(messages, outcome.reply)
+            self._oracle.observe_completion(prompt, tokenize_reply(outcome.reply))
+        s = self._scale
+        record = RequestRecord(
+            session=turn.session,
+            turn=turn.turn,
+            start=start * s,
+            ttft_s=None if outcome.ttft_s is None else outcome.ttft_s * s,
+            latency_s=outcome.latency_s * s,
+            prompt_tokens=(
+                num_tokens(prompt) if outcome.prompt_tokens is None else outcome.prompt_tokens
+            ),
+            cached_tokens=outcome.cached_tokens,
+            oracle_cached_tokens=oracle_hit,
+            completion_tokens=outcome.completion_tokens,
+            worker=outcome.worker,
+            error=outcome.error,
+            status=outcome.status,
+        )
+        self.records.append(record)
+        if self._sink is not None:
+            self._sink(record)
+
+
+async def replay(
+    config: ReplayConfig, sessions: Sequence[Session], sink: RecordSink | None = None
+) -> RunResult:
+    """Replay ``sessions`` against ``config.target``; ``sink`` sees each record as it ends."""
+    target = config.target.rstrip("/")
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    async with open_http_session(config.concurrency, config.request_timeout_s) as http:
+        model = config.model or await discover_model(http, target)
+        run = _Run(config, ChatClient(http, target, model), sink)
+        await run.launch(sessions)
+        duration = run.elapsed() * config.time_scale
+    records = sorted(run.records, key=lambda r: (r.start, r.session, r.turn))
+    meta = RunMeta(
+        target=target,
+        trace=str(config.trace),
+        model=model,
+        time_scale=config.time_scale,
+        concurrency=config.concurrency,
+        started_at=started_at,
+        duration_s=duration,
+    )
+    return RunResult(meta, tuple(records))
