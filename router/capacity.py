@@ -179,7 +179,8 @@ def _count_parameters(
 
 def preset_names() -> list[str]:
     folder = resources.files("router") / "model_presets"
-    return sorted(p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json"))
+    return sorted(p.name.removesuffix(".json") for p in folder.iterdir()
+                  if p.name.endswith(".json"))
 
 
 def load_model(name_or_path: str) -> ModelShape:

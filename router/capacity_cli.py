@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
           f"{_gb(ceiling.total_memory_bytes)}")
     print(f"one session      {context:,} tokens = {_gb(ceiling.session_bytes(context))}")
     if args.sessions:
-        print(f"{args.sessions} sessions      {_gb(args.sessions * ceiling.session_bytes(context))}")
+        needed = args.sessions * ceiling.session_bytes(context)
+        print(f"{args.sessions} sessions      {_gb(needed)}")
     print()
     print(f"{'':28}{'all of HBM':>16}{f'at {args.utilization:.2f}':>16}")
     rows = [

@@ -109,13 +109,14 @@ async def _stream(http: web.Request, parsed: ParsedRequest, sim: SimRequest) -> 
     async def send(obj: dict[str, Any]) -> None:
         await response.write(b"data: " + orjson.dumps(obj) + b"\n\n")
 
-    if kind == "chat":
-        await send(stream_chunk(kind, rid, model, created, "", None, first=True))
     sent = 0
     while True:
         await _next_update(sim)
         if _dropped(sim):
             raise ConnectionResetError("engine restarted")
+        if sent == 0 and kind == "chat":
+            # As vLLM: the role chunk goes out with the first token, after the prefill.
+            await send(stream_chunk(kind, rid, model, created, "", None, first=True))
         if sim.output_tokens > sent:
             finish = sim.finish_reason if sim.finished else None
             await send(stream_chunk(kind, rid, model, created, sim.output_text(sent), finish))

@@ -1,1 +1,1 @@
-"""Workload traces: generators for agent, chat and shared-prompt sessions, and public trace loaders."""
+"""Workload traces: agent, chat and shared-prompt generators, and public trace loaders."""

@@ -1,0 +1,260 @@
+"""``kvrouter bench gen KIND``: write a workload trace and print its shape.
+
+Every kind is one entry of ``GENERATORS`` (name -> how to add its flags, how to build
+its turns); argparse turns the registry into sub-commands, so an unknown KIND is an
+error that lists the known ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Final, TypeVar
+
+from bench.workloads import agent, azure, chat, mix, mooncake, shared_prompt
+from bench.workloads.sampling import LogNormal
+from bench.workloads.stats import describe, summarize
+from bench.workloads.trace import Turn, write_trace
+
+_T = TypeVar("_T")
+_P = TypeVar(
+    "_P", agent.AgentParams, chat.ChatParams, shared_prompt.SharedPromptParams, mix.MixParams
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Generator:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    build: Callable[[argparse.Namespace], list[Turn]]
+    synthetic: bool  # takes --sessions, --rate and --arrivals-from
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated token counts: {text!r}"
+        ) from exc
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1: {text!r}")
+    return sizes
+
+
+def _weights(text: str) -> tuple[tuple[str, float], ...]:
+    pairs: list[tuple[str, float]] = []
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        try:
+            pairs.append((name.strip(), float(value)))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected KIND=WEIGHT,...: {text!r}") from exc
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected KIND=WEIGHT,...: {text!r}")
+    return tuple(pairs)
+
+
+def _median(dist: LogNormal, median: float | None) -> LogNormal:
+    """``dist`` with a new median; the clip range widens to include it if needed."""
+    if median is None:
+        return dist
+    return replace(dist, median=median, low=min(dist.low, median), high=max(dist.high, median))
+
+
+def _given(value: _T | None, default: _T) -> _T:
+    return default if value is None else value
+
+
+def _population(params: _P, args: argparse.Namespace) -> _P:
+    """``params`` with the --sessions and --rate given on the command line."""
+    return replace(
+        params,
+        sessions=_given(args.sessions, params.sessions),
+        rate=_given(args.rate, params.rate),
+    )
+
+
+def _agent_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--turns-median", type=float, help="planned turns per session")
+    parser.add_argument("--system-prompts", type=_sizes, help="token sizes, e.g. 2500,6000")
+    parser.add_argument("--tool-tokens-median", type=float, help="tokens per tool result")
+    parser.add_argument("--output-tokens-median", type=float)
+    parser.add_argument("--tool-time-median", type=float, help="seconds between turns")
+    parser.add_argument("--max-context-tokens", type=int, help="0: no limit")
+
+
+def _agent(args: argparse.Namespace) -> list[Turn]:
+    params = _population(agent.AgentParams(), args)
+    params = replace(
+        params,
+        turns=_median(params.turns, args.turns_median),
+        tool_result=_median(params.tool_result, args.tool_tokens_median),
+        output=_median(params.output, args.output_tokens_median),
+        tool_time=_median(params.tool_time, args.tool_time_median),
+    )
+    if args.system_prompts is not None:
+        params = replace(params, system_prompts=args.system_prompts)
+    if args.max_context_tokens is not None:
+        params = replace(params, max_context_tokens=args.max_context_tokens)
+    return agent.generate(params, args.seed)
+
+
+def _turn_range_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--min-turns", type=int)
+    parser.add_argument("--max-turns", type=int)
+    parser.add_argument("--user-tokens-median", type=float)
+    parser.add_argument("--output-tokens-median", type=float)
+
+
+def _chat(args: argparse.Namespace) -> list[Turn]:
+    params = _population(chat.ChatParams(), args)
+    params = replace(
+        params,
+        min_turns=_given(args.min_turns, params.min_turns),
+        max_turns=_given(args.max_turns, params.max_turns),
+        user=_median(params.user, args.user_tokens_median),
+        output=_median(params.output, args.output_tokens_median),
+    )
+    return chat.generate(params, args.seed)
+
+
+def _shared_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    _turn_range_arguments(parser)
+    parser.add_argument("--prompts", type=_sizes, help="token sizes, most popular first")
+    parser.add_argument("--zipf", type=float, help="popularity exponent (0: uniform)")
+
+
+def _shared_prompt(args: argparse.Namespace) -> list[Turn]:
+    params = _population(shared_prompt.SharedPromptParams(), args)
+    params = replace(
+        params,
+        min_turns=_given(args.min_turns, params.min_turns),
+        max_turns=_given(args.max_turns, params.max_turns),
+        user=_median(params.user, args.user_tokens_median),
+        output=_median(params.output, args.output_tokens_median),
+        prompts=_given(args.prompts, params.prompts),
+        zipf_exponent=_given(args.zipf, params.zipf_exponent),
+    )
+    return shared_prompt.generate(params, args.seed)
+
+
+def _mix_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--weights", type=_weights, help="e.g. agent=1,chat=2,shared-prompt=1")
+
+
+def _mix(args: argparse.Namespace) -> list[Turn]:
+    params = _population(mix.MixParams(), args)
+    if args.weights is not None:
+        params = replace(params, weights=args.weights)
+    return mix.generate(params, args.seed)
+
+
+def _mooncake_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", type=Path, required=True, help="a Mooncake .jsonl trace")
+    parser.add_argument("--max-rows", type=int, help="only the first rows (by timestamp)")
+    parser.add_argument("--min-shared-blocks", type=int, default=mooncake.DEFAULT_MIN_SHARED_BLOCKS)
+    parser.add_argument("--min-user-tokens", type=int, default=mooncake.DEFAULT_MIN_USER_TOKENS)
+    parser.add_argument(
+        "--output-in-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the next prompt contains the previous reply (true of conversation_trace)",
+    )
+
+
+def _mooncake(args: argparse.Namespace) -> list[Turn]:
+    params = mooncake.MooncakeParams(
+        min_shared_blocks=args.min_shared_blocks,
+        min_user_tokens=args.min_user_tokens,
+        output_in_prompt=args.output_in_prompt,
+        max_rows=args.max_rows,
+    )
+    return mooncake.load(args.source, params)
+
+
+def _azure_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--source", type=Path, required=True, help="an Azure LLM 2023 CSV")
+    parser.add_argument("--sessions", type=int, help="only the first N requests")
+
+
+def _azure(args: argparse.Namespace) -> list[Turn]:
+    rows = azure.read_rows(args.source)
+    if args.sessions is not None:
+        rows = rows[: args.sessions]
+    return azure.single_turn_sessions(rows)
+
+
+GENERATORS: Final[Mapping[str, Generator]] = MappingProxyType(
+    {
+        agent.KIND: Generator("coding-agent sessions (~33 turns)", _agent_arguments, _agent, True),
+        chat.KIND: Generator("short chat sessions", _turn_range_arguments, _chat, True),
+        shared_prompt.KIND: Generator(
+            "users sharing a few long system prompts",
+            _shared_prompt_arguments,
+            _shared_prompt,
+            True,
+        ),
+        mix.KIND: Generator("a weighted mix of the generated kinds", _mix_arguments, _mix, True),
+        mooncake.KIND: Generator(
+            "sessions inferred from a Mooncake FAST'25 trace",
+            _mooncake_arguments,
+            _mooncake,
+            False,
+        ),
+        azure.KIND: Generator(
+            "single-turn sessions from an Azure LLM 2023 CSV", _azure_arguments, _azure, False
+        ),
+    }
+)
+
+
+def build_trace(kind: str, args: argparse.Namespace) -> list[Turn]:
+    """The turns of ``kind`` built from parsed flags, retimed by ``--arrivals-from``."""
+    generator = GENERATORS.get(kind)
+    if generator is None:
+        raise ValueError(f"unknown workload kind {kind!r}; known: {', '.join(GENERATORS)}")
+    turns = generator.build(args)
+    arrivals_from: Path | None = getattr(args, "arrivals_from", None)
+    if arrivals_from is not None:
+        turns = azure.with_arrivals(turns, azure.arrival_offsets(arrivals_from))
+    return turns
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        turns = build_trace(args.kind, args)
+        write_trace(turns, args.output)
+    except (OSError, ValueError) as exc:  # TraceFormatError is a ValueError
+        print(f"kvrouter bench gen {args.kind}: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}: {describe(summarize(turns))}")
+    return 0
+
+
+def _add_common(parser: argparse.ArgumentParser, synthetic: bool) -> None:
+    parser.add_argument("-o", "--output", type=Path, required=True, help="trace .jsonl to write")
+    parser.add_argument("--seed", type=int, default=0)
+    if synthetic:
+        parser.add_argument("--sessions", type=int, help="number of sessions")
+        parser.add_argument("--rate", type=float, help="session arrivals per second (Poisson)")
+        parser.add_argument(
+            "--arrivals-from",
+            type=Path,
+            metavar="AZURE_CSV",
+            help="start session i at the i-th request time of an Azure LLM 2023 CSV",
+        )
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    gen = sub.add_parser("gen", help="generate a workload trace", description=__doc__)
+    kinds = gen.add_subparsers(dest="kind", required=True, metavar="KIND")
+    for name, generator in GENERATORS.items():
+        parser = kinds.add_parser(name, help=generator.help, description=generator.help)
+        _add_common(parser, generator.synthetic)
+        generator.add_arguments(parser)
+        parser.set_defaults(func=run)

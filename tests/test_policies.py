@@ -1,0 +1,330 @@
+"""Routing policies with plain values: no server, no router."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+
+from policies.base import REASONS, PolicyConfigError, RouteRequest, WorkerView
+from policies.cache_aware import CacheAwarePolicy
+from policies.least_load import LeastLoadPolicy
+from policies.power_of_two import PowerOfTwoPolicy
+from policies.random_choice import RandomPolicy
+from policies.registry import (
+    POLICY_PATHS,
+    PolicyClass,
+    build_policy,
+    policy_class,
+    policy_knobs,
+    policy_names,
+)
+from policies.round_robin import RoundRobinPolicy
+from policies.session import SessionPolicy
+
+# Assigning the classes to the registry's protocol makes mypy check they fit it.
+WRITTEN: tuple[PolicyClass, ...] = (
+    RoundRobinPolicy, RandomPolicy, LeastLoadPolicy, PowerOfTwoPolicy, SessionPolicy,
+    CacheAwarePolicy,
+)
+
+
+def request(session: str | None = None, prompt_tokens: int = 1000) -> RouteRequest:
+    return RouteRequest(
+        request_id="r1", model="m", session_key=session, block_hashes=(1, 2, 3),
+        block_tokens=16, prompt_tokens=prompt_tokens,
+    )
+
+
+def worker(name: str, requests: int = 0, tokens: int = 0, matched: int = 0,
+           resident: int = 0) -> WorkerView:
+    return WorkerView(
+        name=name, outstanding_requests=requests, outstanding_tokens=tokens,
+        queued_prefill_tokens=0, matched_tokens=matched, resident_tokens=resident,
+        capacity_tokens=100_000, prefill_tokens_per_s=10_000.0,
+    )
+
+
+def idle(*names: str) -> list[WorkerView]:
+    return [worker(n) for n in names]
+
+
+def module_exists(name: str) -> bool:
+    return importlib.util.find_spec(POLICY_PATHS[name].partition(":")[0]) is not None
+
+
+AVAILABLE = [n for n in policy_names() if module_exists(n)]
+WRITTEN_NAMES = {c.name for c in WRITTEN}
+
+# --- registry ------------------------------------------------------------------------
+
+
+def test_registry_has_the_written_policies() -> None:
+    assert set(policy_names()) >= WRITTEN_NAMES
+    assert set(AVAILABLE) >= WRITTEN_NAMES
+
+
+@pytest.mark.parametrize("name", AVAILABLE)
+def test_every_policy_builds_and_chooses_a_candidate(name: str) -> None:
+    assert policy_class(name).name == name
+    assert isinstance(policy_knobs(name), dict)
+    policy = build_policy(name, seed=7)
+    candidate_sets = [
+        [worker("solo", requests=3)],
+        [worker("a", 1, matched=900), worker("b", 0), worker("c", 5, resident=50)],
+        [worker(f"w{i}", requests=i, tokens=100 * i, matched=16 * i) for i in range(8)],
+    ]
+    for candidates in candidate_sets:
+        for session in (None, "s-1"):
+            decision = policy.choose(request(session), candidates)
+            assert decision.worker in {c.name for c in candidates}
+            assert decision.reason in REASONS
+            chosen = next(c for c in candidates if c.name == decision.worker)
+            if name in WRITTEN_NAMES:  # these predict the chosen worker's modelled match
+                assert decision.predicted_cached_tokens == chosen.matched_tokens
+
+
+def test_unknown_policy_lists_known_names() -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        build_policy("fastest")
+    message = str(info.value)
+    assert "'fastest'" in message
+    for name in policy_names():
+        assert name in message
+
+
+def test_unknown_knob_names_it_and_lists_knobs() -> None:
+    with pytest.raises(PolicyConfigError) as info:
+        build_policy("cache_aware", {"cache_treshold": 0.4})
+    message = str(info.value)
+    assert "'cache_treshold'" in message
+    for knob in ("balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
+                 "low_match_target"):
+        assert knob in message
+
+
+@pytest.mark.parametrize(("name", "knobs"), [
+    ("session", {"load_factor": 0.9}),
+    ("least_load", {"token_weight": -1}),
+    ("cache_aware", {"cache_threshold": 1.5}),
+    ("cache_aware", {"low_match_target": "nearest"}),
+])
+def test_bad_knob_value_is_a_config_error(name: str, knobs: dict[str, object]) -> None:
+    with pytest.raises(PolicyConfigError, match=next(iter(knobs))):
+        build_policy(name, knobs)
+
+
+def test_knobs_are_the_documented_defaults() -> None:
+    assert policy_knobs("session") == {"load_factor": 1.25}
+    assert policy_knobs("least_load") == {"token_weight": 0}
+    assert policy_knobs("round_robin") == {}
+    assert policy_knobs("cache_aware") == {
+        "cache_threshold": 0.5, "balance_abs_threshold": 32,
+        "balance_rel_threshold": 1.5, "low_match_target": "smallest_cache",
+    }
+
+
+def test_knobs_override_defaults() -> None:
+    policy = build_policy("session", {"load_factor": 2.0})
+    assert isinstance(policy, SessionPolicy)
+    assert policy.params.load_factor == 2.0
+
+
+# --- round robin, random --------------------------------------------------------------
+
+
+def test_round_robin_cycles_in_name_order() -> None:
+    policy = build_policy("round_robin")
+    candidates = idle("c", "a", "b")
+    picks = [policy.choose(request(), candidates).worker for _ in range(7)]
+    assert picks == ["a", "b", "c", "a", "b", "c", "a"]
+    assert policy.choose(request(), candidates).reason == "rotation"
+
+
+def test_random_is_seeded_and_covers_candidates() -> None:
+    candidates = idle("a", "b", "c", "d")
+
+    def draws(seed: int) -> list[str]:
+        policy = build_policy("random", seed=seed)
+        return [policy.choose(request(), candidates).worker for _ in range(200)]
+
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+    counts = Counter(draws(1))
+    assert set(counts) == {"a", "b", "c", "d"}
+    assert min(counts.values()) > 25  # uniform: 50 expected each
+
+
+# --- least load, power of two -------------------------------------------------------
+
+
+def test_least_load_picks_fewest_requests_then_tokens_then_name() -> None:
+    policy = build_policy("least_load")
+    assert policy.choose(request(), [worker("a", 3), worker("b", 1), worker("c", 2)]) \
+        .worker == "b"
+    tied = [worker("a", 2, tokens=900), worker("b", 2, tokens=100), worker("c", 5)]
+    assert policy.choose(request(), tied).worker == "b"
+    assert policy.choose(request(), [worker("b", 1, 10), worker("a", 1, 10)]).worker == "a"
+    assert policy.choose(request(), tied).reason == "load"
+
+
+def test_least_load_token_weight_counts_tokens_as_requests() -> None:
+    candidates = [worker("a", 2, tokens=1000), worker("b", 1, tokens=50_000)]
+    assert build_policy("least_load").choose(request(), candidates).worker == "b"
+    # 4096 tokens weigh one request: a = 2 + 0.2, b = 1 + 12.2.
+    weighted = build_policy("least_load", {"token_weight": 4096})
+    assert weighted.choose(request(), candidates).worker == "a"
+
+
+def test_power_of_two_with_two_always_takes_the_less_loaded() -> None:
+    policy = build_policy("power_of_two", seed=3)
+    candidates = [worker("busy", 9), worker("calm", 2)]
+    assert {policy.choose(request(), candidates).worker for _ in range(500)} == {"calm"}
+
+
+def test_power_of_two_samples_two_distinct_and_never_the_busiest() -> None:
+    policy = build_policy("power_of_two", seed=11)
+    candidates = [worker("w0", 0), worker("w1", 1), worker("w2", 2)]
+    counts = Counter(policy.choose(request(), candidates).worker for _ in range(3000))
+    # Pairs {w0,w1}, {w0,w2} -> w0 and {w1,w2} -> w1: 2/3 and 1/3, w2 never.
+    assert set(counts) == {"w0", "w1"}
+    assert 1800 < counts["w0"] < 2200
+
+
+def test_power_of_two_single_candidate_is_only_choice() -> None:
+    decision = build_policy("power_of_two", seed=0).choose(request(), [worker("x", 4)])
+    assert (decision.worker, decision.reason) == ("x", "only_choice")
+
+
+# --- session ----------------------------------------------------------------------------
+
+KEYS = [f"session-{i}" for i in range(2000)]
+
+
+def assignment(candidates: Sequence[WorkerView]) -> dict[str, str]:
+    policy = build_policy("session")
+    return {key: policy.choose(request(key), candidates).worker for key in KEYS}
+
+
+def test_session_same_key_same_worker_and_keys_spread() -> None:
+    policy = build_policy("session")
+    candidates = idle("a", "b", "c", "d")
+    first = policy.choose(request("abc"), candidates)
+    assert first.reason == "session"
+    for _ in range(5):
+        assert policy.choose(request("abc"), list(reversed(candidates))) == first
+    counts = Counter(assignment(candidates).values())
+    assert set(counts) == {"a", "b", "c", "d"}
+    assert all(400 < n < 600 for n in counts.values()), counts  # 500 expected
+
+
+def test_session_removing_a_worker_moves_only_its_sessions() -> None:
+    before = assignment(idle("a", "b", "c", "d"))
+    after = assignment(idle("a", "b", "d"))
+    moved = {k for k in KEYS if before[k] != after[k]}
+    assert moved == {k for k in KEYS if before[k] == "c"}
+    assert len({after[k] for k in moved}) == 3  # c's sessions spread over the rest
+
+
+def test_session_adding_a_worker_moves_about_one_in_n() -> None:
+    before = assignment(idle("a", "b", "c", "d"))
+    after = assignment(idle("a", "b", "c", "d", "e"))
+    moved = [k for k in KEYS if before[k] != after[k]]
+    assert all(after[k] == "e" for k in moved)
+    assert 0.15 < len(moved) / len(KEYS) < 0.25  # 1/5 expected
+
+
+def test_session_bounded_load_diverts_to_the_next_ranked_worker() -> None:
+    policy = build_policy("session")
+    names = ("a", "b", "c", "d")
+    preferred = policy.choose(request("hot"), idle(*names)).worker
+    runner_up = policy.choose(request("hot"), idle(*(n for n in names if n != preferred)))
+    # Others at 2 each: with the preferred at 3 the bound is ceil(1.25 * 10 / 4) = 4 and
+    # 3 is under it; at 4 the bound is ceil(1.25 * 11 / 4) = 4 and 4 is not.
+    under = [worker(n, 3 if n == preferred else 2) for n in names]
+    decision = policy.choose(request("hot"), under)
+    assert (decision.worker, decision.reason) == (preferred, "session")
+    over = [worker(n, 4 if n == preferred else 2) for n in names]
+    decision = policy.choose(request("hot"), over)
+    assert (decision.worker, decision.reason) == (runner_up.worker, "load")
+
+
+def test_session_without_key_is_least_load() -> None:
+    decision = build_policy("session").choose(request(None), [worker("a", 4), worker("b", 1)])
+    assert (decision.worker, decision.reason) == ("b", "load")
+
+
+# --- cache aware ------------------------------------------------------------------------
+
+
+def test_cache_aware_prefix_wins_when_balanced() -> None:
+    policy = build_policy("cache_aware")
+    candidates = [worker("a", 10, matched=200), worker("b", 12, matched=800),
+                  worker("c", 0, matched=0)]
+    decision = policy.choose(request(prompt_tokens=1000), candidates)
+    assert (decision.worker, decision.reason) == ("b", "prefix")
+    assert decision.predicted_cached_tokens == 800
+
+
+def test_cache_aware_prefix_tie_goes_to_fewer_requests() -> None:
+    candidates = [worker("a", 5, matched=800), worker("b", 2, matched=800)]
+    assert build_policy("cache_aware").choose(request(), candidates).worker == "b"
+
+
+def test_cache_aware_imbalance_needs_both_thresholds() -> None:
+    policy = build_policy("cache_aware")  # abs 32, rel 1.5
+    hot = worker("hot", 40, matched=900)
+
+    # 40 - 2 > 32 and 40 > 3: imbalanced, least loaded despite the prefix.
+    decision = policy.choose(request(), [hot, worker("idle", 2)])
+    assert (decision.worker, decision.reason) == ("idle", "load")
+    # Spread exactly 32 is not over 32: balanced, the prefix wins.
+    assert policy.choose(request(), [worker("hot", 34, matched=900), worker("idle", 2)]) \
+        .worker == "hot"
+    # Spread 33 > 32 but 103 is not over 70 * 1.5 = 105: balanced, the prefix wins.
+    assert policy.choose(request(), [worker("hot", 103, matched=900), worker("x", 70)]) \
+        .worker == "hot"
+    # Spread 36 > 32 and 106 > 105: imbalanced.
+    assert policy.choose(request(), [worker("hot", 106, matched=900), worker("x", 70)]) \
+        .worker == "x"
+    # Same loads, a higher abs threshold: balanced.
+    lenient = build_policy("cache_aware", {"balance_abs_threshold": 40})
+    assert lenient.choose(request(), [hot, worker("idle", 2)]).worker == "hot"
+
+
+def test_cache_aware_imbalance_ties_go_to_first_candidate() -> None:
+    candidates = [worker("hot", 50), worker("y", 1), worker("x", 1)]
+    assert build_policy("cache_aware").choose(request(), candidates).worker == "y"
+
+
+def test_cache_aware_low_match_goes_to_smallest_cache() -> None:
+    policy = build_policy("cache_aware")
+    candidates = [worker("a", 1, matched=500, resident=9000),
+                  worker("b", 3, matched=0, resident=2000),
+                  worker("c", 0, matched=0, resident=5000)]
+    # 500 / 1000 is not over 0.5.
+    decision = policy.choose(request(prompt_tokens=1000), candidates)
+    assert (decision.worker, decision.reason) == ("b", "load")
+
+
+def test_cache_aware_low_match_least_load_variant() -> None:
+    policy = build_policy("cache_aware", {"low_match_target": "least_load"})
+    candidates = [worker("a", 1, resident=9000), worker("b", 3, resident=2000),
+                  worker("c", 0, resident=5000)]
+    assert policy.choose(request(), candidates).worker == "c"
+
+
+def test_cache_aware_empty_prompt_is_a_miss() -> None:
+    candidates = [worker("a", 0, matched=0, resident=10), worker("b", 0, resident=5)]
+    assert build_policy("cache_aware").choose(request(prompt_tokens=0), candidates) \
+        .worker == "b"
+
+
+def test_params_are_frozen() -> None:
+    policy = build_policy("cache_aware")
+    assert isinstance(policy, CacheAwarePolicy)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.params.cache_threshold = 0.1  # type: ignore[misc]
