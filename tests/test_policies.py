@@ -122,7 +122,7 @@ def test_knobs_are_the_documented_defaults() -> None:
     assert policy_knobs("least_load") == {"token_weight": 0}
     assert policy_knobs("round_robin") == {}
     assert policy_knobs("cache_aware") == {
-        "cache_threshold": 0.5, "balance_abs_threshold": 32,
+        "cache_threshold": 0.3, "balance_abs_threshold": 64,
         "balance_rel_threshold": 1.5, "low_match_target": "smallest_cache",
     }
 
@@ -274,8 +274,12 @@ def test_cache_aware_prefix_tie_goes_to_fewer_requests() -> None:
     assert build_policy("cache_aware").choose(request(), candidates).worker == "b"
 
 
+# sgl-router's Rust thresholds (the launcher's defaults are 0.3 / 64 / 1.5).
+RUST_DEFAULTS = {"cache_threshold": 0.5, "balance_abs_threshold": 32}
+
+
 def test_cache_aware_imbalance_needs_both_thresholds() -> None:
-    policy = build_policy("cache_aware")  # abs 32, rel 1.5
+    policy = build_policy("cache_aware", RUST_DEFAULTS)  # abs 32, rel 1.5
     hot = worker("hot", 40, matched=900)
 
     # 40 - 2 > 32 and 40 > 3: imbalanced, least loaded despite the prefix.
@@ -291,7 +295,7 @@ def test_cache_aware_imbalance_needs_both_thresholds() -> None:
     assert policy.choose(request(), [worker("hot", 106, matched=900), worker("x", 70)]) \
         .worker == "x"
     # Same loads, a higher abs threshold: balanced.
-    lenient = build_policy("cache_aware", {"balance_abs_threshold": 40})
+    lenient = build_policy("cache_aware", {**RUST_DEFAULTS, "balance_abs_threshold": 40})
     assert lenient.choose(request(), [hot, worker("idle", 2)]).worker == "hot"
 
 
@@ -301,7 +305,7 @@ def test_cache_aware_imbalance_ties_go_to_first_candidate() -> None:
 
 
 def test_cache_aware_low_match_goes_to_smallest_cache() -> None:
-    policy = build_policy("cache_aware")
+    policy = build_policy("cache_aware", RUST_DEFAULTS)
     candidates = [worker("a", 1, matched=500, resident=9000),
                   worker("b", 3, matched=0, resident=2000),
                   worker("c", 0, matched=0, resident=5000)]

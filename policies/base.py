@@ -1,0 +1,100 @@
+"""The one interface every routing policy implements.
+
+A policy only decides. It gets a frozen ``RouteRequest`` (built once per request) and a
+snapshot of every eligible worker (``WorkerView``), and returns a ``Decision``. Health,
+retries, I/O, the prefix index and metrics live in the router; every number a policy
+needs (load, matched prefix, learned prefill rate) arrives in the views, so a policy is
+testable with plain values.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+# Why a worker was chosen; a small fixed set, used as a metric label.
+Reason = Literal["prefix", "load", "session", "rotation", "random", "ttft", "only_choice"]
+REASONS: tuple[Reason, ...] = (
+    "prefix", "load", "session", "rotation", "random", "ttft", "only_choice",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What the router knows of a request before choosing a worker."""
+
+    request_id: str
+    model: str
+    session_key: str | None
+    # Chained hashes of the prompt's prefix blocks (see router.prefix); block i names
+    # the whole prefix up to and including block i.
+    block_hashes: tuple[int, ...]
+    block_tokens: int  # estimated tokens per block
+    prompt_tokens: int  # estimated tokens of the whole prompt
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One eligible worker as the policy sees it for this request."""
+
+    name: str
+    outstanding_requests: int  # dispatched by this router, not yet finished
+    outstanding_tokens: int  # prompt tokens of those requests
+    queued_prefill_tokens: int  # uncached prompt tokens dispatched, first byte not yet seen
+    matched_tokens: int  # this request's prefix the worker is modelled to hold
+    resident_tokens: int  # tokens the worker is modelled to hold in all
+    capacity_tokens: int  # the worker's KV capacity in tokens
+    prefill_tokens_per_s: float  # learned from observed TTFTs
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker: str
+    reason: Reason
+    # Tokens of the prompt the chosen worker is predicted to hold.
+    predicted_cached_tokens: int = 0
+
+
+# "rejected": the engine answered 4xx (the request's own fault).
+Outcome = Literal["success", "upstream_error", "client_disconnect", "timeout", "rejected"]
+
+
+class PolicyConfigError(ValueError):
+    """A policy name or knob that does not exist or has a bad value."""
+
+
+class Policy(abc.ABC):
+    """Chooses a worker for each request.
+
+    ``candidates`` is never empty: the router answers "no eligible worker" itself.
+    The hooks are optional; the default does nothing.
+    """
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision: ...
+
+    def on_dispatch(self, request: RouteRequest, worker: str) -> None:  # noqa: B027
+        """The request was sent to ``worker``."""
+
+    def on_complete(  # noqa: B027
+        self, request: RouteRequest, worker: str, outcome: Outcome
+    ) -> None:
+        """The request left ``worker`` (whatever the outcome)."""
+
+
+def params_from(cls: type[Any], knobs: Mapping[str, Any], policy: str) -> Any:
+    """Build a policy's frozen params dataclass from a mapping, naming bad knobs."""
+    fields = cls.__dataclass_fields__
+    unknown = sorted(set(knobs) - set(fields))
+    if unknown:
+        raise PolicyConfigError(
+            f"policy {policy!r} has no knob {unknown[0]!r}; knobs: {', '.join(sorted(fields))}"
+        )
+    try:
+        return cls(**knobs)
+    except (TypeError, ValueError) as exc:
+        raise PolicyConfigError(f"policy {policy!r}: {exc}") from exc

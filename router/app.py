@@ -1,0 +1,161 @@
+"""``create_app(config)``: the router as an aiohttp application.
+
+Each resource is owned by one ``cleanup_ctx`` generator: the upstream client session and
+the router state, then the health prober task. Only what started is cleaned up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from policies.registry import build_policy
+from router import __version__
+from router.capacity import CapacityError, dtype_bytes, gpu, load_model, plan
+from router.config import DEFAULT_KV_TOKENS, RouterConfig
+from router.errors import PayloadTooLarge, RouterError
+from router.health import HealthProber
+from router.index import LocalPrefixIndex
+from router.metrics import RouterMetrics
+from router.proxy import handle_chat, handle_completions
+from router.routing import Router
+from router.state import STATE_KEY, RouterState
+from router.workers import Fleet, Worker
+
+log = logging.getLogger(__name__)
+
+CONFIG_KEY = web.AppKey("kvrouter_config", RouterConfig)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(body: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI-shaped JSON body with the right status."""
+    try:
+        return await handler(request)
+    except RouterError as exc:
+        if STATE_KEY in request.app and exc.status >= 400:
+            request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
+        return _json(exc.body(), exc.status)
+    except web.HTTPRequestEntityTooLarge:
+        return _json(PayloadTooLarge("request body too large").body(), 413)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = RouterError(exc.reason)
+        body = error.body()
+        body["error"]["code"] = exc.status
+        body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
+        return _json(body, exc.status)
+
+
+def worker_capacity(config: RouterConfig, configured: int | None) -> int | None:
+    """A worker's KV capacity from config, or None to discover it from the engine."""
+    if configured is not None:
+        return configured
+    cap = config.capacity
+    if cap.kv_tokens is not None:
+        return cap.kv_tokens
+    if cap.model and cap.gpu:
+        try:
+            kv_bytes = dtype_bytes(cap.kv_dtype) if cap.kv_dtype else None
+            return plan(load_model(cap.model), gpu(cap.gpu), cap.gpus_per_worker,
+                        cap.gpu_memory_utilization, kv_bytes).resident_tokens
+        except CapacityError as exc:
+            raise RouterError(f"capacity: {exc}") from exc
+    return None
+
+
+def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[RouterState,
+                                                                              set[str]]:
+    """The router state, and the workers whose capacity must be read from the engine."""
+    block_tokens = config.prefix.block_tokens
+    fleet, index = Fleet(), LocalPrefixIndex()
+    discover: set[str] = set()
+    for wc in config.workers:
+        capacity = worker_capacity(config, wc.kv_tokens)
+        if capacity is None:
+            discover.add(wc.name)
+            capacity = DEFAULT_KV_TOKENS
+        fleet.add(Worker(wc.name, wc.url.rstrip("/"), capacity))
+        index.add_worker(wc.name, max(1, capacity // block_tokens))
+    metrics = RouterMetrics(fleet, index, block_tokens)
+    policy = build_policy(config.policy, config.policy_knobs, config.seed)
+    router = Router(fleet, index, policy, config.policy, block_tokens, metrics)
+    return RouterState(config, router, metrics, session), discover
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json({"status": "ok", "version": __version__})
+
+
+async def ready(request: web.Request) -> web.Response:
+    fleet = request.app[STATE_KEY].router.fleet
+    healthy = [w.name for w in fleet.all() if w.healthy]
+    return _json({"ready": bool(healthy), "healthy_workers": healthy},
+                 status=200 if healthy else 503)
+
+
+async def models(request: web.Request) -> web.Response:
+    names = sorted(request.app[STATE_KEY].router.fleet.models())
+    return _json({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"} for name in names
+    ]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE_KEY].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
+def _session(config: RouterConfig) -> aiohttp.ClientSession:
+    up = config.upstream
+    connector = aiohttp.TCPConnector(limit=up.max_connections,
+                                     limit_per_host=up.max_connections_per_worker)
+    timeout = aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s,
+                                    sock_connect=up.connect_timeout_s,
+                                    sock_read=up.read_timeout_s)
+    # auto_decompress off: bodies pass through byte for byte, encoding and all.
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+
+
+async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
+    config = app[CONFIG_KEY]
+    async with _session(config) as session:
+        state, discover = build_state(config, session)
+        app[STATE_KEY] = state
+        prober = HealthProber(state.router.fleet, state.router.index, session, config.health,
+                              config.prefix.block_tokens, discover)
+        await prober.probe_all()
+        task = asyncio.create_task(prober.run(), name="kvrouter-health")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def create_app(config: RouterConfig) -> web.Application:
+    # Bodies are limited by the handler (a clear 413), not by aiohttp's default 1 MiB.
+    app = web.Application(middlewares=[error_middleware],
+                          client_max_size=config.max_body_bytes + 1)
+    app[CONFIG_KEY] = config
+    app.cleanup_ctx.append(_state_ctx)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    return app

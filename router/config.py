@@ -1,0 +1,280 @@
+"""Typed, frozen router configuration: one set of objects for the YAML file, the
+``KVROUTER_*`` environment variables and the command-line flags.
+
+Precedence: defaults < file < environment < flags. Every value is checked once, when the
+config is built; an error names the field (``upstream.connect_timeout_s: must be > 0``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from router.errors import ConfigError
+
+DEFAULT_PORT = 8000
+DEFAULT_POLICY = "ttft"
+# 256 bytes of canonical prompt ~ 64 tokens at ~4 bytes a token: four of the engines'
+# 16-token blocks. Matching is then exact to within 64 tokens (under 1% of an agent
+# turn's context) while a 100K-token prompt is ~1,600 hashes instead of ~6,250.
+DEFAULT_BLOCK_BYTES = 256
+BYTES_PER_TOKEN_ESTIMATE = 4
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_KV_TOKENS = 400_000  # ~ Llama-3.1-8B on one H100 at utilization 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    url: str
+    name: str = ""  # default: host:port of the url
+    kv_tokens: int | None = None  # default: capacity.kv_tokens or computed
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"url: {self.url!r} is not an http(s) URL")
+        if not self.name:
+            object.__setattr__(self, "name", parts.netloc)
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ConfigError("kv_tokens: must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixConfig:
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    record_replies: bool = True  # extend a session's prefix with the streamed reply
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.block_bytes <= 65536:
+            raise ConfigError("block_bytes: must be between 16 and 65536")
+
+    @property
+    def block_tokens(self) -> int:
+        return max(1, self.block_bytes // BYTES_PER_TOKEN_ESTIMATE)
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityConfig:
+    """Each worker's KV capacity, for the residency model.
+
+    ``kv_tokens`` when given; else computed from ``model`` and ``gpu`` with the capacity
+    math (``kvrouter capacity``); else ``DEFAULT_KV_TOKENS``.
+    """
+
+    kv_tokens: int | None = None
+    model: str | None = None  # preset name or config.json path
+    gpu: str | None = None
+    gpus_per_worker: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ConfigError("kv_tokens: must be >= 1")
+        if (self.model is None) != (self.gpu is None):
+            raise ConfigError("model, gpu: give both or neither")
+        if self.gpus_per_worker < 1:
+            raise ConfigError("gpus_per_worker: must be >= 1")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization: must be in (0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0  # longest silence between two chunks of a response
+    max_connections: int = 2048
+    max_connections_per_worker: int = 512
+    max_attempts: int = 2  # tries on distinct workers before the first byte
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout_s", "read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0")
+        for name in ("max_connections", "max_connections_per_worker", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.timeout_s <= 0:
+            raise ConfigError("interval_s, timeout_s: must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    workers: tuple[WorkerConfig, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    policy: str = DEFAULT_POLICY
+    policy_knobs: dict[str, Any] = field(default_factory=dict)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    session_header: str = "X-Session-Id"
+    session_body_fields: tuple[str, ...] = ("session_id", "user")
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port: must be 0-65535")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes: must be >= 1024")
+        names = [w.name for w in self.workers]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate:
+            raise ConfigError(f"workers: two workers are named {duplicate!r}")
+        from policies.base import PolicyConfigError
+        from policies.registry import build_policy
+
+        try:
+            build_policy(self.policy, self.policy_knobs)
+        except PolicyConfigError as exc:
+            raise ConfigError(f"policy: {exc}") from exc
+
+
+# -- building from mappings --------------------------------------------------------------
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, options[0], where)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        return build(hint, value, where)
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list")
+        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false",
+                                                        "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false")
+        return value
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number")
+        try:
+            converted = hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected {'an integer' if hint is int else 'a number'}"
+                              ) from None
+        if hint is int and isinstance(value, float) and value != converted:
+            raise ConfigError(f"{where}: expected an integer")
+        return converted
+    if hint is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string")
+        return str(value)
+    return value
+
+
+def build(cls: type[Any], values: Mapping[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, checking names and types."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown setting; known: "
+                          f"{', '.join(sorted(names))}")
+    kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+    except TypeError as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def _worker_entry(value: Any) -> Any:
+    return {"url": value} if isinstance(value, str) else value
+
+
+def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``overrides`` into a copy of ``base`` (lists are replaced)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+ENV_PREFIX = "KVROUTER_"
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``KVROUTER_PORT=9000`` -> ``{"port": "9000"}``; ``KVROUTER_UPSTREAM__MAX_ATTEMPTS``
+    -> ``{"upstream": {"max_attempts": ...}}``; ``KVROUTER_WORKERS`` is comma-separated."""
+    environ = os.environ if environ is None else environ
+    result: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "KVROUTER_CONFIG":
+            continue
+        path = key[len(ENV_PREFIX):].lower().split("__")
+        node = result
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return result
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def load_config(path: Path | None = None, flags: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> RouterConfig:
+    values: dict[str, Any] = load_file(path) if path else {}
+    values = merge(values, env_overrides(environ))
+    values = merge(values, flags or {})
+    if "workers" in values:
+        workers = values["workers"]
+        if isinstance(workers, str):
+            workers = [w for w in workers.split(",") if w]
+        if not isinstance(workers, list | tuple):
+            raise ConfigError("workers: expected a list")
+        values["workers"] = [_worker_entry(w) for w in workers]
+    config: RouterConfig = build(RouterConfig, values)
+    return config

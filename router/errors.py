@@ -1,0 +1,63 @@
+"""The router's one exception tree, and its OpenAI-shaped error bodies.
+
+    RouterError                      500 server_error
+    ├── BadRequest                   400 invalid_request_error
+    │   └── PayloadTooLarge          413 invalid_request_error
+    ├── ModelNotFound                404 invalid_request_error (code model_not_found)
+    ├── NoEligibleWorker             503 server_error
+    └── UpstreamError                502 server_error
+        └── UpstreamTimeout          504 server_error
+
+Third-party errors are translated where they happen (``raise ... from exc``); the app's
+error middleware turns any ``RouterError`` into its JSON body and status.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class RouterError(Exception):
+    status: ClassVar[int] = 500
+    error_type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = None
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.error_type,
+                          "param": self.param, "code": self.code or self.status}}
+
+
+class BadRequest(RouterError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class ModelNotFound(RouterError):
+    status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class NoEligibleWorker(RouterError):
+    status = 503
+
+
+class UpstreamError(RouterError):
+    status = 502
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the field."""

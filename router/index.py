@@ -1,0 +1,143 @@
+"""The prefix index: which worker is modelled to hold which prefix blocks.
+
+``PrefixIndex`` is the seam: the in-process ``LocalPrefixIndex`` here, a Redis-backed one
+later. Each worker has a residency model, an LRU of block hashes sized to the worker's KV
+capacity, so a prefix the engine must have evicted is dropped from the index instead of
+attracting traffic to a cold cache.
+
+A request's blocks are touched tail first, so its head blocks are the most recently
+used; eviction then takes a prefix's tail before its head, as vLLM frees blocks. That
+keeps each worker's set (nearly) prefix-closed — if block i is held, so are blocks < i —
+and the longest match is found by binary search in O(log n) lookups.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class PrefixIndex(Protocol):
+    def add_worker(self, worker: str, capacity_blocks: int) -> None: ...
+
+    def remove_worker(self, worker: str) -> None: ...
+
+    def resize_worker(self, worker: str, capacity_blocks: int) -> None: ...
+
+    def match(self, worker: str, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` the worker holds."""
+        ...
+
+    def touch(self, worker: str, hashes: Sequence[int]) -> list[int]:
+        """Record that the worker now holds ``hashes``; returns the ones it did not hold."""
+        ...
+
+    def forget(self, worker: str, hashes: Iterable[int]) -> None:
+        """Drop entries that turned out not to be there (e.g. a failed dispatch)."""
+        ...
+
+    def resident_blocks(self, worker: str) -> int: ...
+
+    def size(self) -> int:
+        """Entries over all workers."""
+        ...
+
+
+class Residency:
+    """One worker's modelled KV cache: an LRU of block hashes with a fixed capacity."""
+
+    __slots__ = ("_lru", "capacity_blocks", "evictions")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._lru
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        lru = self._lru
+        if not hashes or hashes[0] not in lru:
+            return 0
+        low, high = 1, len(hashes)  # hashes[:low] held; find the largest such low
+        while low < high:
+            mid = (low + high + 1) // 2
+            if hashes[mid - 1] in lru:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def touch(self, hashes: Sequence[int]) -> list[int]:
+        lru = self._lru
+        added: list[int] = []
+        # Only the newest capacity_blocks hashes can stay resident anyway.
+        for h in reversed(hashes[: self.capacity_blocks]):
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                added.append(h)
+        overflow = len(lru) - self.capacity_blocks
+        for _ in range(max(0, overflow)):
+            lru.popitem(last=False)
+        self.evictions += max(0, overflow)
+        return added
+
+    def forget(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._lru.pop(h, None)
+
+    def resize(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        while len(self._lru) > capacity_blocks:
+            self._lru.popitem(last=False)
+            self.evictions += 1
+
+
+class LocalPrefixIndex:
+    """The in-process index (one router replica's view)."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Residency] = {}
+
+    def add_worker(self, worker: str, capacity_blocks: int) -> None:
+        if worker not in self._workers:
+            self._workers[worker] = Residency(capacity_blocks)
+
+    def remove_worker(self, worker: str) -> None:
+        self._workers.pop(worker, None)
+
+    def resize_worker(self, worker: str, capacity_blocks: int) -> None:
+        residency = self._workers.get(worker)
+        if residency is not None:
+            residency.resize(capacity_blocks)
+
+    def match(self, worker: str, hashes: Sequence[int]) -> int:
+        residency = self._workers.get(worker)
+        return residency.longest_prefix(hashes) if residency is not None else 0
+
+    def touch(self, worker: str, hashes: Sequence[int]) -> list[int]:
+        residency = self._workers.get(worker)
+        return residency.touch(hashes) if residency is not None else []
+
+    def forget(self, worker: str, hashes: Iterable[int]) -> None:
+        residency = self._workers.get(worker)
+        if residency is not None:
+            residency.forget(hashes)
+
+    def resident_blocks(self, worker: str) -> int:
+        residency = self._workers.get(worker)
+        return len(residency) if residency is not None else 0
+
+    def size(self) -> int:
+        return sum(len(r) for r in self._workers.values())

@@ -1,0 +1,124 @@
+"""The router's Prometheus metrics, on a registry the app owns (one per app, no globals).
+
+Counters end in ``_total``, durations are ``_seconds`` histograms; labels come from small
+fixed sets (worker *name*, model, policy, reason, outcome), never a session or request id.
+Per-worker gauges (load, resident tokens, health) are read from the fleet at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.index import PrefixIndex
+from router.workers import Fleet
+
+# TTFT and latency buckets: vLLM's TTFT buckets, which span cached (ms) to cold (minutes).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, fleet: Fleet, index: PrefixIndex, block_tokens: int) -> None:
+        self._fleet = fleet
+        self._index = index
+        self._block_tokens = block_tokens
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            "outstanding_requests": GaugeMetricFamily(
+                "kvrouter_worker_outstanding_requests",
+                "Requests this router dispatched to the worker that have not finished.",
+                labels=["worker"]),
+            "outstanding_tokens": GaugeMetricFamily(
+                "kvrouter_worker_outstanding_tokens",
+                "Prompt tokens of the outstanding requests.", labels=["worker"]),
+            "queued_prefill": GaugeMetricFamily(
+                "kvrouter_worker_queued_prefill_tokens",
+                "Uncached prompt tokens dispatched whose first byte has not arrived.",
+                labels=["worker"]),
+            "resident": GaugeMetricFamily(
+                "kvrouter_worker_resident_tokens",
+                "Tokens the residency model says the worker holds in its KV cache.",
+                labels=["worker"]),
+            "capacity": GaugeMetricFamily(
+                "kvrouter_worker_capacity_tokens",
+                "The worker's KV-cache capacity in tokens.", labels=["worker"]),
+            "healthy": GaugeMetricFamily(
+                "kvrouter_worker_healthy", "1 if the worker receives traffic.",
+                labels=["worker"]),
+            "rate": GaugeMetricFamily(
+                "kvrouter_worker_prefill_tokens_per_second",
+                "Prefill speed learned from observed TTFTs.", labels=["worker"]),
+        }
+        for w in self._fleet.all():
+            resident = self._index.resident_blocks(w.name) * self._block_tokens
+            for key, value in (
+                ("outstanding_requests", w.outstanding_requests),
+                ("outstanding_tokens", w.outstanding_tokens),
+                ("queued_prefill", w.queued_prefill_tokens),
+                ("resident", resident),
+                ("capacity", w.capacity_tokens),
+                ("healthy", 1 if w.healthy else 0),
+                ("rate", w.prefill_tokens_per_s),
+            ):
+                families[key].add_metric([w.name], value)
+        yield from families.values()
+        yield GaugeMetricFamily("kvrouter_index_blocks",
+                                "Prefix-index entries over all workers.",
+                                value=self._index.size())
+
+
+class RouterMetrics:
+    def __init__(self, fleet: Fleet, index: PrefixIndex, block_tokens: int) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvrouter_requests", "Requests by final outcome.",
+            ["model", "worker", "outcome"], registry=r)
+        self.rejected = Counter(
+            "kvrouter_rejected_requests", "Requests answered by the router itself.",
+            ["status"], registry=r)
+        self.decisions = Counter(
+            "kvrouter_routing_decisions", "Routing decisions by policy and reason.",
+            ["policy", "reason"], registry=r)
+        self.retries = Counter(
+            "kvrouter_retries", "Dispatches retried on another worker before the first byte.",
+            ["worker"], registry=r)
+        self.prompt_tokens = Counter(
+            "kvrouter_prompt_tokens", "Prompt tokens routed (engine-reported when known).",
+            ["worker"], registry=r)
+        self.best_cached_tokens = Counter(
+            "kvrouter_best_cached_tokens",
+            "Prompt tokens the best-placed worker in the fleet was modelled to hold.",
+            ["worker"], registry=r)
+        self.predicted_cached_tokens = Counter(
+            "kvrouter_predicted_cached_tokens",
+            "Prompt tokens the chosen worker was modelled to hold.", ["worker"], registry=r)
+        self.engine_cached_tokens = Counter(
+            "kvrouter_engine_cached_tokens",
+            "Cached prompt tokens the engine reported (usage.prompt_tokens_details).",
+            ["worker"], registry=r)
+        self.usage_prompt_tokens = Counter(
+            "kvrouter_usage_prompt_tokens",
+            "Prompt tokens of responses that reported usage (the hit-rate denominator).",
+            ["worker"], registry=r)
+        self.ttft = Histogram(
+            "kvrouter_time_to_first_token_seconds",
+            "Time from dispatch to the first response byte from the worker.",
+            ["worker"], buckets=TTFT_BUCKETS, registry=r)
+        self.latency = Histogram(
+            "kvrouter_request_duration_seconds", "Time from arrival to the end of the response.",
+            ["worker"], buckets=TTFT_BUCKETS, registry=r)
+        self.decision_seconds = Histogram(
+            "kvrouter_routing_decision_seconds",
+            "Time to hash the prompt, look up the index and choose a worker.",
+            buckets=DECISION_BUCKETS, registry=r)
+        r.register(_FleetCollector(fleet, index, block_tokens))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,137 @@
+"""Prefix keys: the canonical bytes of a request, cut into blocks and hashed in a chain.
+
+The canonical form is what the engine will cache, up to tokenization: for chat, the
+messages in order, each rendered as ``RS role US content [US tool_calls]``; for
+completions, the prompt text (or its token ids). Appending a message only appends bytes,
+so every turn of a session extends the previous turn's chain.
+
+Blocks are ``block_bytes`` long and chained: ``h_i = xxh3_64(block_i, seed=h_{i-1})``,
+``h_{-1} = xxh3_64(model NUL cache_salt)``. The model name covers LoRA adapters, which
+vLLM serves under their own model names. Only full blocks are hashed; the partial tail is
+kept so the streamed reply can extend the chain (``ChainExtender``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import xxhash
+
+_RS = b"\x1e"  # starts a message
+_US = b"\x1f"  # separates its fields
+_TOKEN_IDS = b"\x1d"  # marks a prompt given as token ids
+
+_digest = xxhash.xxh3_64_intdigest
+
+
+def chain_seed(model: str, cache_salt: str | None = None) -> int:
+    return _digest(f"{model}\x00{cache_salt or ''}".encode())
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts: list[str] = []
+    for part in content:
+        if isinstance(part, Mapping) and part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+        else:
+            parts.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
+    return "".join(parts)
+
+
+def render_message(message: Mapping[str, Any]) -> bytes:
+    pieces = [_RS, str(message.get("role", "")).encode(), _US,
+              _text(message.get("content")).encode()]
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        pieces += [_US, orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS)]
+    return b"".join(pieces)
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]]) -> bytes:
+    return b"".join(render_message(m) for m in messages)
+
+
+def render_prompt(prompt: str | Sequence[int]) -> bytes:
+    if isinstance(prompt, str):
+        return prompt.encode()
+    return _TOKEN_IDS + b"".join(int(t).to_bytes(4, "little", signed=False) for t in prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKey:
+    """The chained block hashes of a request and what is needed to extend them."""
+
+    hashes: tuple[int, ...]
+    tail: bytes  # canonical bytes after the last full block
+    seed: int
+    total_bytes: int
+
+    @property
+    def last_hash(self) -> int:
+        return self.hashes[-1] if self.hashes else self.seed
+
+
+def hash_blocks(data: bytes, block_bytes: int, parent: int) -> list[int]:
+    hashes: list[int] = []
+    view = memoryview(data)
+    for offset in range(0, len(data) - block_bytes + 1, block_bytes):
+        parent = _digest(view[offset : offset + block_bytes], parent)
+        hashes.append(parent)
+    return hashes
+
+
+def prefix_key(canonical: bytes, block_bytes: int, seed: int) -> PrefixKey:
+    hashes = hash_blocks(canonical, block_bytes, seed)
+    tail = canonical[len(hashes) * block_bytes :]
+    return PrefixKey(tuple(hashes), tail, seed, len(canonical))
+
+
+# A chat reply comes back as the next turn's {"role": "assistant", "content": reply}.
+CHAT_REPLY_HEADER = _RS + b"assistant" + _US
+# A completion's next prompt continues the text directly.
+COMPLETION_REPLY_HEADER = b""
+
+
+class ChainExtender:
+    """Extends a request's chain with the reply as the next turn will carry it.
+
+    Fed the reply text as it streams; holds at most one block of bytes (the reply is never
+    buffered whole). ``finish()`` returns the hashes of the full blocks that the prompt
+    plus ``header + reply`` adds beyond the prompt's own.
+    """
+
+    __slots__ = ("_block_bytes", "_buffer", "_hashes", "_parent")
+
+    def __init__(self, key: PrefixKey, block_bytes: int, header: bytes = CHAT_REPLY_HEADER
+                 ) -> None:
+        self._block_bytes = block_bytes
+        self._parent = key.last_hash
+        self._buffer = bytearray(key.tail)
+        self._buffer += header
+        self._hashes: list[int] = []
+        self._drain()
+
+    def feed(self, text: str) -> None:
+        if text:
+            self._buffer += text.encode()
+            self._drain()
+
+    def _drain(self) -> None:
+        size = self._block_bytes
+        if len(self._buffer) < size:
+            return
+        full = len(self._buffer) // size * size
+        block_hashes = hash_blocks(bytes(self._buffer[:full]), size, self._parent)
+        self._hashes += block_hashes
+        self._parent = block_hashes[-1]
+        del self._buffer[:full]
+
+    def finish(self) -> list[int]:
+        return self._hashes

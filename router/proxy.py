@@ -1,0 +1,268 @@
+"""The request path: parse -> hash -> choose -> forward -> stream back -> record.
+
+Failures before the first byte reaches the client (connection refused, timeout, an
+upstream 5xx, a stream that ends before its first chunk) are retried on another worker,
+up to ``upstream.max_attempts`` workers; after the first byte, a broken upstream ends the
+stream with an error event. The client's response is prepared only when the upstream's
+first body chunk is in hand, so a worker that fails after its headers is still retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from policies.base import Outcome
+from router.capture import ReplyCapture
+from router.errors import (
+    ModelNotFound,
+    NoEligibleWorker,
+    PayloadTooLarge,
+    RouterError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from router.parse import Kind, parse_request
+from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER, ChainExtender
+from router.routing import Dispatch
+from router.state import STATE_KEY, RouterState
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
+})
+WORKER_HEADER = "X-Kvrouter-Worker"
+REQUEST_ID_HEADER = "X-Request-Id"
+# Non-streaming responses are read whole before they are sent on; this bounds them.
+MAX_WHOLE_RESPONSE_BYTES = 64 * 1024 * 1024
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
+
+
+@dataclass(frozen=True, slots=True)
+class _Fallback:
+    """An upstream error response to pass on if no other worker can be tried."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+
+class _Retry(Exception):
+    """The attempt failed before the client saw a byte; another worker may be tried."""
+
+    def __init__(self, error: RouterError, fallback: _Fallback | None = None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.fallback = fallback
+
+
+def _forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+    out[REQUEST_ID_HEADER] = request_id
+    return out
+
+
+def _response_headers(upstream: aiohttp.ClientResponse, worker: str,
+                      request_id: str) -> CIMultiDict[str]:
+    out = CIMultiDict((k, v) for k, v in upstream.headers.items()
+                      if k.lower() not in HOP_BY_HOP)
+    out[WORKER_HEADER] = worker
+    out[REQUEST_ID_HEADER] = request_id
+    return out
+
+
+async def handle_chat(http: web.Request) -> web.StreamResponse:
+    return await _handle(http, "chat")
+
+
+async def handle_completions(http: web.Request) -> web.StreamResponse:
+    return await _handle(http, "completion")
+
+
+async def _read_body(http: web.Request, limit: int) -> bytes:
+    if http.content_length is not None and http.content_length > limit:
+        raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+    try:
+        return await http.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body is larger than {limit} bytes") from None
+
+
+async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
+    state = http.app[STATE_KEY]
+    config = state.config
+    arrived = time.monotonic()
+    raw = await _read_body(http, config.max_body_bytes)
+    request = parse_request(kind, raw, http.headers.get(config.session_header),
+                            config.session_body_fields, config.prefix.block_bytes)
+    if not state.router.fleet.serves(request.model):
+        state.metrics.rejected.labels("404").inc()
+        raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+    request_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    route = state.router.route_request(request, request_id)
+    tried: list[str] = []
+    failure: _Retry | None = None
+    for _ in range(config.upstream.max_attempts):
+        try:
+            dispatch = state.router.dispatch(request, route, tried)
+        except NoEligibleWorker:
+            if failure is None:
+                raise
+            break
+        try:
+            return await _attempt(http, state, dispatch, request_id, arrived)
+        except _Retry as retry:
+            failure = retry
+            tried.append(dispatch.worker.name)
+            state.metrics.retries.labels(dispatch.worker.name).inc()
+            log.warning("request %s failed on %s before the first byte: %s",
+                        request_id, dispatch.worker.name, retry.error.message)
+    assert failure is not None
+    if failure.fallback is not None:
+        fb = failure.fallback
+        return web.Response(status=fb.status, body=fb.body, content_type=fb.content_type)
+    raise failure.error
+
+
+async def _open(state: RouterState, dispatch: Dispatch, http: web.Request,
+                request_id: str) -> aiohttp.ClientResponse:
+    path = "/v1/chat/completions" if dispatch.request.kind == "chat" else "/v1/completions"
+    try:
+        return await state.session.post(
+            dispatch.worker.url + path, data=dispatch.request.body,
+            headers=_forward_headers(http.headers, request_id))
+    except TimeoutError as exc:
+        raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} timed out")) from exc
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        state.mark_unreachable(dispatch.worker)
+        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} unreachable: {exc}")
+                     ) from exc
+
+
+async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
+                   request_id: str, arrived: float) -> web.StreamResponse:
+    request = dispatch.request
+    header = CHAT_REPLY_HEADER if request.kind == "chat" else COMPLETION_REPLY_HEADER
+    extender = (ChainExtender(request.key, state.config.prefix.block_bytes, header)
+                if request.record_reply and state.config.prefix.record_replies else None)
+    capture = ReplyCapture(extender, request.kind == "chat")
+    outcome: Outcome = "upstream_error"
+    sent = False
+    try:
+        upstream = await _open(state, dispatch, http, request_id)
+        try:
+            if upstream.status >= 500:
+                body = await upstream.content.read(MAX_WHOLE_RESPONSE_BYTES)
+                raise _Retry(UpstreamError(f"worker {dispatch.worker.name} answered "
+                                           f"{upstream.status}"),
+                             _Fallback(upstream.status, body, upstream.content_type))
+            if request.stream and upstream.status == 200:
+                response, outcome = await _relay_stream(http, dispatch, upstream, capture,
+                                                        request_id)
+            else:
+                response, outcome = await _relay_whole(http, dispatch, upstream, capture,
+                                                       request_id)
+            sent = True
+            return response
+        finally:
+            upstream.close()
+    except _Retry:
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome = "client_disconnect"
+        sent = True  # the worker may have started; keep the speculative entries
+        raise
+    except TimeoutError:
+        outcome = "timeout"
+        raise
+    finally:
+        _record(state, dispatch, capture, outcome, sent, arrived)
+
+
+def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outcome: Outcome,
+            sent: bool, arrived: float) -> None:
+    worker = dispatch.worker.name
+    metrics = state.metrics
+    if not sent:
+        dispatch.fail(outcome)
+        return
+    dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [])
+    metrics.requests.labels(dispatch.request.model, worker, outcome).inc()
+    metrics.latency.labels(worker).observe(time.monotonic() - arrived)
+    prompt = capture.prompt_tokens
+    metrics.prompt_tokens.labels(worker).inc(prompt if prompt is not None
+                                             else dispatch.route.prompt_tokens)
+    cached = capture.cached_tokens
+    if cached is not None and prompt is not None:
+        metrics.engine_cached_tokens.labels(worker).inc(cached)
+        metrics.usage_prompt_tokens.labels(worker).inc(prompt)
+
+
+async def _first_chunk(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> bytes:
+    try:
+        chunk = await upstream.content.readany()
+    except UPSTREAM_ERRORS as exc:
+        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} failed before its first "
+                                   f"byte: {exc!r}")) from exc
+    if not chunk:
+        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} closed the stream "
+                                   "before its first byte"))
+    return chunk
+
+
+async def _relay_stream(http: web.Request, dispatch: Dispatch,
+                        upstream: aiohttp.ClientResponse, capture: ReplyCapture,
+                        request_id: str) -> tuple[web.StreamResponse, Outcome]:
+    first = await _first_chunk(dispatch, upstream)
+    ttft = dispatch.first_byte()
+    dispatch.router.metrics.ttft.labels(dispatch.worker.name).observe(ttft)
+    response = web.StreamResponse(status=upstream.status,
+                                  headers=_response_headers(upstream, dispatch.worker.name,
+                                                            request_id))
+    await response.prepare(http)
+    capture.feed_stream(first)
+    await response.write(first)
+    outcome: Outcome = "success"
+    while True:
+        try:
+            chunk = await upstream.content.readany()
+        except UPSTREAM_ERRORS as exc:
+            outcome = "timeout" if isinstance(exc, TimeoutError) else "upstream_error"
+            error = UpstreamError(f"worker {dispatch.worker.name} failed mid-stream: {exc!r}")
+            await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+            break
+        if not chunk:
+            break
+        capture.feed_stream(chunk)
+        await response.write(chunk)  # a client that went away raises here
+    if capture.errored:
+        outcome = "upstream_error"
+    await response.write_eof()
+    return response, outcome
+
+
+async def _relay_whole(http: web.Request, dispatch: Dispatch,
+                       upstream: aiohttp.ClientResponse, capture: ReplyCapture,
+                       request_id: str) -> tuple[web.StreamResponse, Outcome]:
+    try:
+        body = await upstream.content.read(MAX_WHOLE_RESPONSE_BYTES)
+    except UPSTREAM_ERRORS as exc:
+        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} failed: {exc!r}")) from exc
+    dispatch.first_byte(observe=False)  # no TTFT: the whole body arrived at once
+    if upstream.status == 200:
+        capture.feed_whole(body)
+    response = web.Response(status=upstream.status, body=body,
+                            headers=_response_headers(upstream, dispatch.worker.name,
+                                                      request_id))
+    return response, "success" if upstream.status < 400 else "rejected"

@@ -1,0 +1,117 @@
+"""The routing decision and its bookkeeping, free of I/O.
+
+``Router.dispatch`` looks up every eligible worker's match in the prefix index, lets the
+policy choose, takes a load ``Lease`` and records the prompt's blocks on the chosen worker
+at once (speculatively: siblings arriving next find them; ``Dispatch.fail`` withdraws
+them). ``Dispatch.finish`` releases the lease exactly once and, on success, extends the
+worker's entries with the reply so the session's next turn matches its whole history.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from policies.base import Decision, Outcome, Policy, RouteRequest, WorkerView
+from router.config import BYTES_PER_TOKEN_ESTIMATE
+from router.errors import NoEligibleWorker
+from router.index import PrefixIndex
+from router.metrics import RouterMetrics
+from router.parse import ClientRequest
+from router.workers import Fleet, Lease, Worker
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """One attempt to serve a request on one worker."""
+
+    router: Router
+    request: ClientRequest
+    route: RouteRequest
+    worker: Worker
+    decision: Decision
+    lease: Lease
+    added: list[int]
+    queued_before: int  # prefill tokens queued on the worker ahead of this request
+    sent_at: float = field(default_factory=time.monotonic)
+    done: bool = False
+
+    def first_byte(self, observe: bool = True) -> float:
+        """The worker answered: its prefill of this request is done. Returns the TTFT;
+        ``observe`` feeds it to the worker's learned prefill rate."""
+        ttft = time.monotonic() - self.sent_at
+        if not self.lease.released:
+            self.lease.prefill_done()
+            if observe:
+                self.worker.observe_prefill(self.queued_before + self.lease.prefill_tokens,
+                                            ttft)
+        return ttft
+
+    def fail(self, outcome: Outcome) -> None:
+        """Nothing reached the worker's cache: withdraw the speculative entries."""
+        self.router.index.forget(self.worker.name, self.added)
+        self.finish(outcome, ())
+
+    def finish(self, outcome: Outcome, reply_hashes: tuple[int, ...] | list[int]) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.lease.release()
+        if outcome == "success" and reply_hashes:
+            self.router.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
+        self.router.policy.on_complete(self.route, self.worker.name, outcome)
+
+
+class Router:
+    def __init__(self, fleet: Fleet, index: PrefixIndex, policy: Policy, policy_name: str,
+                 block_tokens: int, metrics: RouterMetrics) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.policy = policy
+        self.policy_name = policy_name
+        self.block_tokens = block_tokens
+        self.metrics = metrics
+
+    def route_request(self, request: ClientRequest, request_id: str) -> RouteRequest:
+        return RouteRequest(
+            request_id=request_id,
+            model=request.model,
+            session_key=request.session_key,
+            block_hashes=request.key.hashes,
+            block_tokens=self.block_tokens,
+            prompt_tokens=max(1, -(-request.key.total_bytes // BYTES_PER_TOKEN_ESTIMATE)),
+        )
+
+    def dispatch(self, request: ClientRequest, route: RouteRequest,
+                 exclude: list[str]) -> Dispatch:
+        started = time.perf_counter()
+        candidates = self.fleet.eligible(request.model, exclude)
+        if not candidates:
+            raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
+        views = [self._view(w, route) for w in candidates]
+        decision = self.policy.choose(route, views)
+        worker = self.fleet.workers[decision.worker]
+        matched = next(v.matched_tokens for v in views if v.name == decision.worker)
+        queued_before = worker.queued_prefill_tokens
+        lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
+        added = self.index.touch(worker.name, route.block_hashes)
+        self.policy.on_dispatch(route, worker.name)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(self.policy_name, decision.reason).inc()
+        self.metrics.best_cached_tokens.labels(worker.name).inc(
+            max(v.matched_tokens for v in views))
+        self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
+        return Dispatch(self, request, route, worker, decision, lease, added, queued_before)
+
+    def _view(self, worker: Worker, route: RouteRequest) -> WorkerView:
+        matched_blocks = self.index.match(worker.name, route.block_hashes)
+        return WorkerView(
+            name=worker.name,
+            outstanding_requests=worker.outstanding_requests,
+            outstanding_tokens=worker.outstanding_tokens,
+            queued_prefill_tokens=worker.queued_prefill_tokens,
+            matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
+            resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
+            capacity_tokens=worker.capacity_tokens,
+            prefill_tokens_per_s=worker.prefill_tokens_per_s,
+        )

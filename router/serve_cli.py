@@ -1,0 +1,120 @@
+"""``kvrouter serve`` and ``kvrouter check-config``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import yaml
+from aiohttp import web
+
+from policies.registry import policy_names
+from router.config import RouterConfig, load_config
+from router.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def _knob(text: str) -> tuple[str, Any]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, yaml.safe_load(value)  # numbers and booleans as YAML reads them
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    serve = commands.add_parser(
+        "serve", help="run the router",
+        description="Run the router. Flags override KVROUTER_* environment variables, "
+        "which override the config file.")
+    serve.add_argument("--config", type=Path, help="YAML config file")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--worker", action="append", dest="workers", metavar="URL",
+                       help="an engine's base URL (repeat for each worker)")
+    serve.add_argument("--policy", help=f"one of {', '.join(policy_names())}")
+    serve.add_argument("--policy-knob", action="append", type=_knob, dest="knobs",
+                       metavar="NAME=VALUE", help="a policy knob (repeatable)")
+    serve.add_argument("--kv-tokens", type=int,
+                       help="every worker's KV capacity in tokens (default: read from "
+                       "the engines' /metrics)")
+    serve.add_argument("--block-bytes", type=int, help="prefix block size in bytes")
+    serve.add_argument("--max-attempts", type=int,
+                       help="workers tried before the first byte")
+    serve.add_argument("--seed", type=int, help="seed for policies that draw at random")
+    serve.set_defaults(func=run_serve)
+
+    check = commands.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("file", type=Path)
+    check.set_defaults(func=run_check)
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in ("host", "port", "policy", "seed"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    if args.workers:
+        values["workers"] = args.workers
+    if args.knobs:
+        values["policy_knobs"] = dict(args.knobs)
+    if args.kv_tokens is not None:
+        values["capacity"] = {"kv_tokens": args.kv_tokens}
+    if args.block_bytes is not None:
+        values["prefix"] = {"block_bytes": args.block_bytes}
+    if args.max_attempts is not None:
+        values["upstream"] = {"max_attempts": args.max_attempts}
+    return values
+
+
+def run_check(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file, environ={})
+    except ConfigError as exc:
+        print(f"{args.file}: invalid: {exc}")
+        return 1
+    print(f"{args.file}: ok ({len(config.workers)} workers, policy {config.policy})")
+    return 0
+
+
+async def serve(config: RouterConfig) -> None:
+    from router.app import create_app
+
+    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    log.info("kvrouter on http://%s:%d routing to %d workers with policy %s",
+             config.host, config.port, len(config.workers), config.policy)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, flag_overrides(args))
+    except ConfigError as exc:
+        print(f"error: {exc}")
+        return 2
+    if not config.workers:
+        print("error: no workers: give --worker URL (repeatable) or 'workers' in --config")
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            import uvloop
+        except ImportError:
+            asyncio.run(serve(config))
+        else:
+            uvloop.run(serve(config))
+    return 0

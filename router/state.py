@@ -1,0 +1,34 @@
+"""What one router app owns, on a typed ``web.AppKey`` (no module-level state)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from router.config import RouterConfig
+from router.metrics import RouterMetrics
+from router.routing import Router
+from router.workers import Worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RouterState:
+    config: RouterConfig
+    router: Router
+    metrics: RouterMetrics
+    session: aiohttp.ClientSession
+
+    def mark_unreachable(self, worker: Worker) -> None:
+        """Passive health: a refused connection takes the worker out until a probe passes."""
+        if worker.healthy:
+            log.warning("worker %s unreachable; out of rotation until its next health probe",
+                        worker.name)
+        worker.healthy = False
+
+
+STATE_KEY = web.AppKey("kvrouter_state", RouterState)
