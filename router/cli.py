@@ -17,6 +17,7 @@ from router import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     from bench import cli as bench_cli
+    from bench import demo
     from bench.sim import cli as sim_cli
     from router import capacity_cli, serve_cli
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim_cli.register(commands)
     capacity_cli.register(commands)
     bench_cli.register(commands)
+    demo.register(commands)
     return parser
 
 

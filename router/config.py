@@ -236,6 +236,15 @@ def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
 ENV_PREFIX = "KVROUTER_"
 
 
+def _knob_value(text: str) -> Any:
+    """Knobs are untyped here (each policy types its own): read them as YAML, as the
+    --policy-knob flag does, so "0.5" is a number; the policy names a bad one."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
 def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """``KVROUTER_PORT=9000`` -> ``{"port": "9000"}``; ``KVROUTER_UPSTREAM__MAX_ATTEMPTS``
     -> ``{"upstream": {"max_attempts": ...}}``; ``KVROUTER_WORKERS`` is comma-separated."""
@@ -248,7 +257,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         node = result
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = value
+        node[path[-1]] = _knob_value(value) if path[0] == "policy_knobs" else value
     return result
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -51,9 +51,6 @@ class _FleetCollector(Collector):
             "healthy": GaugeMetricFamily(
                 "kvrouter_worker_healthy", "1 if the worker receives traffic.",
                 labels=["worker"]),
-            "rate": GaugeMetricFamily(
-                "kvrouter_worker_prefill_tokens_per_second",
-                "Prefill speed learned from observed TTFTs.", labels=["worker"]),
         }
         for w in self._fleet.all():
             resident = self._index.resident_blocks(w.name) * self._block_tokens
@@ -64,7 +61,6 @@ class _FleetCollector(Collector):
                 ("resident", resident),
                 ("capacity", w.capacity_tokens),
                 ("healthy", 1 if w.healthy else 0),
-                ("rate", w.prefill_tokens_per_s),
             ):
                 families[key].add_metric([w.name], value)
         yield from families.values()
@@ -118,6 +114,14 @@ class RouterMetrics:
             "kvrouter_routing_decision_seconds",
             "Time to hash the prompt, look up the index and choose a worker.",
             buckets=DECISION_BUCKETS, registry=r)
+        self.prefill_rate = Gauge(
+            "kvrouter_prefill_tokens_per_second",
+            "Fleet prefill speed learned from TTFTs and engine-reported uncached tokens.",
+            registry=r)
+        self.residency_share = Gauge(
+            "kvrouter_worker_residency_share",
+            "Calibrated share of the worker's nominal KV capacity the model assumes held.",
+            ["worker"], registry=r)
         r.register(_FleetCollector(fleet, index, block_tokens))
 
     def render(self) -> bytes:

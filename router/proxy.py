@@ -33,7 +33,7 @@ from router.errors import (
 )
 from router.parse import Kind, parse_request
 from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER, ChainExtender
-from router.routing import Dispatch
+from router.routing import Dispatch, EngineUsage
 from router.state import STATE_KEY, RouterState
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,6 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     request = parse_request(kind, raw, http.headers.get(config.session_header),
                             config.session_body_fields, config.prefix.block_bytes)
     if not state.router.fleet.serves(request.model):
-        state.metrics.rejected.labels("404").inc()
         raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
     request_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     route = state.router.route_request(request, request_id)
@@ -120,12 +119,13 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
             if failure is None:
                 raise
             break
+        if tried:  # this dispatch retries the attempt that failed before it
+            state.metrics.retries.labels(tried[-1]).inc()
         try:
             return await _attempt(http, state, dispatch, request_id, arrived)
         except _Retry as retry:
             failure = retry
             tried.append(dispatch.worker.name)
-            state.metrics.retries.labels(dispatch.worker.name).inc()
             log.warning("request %s failed on %s before the first byte: %s",
                         request_id, dispatch.worker.name, retry.error.message)
     assert failure is not None
@@ -163,7 +163,7 @@ async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
         upstream = await _open(state, dispatch, http, request_id)
         try:
             if upstream.status >= 500:
-                body = await upstream.content.read(MAX_WHOLE_RESPONSE_BYTES)
+                body = await _read_whole(dispatch, upstream)
                 raise _Retry(UpstreamError(f"worker {dispatch.worker.name} answered "
                                            f"{upstream.status}"),
                              _Fallback(upstream.status, body, upstream.content_type))
@@ -197,24 +197,43 @@ def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outco
     if not sent:
         dispatch.fail(outcome)
         return
-    dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [])
+    prompt, cached = capture.prompt_tokens, capture.cached_tokens
+    usage = EngineUsage(prompt, cached) if prompt is not None and cached is not None else None
+    dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [], usage)
     metrics.requests.labels(dispatch.request.model, worker, outcome).inc()
     metrics.latency.labels(worker).observe(time.monotonic() - arrived)
-    prompt = capture.prompt_tokens
     metrics.prompt_tokens.labels(worker).inc(prompt if prompt is not None
                                              else dispatch.route.prompt_tokens)
-    cached = capture.cached_tokens
-    if cached is not None and prompt is not None:
-        metrics.engine_cached_tokens.labels(worker).inc(cached)
-        metrics.usage_prompt_tokens.labels(worker).inc(prompt)
+    if usage is not None:
+        metrics.engine_cached_tokens.labels(worker).inc(usage.cached_tokens)
+        metrics.usage_prompt_tokens.labels(worker).inc(usage.prompt_tokens)
+
+
+def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
+    """A retryable failure; a timeout answers 504 if no other worker can be tried."""
+    error = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamError
+    return _Retry(error(f"worker {dispatch.worker.name} {what}: {exc!r}"))
+
+
+async def _read_whole(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> bytes:
+    """The whole body (``content.read(n)`` would return only what is buffered so far)."""
+    body = bytearray()
+    try:
+        async for chunk in upstream.content.iter_any():
+            body += chunk
+            if len(body) > MAX_WHOLE_RESPONSE_BYTES:
+                raise UpstreamError(f"worker {dispatch.worker.name} answered more than "
+                                    f"{MAX_WHOLE_RESPONSE_BYTES} bytes")
+    except UPSTREAM_ERRORS as exc:
+        raise _failed(dispatch, "failed", exc) from exc
+    return bytes(body)
 
 
 async def _first_chunk(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> bytes:
     try:
         chunk = await upstream.content.readany()
     except UPSTREAM_ERRORS as exc:
-        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} failed before its first "
-                                   f"byte: {exc!r}")) from exc
+        raise _failed(dispatch, "failed before its first byte", exc) from exc
     if not chunk:
         raise _Retry(UpstreamError(f"worker {dispatch.worker.name} closed the stream "
                                    "before its first byte"))
@@ -255,10 +274,7 @@ async def _relay_stream(http: web.Request, dispatch: Dispatch,
 async def _relay_whole(http: web.Request, dispatch: Dispatch,
                        upstream: aiohttp.ClientResponse, capture: ReplyCapture,
                        request_id: str) -> tuple[web.StreamResponse, Outcome]:
-    try:
-        body = await upstream.content.read(MAX_WHOLE_RESPONSE_BYTES)
-    except UPSTREAM_ERRORS as exc:
-        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} failed: {exc!r}")) from exc
+    body = await _read_whole(dispatch, upstream)
     dispatch.first_byte(observe=False)  # no TTFT: the whole body arrived at once
     if upstream.status == 200:
         capture.feed_whole(body)

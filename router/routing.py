@@ -4,7 +4,8 @@
 policy choose, takes a load ``Lease`` and records the prompt's blocks on the chosen worker
 at once (speculatively: siblings arriving next find them; ``Dispatch.fail`` withdraws
 them). ``Dispatch.finish`` releases the lease exactly once and, on success, extends the
-worker's entries with the reply so the session's next turn matches its whole history.
+worker's entries with the reply so the session's next turn matches its whole history, and
+feeds what the engine reported to the prefill rate and the residency calibration.
 """
 
 from __future__ import annotations
@@ -16,9 +17,18 @@ from policies.base import Decision, Outcome, Policy, RouteRequest, WorkerView
 from router.config import BYTES_PER_TOKEN_ESTIMATE
 from router.errors import NoEligibleWorker
 from router.index import PrefixIndex
+from router.learning import PrefillRate, ResidencyCalibrator
 from router.metrics import RouterMetrics
 from router.parse import ClientRequest
 from router.workers import Fleet, Lease, Worker
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUsage:
+    """What the engine reported for a finished request."""
+
+    prompt_tokens: int
+    cached_tokens: int
 
 
 @dataclass(slots=True)
@@ -34,32 +44,36 @@ class Dispatch:
     added: list[int]
     queued_before: int  # prefill tokens queued on the worker ahead of this request
     sent_at: float = field(default_factory=time.monotonic)
+    ttft: float | None = None
     done: bool = False
 
     def first_byte(self, observe: bool = True) -> float:
-        """The worker answered: its prefill of this request is done. Returns the TTFT;
-        ``observe`` feeds it to the worker's learned prefill rate."""
-        ttft = time.monotonic() - self.sent_at
-        if not self.lease.released:
-            self.lease.prefill_done()
-            if observe:
-                self.worker.observe_prefill(self.queued_before + self.lease.prefill_tokens,
-                                            ttft)
-        return ttft
+        """The worker answered: its prefill of this request is done. Returns the time
+        since dispatch; ``observe`` keeps it as this request's TTFT."""
+        elapsed = time.monotonic() - self.sent_at
+        self.lease.prefill_done()
+        if observe:
+            self.ttft = elapsed
+        return elapsed
 
     def fail(self, outcome: Outcome) -> None:
         """Nothing reached the worker's cache: withdraw the speculative entries."""
         self.router.index.forget(self.worker.name, self.added)
         self.finish(outcome, ())
 
-    def finish(self, outcome: Outcome, reply_hashes: tuple[int, ...] | list[int]) -> None:
+    def finish(self, outcome: Outcome, reply_hashes: tuple[int, ...] | list[int],
+               usage: EngineUsage | None = None) -> None:
         if self.done:
             return
         self.done = True
         self.lease.release()
-        if outcome == "success" and reply_hashes:
-            self.router.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
-        self.router.policy.on_complete(self.route, self.worker.name, outcome)
+        router = self.router
+        if outcome == "success":
+            if reply_hashes:
+                router.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
+            if usage is not None:
+                router.learn(self, usage)
+        router.policy.on_complete(self.route, self.worker.name, outcome)
 
 
 class Router:
@@ -71,6 +85,8 @@ class Router:
         self.policy_name = policy_name
         self.block_tokens = block_tokens
         self.metrics = metrics
+        self.prefill_rate = PrefillRate()
+        self.calibrator = ResidencyCalibrator(index, block_tokens)
 
     def route_request(self, request: ClientRequest, request_id: str) -> RouteRequest:
         return RouteRequest(
@@ -103,6 +119,16 @@ class Router:
         self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
         return Dispatch(self, request, route, worker, decision, lease, added, queued_before)
 
+    def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
+        uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
+        if dispatch.ttft is not None:
+            self.prefill_rate.observe(dispatch.queued_before + uncached, dispatch.ttft)
+            self.metrics.prefill_rate.set(self.prefill_rate.tokens_per_s)
+        predicted = min(dispatch.decision.predicted_cached_tokens, usage.prompt_tokens)
+        worker = dispatch.worker
+        self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
+        self.metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
+
     def _view(self, worker: Worker, route: RouteRequest) -> WorkerView:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         return WorkerView(
@@ -113,5 +139,5 @@ class Router:
             matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,
-            prefill_tokens_per_s=worker.prefill_tokens_per_s,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
         )

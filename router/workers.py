@@ -1,4 +1,4 @@
-"""Workers as the router tracks them: address, health, models, load and learned speed.
+"""Workers as the router tracks them: address, health, models and load.
 
 Load accounting is exact: a ``Lease`` is taken before dispatch and released exactly once
 on every exit path (success, upstream error, client disconnect, timeout); releasing twice
@@ -9,13 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-# Prefill speed assumed for a worker before any TTFT has been observed (tokens/s).
-DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
-# Weight of a new TTFT observation in the prefill-rate moving average.
-RATE_EWMA_ALPHA = 0.2
-# Observations below this many prefilled tokens say more about overhead than speed.
-MIN_RATE_SAMPLE_TOKENS = 256
 
 
 @dataclass(slots=True)
@@ -28,23 +21,10 @@ class Worker:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     queued_prefill_tokens: int = 0
-    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
-    rate_samples: int = 0
 
     def serves(self, model: str) -> bool:
         # Before the first /v1/models answer a worker is assumed to serve any model.
         return not self.models or model in self.models
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """Learn the prefill rate from one TTFT: ``tokens`` prefilled in ``seconds``."""
-        if tokens < MIN_RATE_SAMPLE_TOKENS or seconds <= 0:
-            return
-        sample = tokens / seconds
-        if self.rate_samples == 0:
-            self.prefill_tokens_per_s = sample
-        else:
-            self.prefill_tokens_per_s += RATE_EWMA_ALPHA * (sample - self.prefill_tokens_per_s)
-        self.rate_samples += 1
 
 
 class Lease:

@@ -1,0 +1,157 @@
+"""``kvrouter demo``: a simulated fleet, the router under several policies, one comparison.
+
+Starts ``--engines`` simulated vLLM engines (one process each), generates the built-in
+coding-agent workload, and for each policy starts ``kvrouter serve`` in front of the
+fleet, empties every engine's cache (a simulated restart) and replays the workload
+through it. Ends with the side-by-side table and the plots (TTFT CDF, hit rate by turn).
+
+The engines get a deliberately small KV cache (``--kv-tokens``) so the fleet holds less
+context than the sessions need: that is where routing decides the hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+
+from bench.replay.compare import compare
+from bench.replay.progress import ProgressDisplay
+from bench.replay.result import RunResult, save_result
+from bench.replay.runner import ReplayConfig, replay, select_sessions
+from bench.sim.fleet import EngineProcess, fleet, wait_healthy
+from bench.workloads.agent import AgentParams, generate
+from bench.workloads.trace import group_sessions, write_trace
+
+log = logging.getLogger(__name__)
+
+DEFAULT_POLICIES = ("round_robin", "cache_aware", "ttft")
+DEFAULT_ENGINES = 4
+DEFAULT_SESSIONS = 24
+DEFAULT_RATE = 0.1  # sessions/s (simulated): ~one new agent session every 10 s
+DEFAULT_KV_TOKENS = 100_000  # per engine; ~4 agent sessions' worth at 25K tokens each
+DEFAULT_MAX_CONTEXT = 90_000  # keeps every prompt under the engines' max_model_len
+DEFAULT_TIME_SCALE = 20.0
+DEFAULT_OUT = Path("results/demo")
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    engines: int = DEFAULT_ENGINES
+    sessions: int = DEFAULT_SESSIONS
+    rate: float = DEFAULT_RATE
+    seed: int = 7
+    kv_tokens: int = DEFAULT_KV_TOKENS
+    time_scale: float = DEFAULT_TIME_SCALE
+    policies: tuple[str, ...] = DEFAULT_POLICIES
+    out: Path = DEFAULT_OUT
+    base_port: int = 8100
+    router_port: int = 8000
+    host: str = "127.0.0.1"
+
+
+async def _start_router(config: DemoConfig, policy: str,
+                        engines: Sequence[EngineProcess]) -> asyncio.subprocess.Process:
+    workers = [arg for e in engines for arg in ("--worker", e.url)]
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router.cli", "--log-level", "WARNING", "serve",
+        "--host", config.host, "--port", str(config.router_port), "--policy", policy,
+        "--seed", str(config.seed), *workers,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_router(config: DemoConfig, policy: str,
+                         engines: Sequence[EngineProcess]) -> AsyncIterator[str]:
+    process = await _start_router(config, policy, engines)
+    url = f"http://{config.host}:{config.router_port}"
+    try:
+        await wait_healthy([url])
+        yield url
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 10)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+async def empty_caches(engines: Sequence[EngineProcess]) -> None:
+    async with aiohttp.ClientSession() as http:
+        for engine in engines:
+            async with http.post(f"{engine.url}/sim/restart") as response:
+                response.raise_for_status()
+
+
+async def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
+    config.out.mkdir(parents=True, exist_ok=True)
+    trace_path = config.out / "trace.jsonl"
+    turns = generate(AgentParams(sessions=config.sessions, rate=config.rate,
+                                 max_context_tokens=DEFAULT_MAX_CONTEXT), config.seed)
+    write_trace(turns, trace_path)
+    sessions = select_sessions(turns)
+    console.print(f"workload: {len(group_sessions(turns))} coding-agent sessions, "
+                  f"{len(turns)} turns -> {trace_path}")
+    flags = ["--kv-tokens", str(config.kv_tokens), "--time-scale", str(config.time_scale),
+             "--stream-interval", "8"]
+    results: list[RunResult] = []
+    async with fleet(config.engines, config.host, config.base_port, flags) as engines:
+        console.print(f"fleet: {config.engines} simulated engines, {config.kv_tokens:,} KV "
+                      f"tokens each, time scale {config.time_scale:g}")
+        for policy in config.policies:
+            await empty_caches(engines)
+            await wait_healthy([e.url for e in engines])
+            async with running_router(config, policy, engines) as url:
+                console.print(f"policy {policy}: replaying through {url}")
+                replay_config = ReplayConfig(target=url, trace=trace_path,
+                                             time_scale=config.time_scale)
+                total = sum(len(s.turns) for s in sessions)
+                async with ProgressDisplay(total) as display:
+                    result = await replay(replay_config, sessions, display.add)
+            save_result(result, config.out / f"{policy}.json")
+            results.append(result)
+    compare(results, list(config.policies), console, config.out)
+    return results
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    parser = commands.add_parser(
+        "demo", help="simulated fleet + router: compare policies on an agent workload",
+        description=__doc__)
+    parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
+    parser.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS)
+    parser.add_argument("--rate", type=float, default=DEFAULT_RATE,
+                        help="agent sessions arriving per simulated second")
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
+                        help="KV cache per engine, in tokens")
+    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                        help="comma-separated policies to compare")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                        help="directory for the trace, results and plots")
+    parser.add_argument("--base-port", type=int, default=8100)
+    parser.add_argument("--router-port", type=int, default=8000)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = DemoConfig(
+        engines=args.engines, sessions=args.sessions, rate=args.rate, seed=args.seed,
+        kv_tokens=args.kv_tokens, time_scale=args.time_scale,
+        policies=tuple(p for p in args.policies.split(",") if p), out=args.out,
+        base_port=args.base_port, router_port=args.router_port,
+    )
+    asyncio.run(run_demo(config, Console()))
+    return 0

@@ -1,0 +1,76 @@
+"""What the router learns from responses: prefill speed and how much each cache holds.
+
+``PrefillRate``: tokens prefilled per second, from each streamed response's TTFT and the
+engine-reported uncached tokens (prompt - cached, plus the prefill queued ahead of it).
+One fleet-wide moving average: fleets are usually homogeneous, and one rate fed by every
+response settles far faster and noisier workers than a rate per worker would.
+
+``ResidencyCalibrator``: the residency model is sized from the engine's nominal KV
+capacity, but blocks pinned by running requests, preemptions and timing make the engine
+hold less than that. When the engine reports fewer cached tokens than the model predicted,
+the worker's modelled capacity shrinks a step; when it reports at least as many, it grows
+back a smaller step, never past the nominal capacity. Predictions then stay honest under
+cache pressure, which is when they matter.
+"""
+
+from __future__ import annotations
+
+from router.index import PrefixIndex
+from router.workers import Worker
+
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+RATE_EWMA_ALPHA = 0.1
+# Observations below this many prefilled tokens say more about overhead than speed.
+MIN_RATE_SAMPLE_TOKENS = 512
+
+# Over-prediction beyond this share of the prompt counts as the model being too generous.
+CALIBRATION_TOLERANCE = 0.1
+SHRINK_STEP = 0.03
+GROW_STEP = 0.01
+MIN_CAPACITY_SHARE = 0.1
+
+
+class PrefillRate:
+    __slots__ = ("samples", "tokens_per_s")
+
+    def __init__(self, initial: float = DEFAULT_PREFILL_TOKENS_PER_S) -> None:
+        self.tokens_per_s = initial
+        self.samples = 0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < MIN_RATE_SAMPLE_TOKENS or seconds <= 0:
+            return
+        sample = tokens / seconds
+        if self.samples == 0:
+            self.tokens_per_s = sample
+        else:
+            self.tokens_per_s += RATE_EWMA_ALPHA * (sample - self.tokens_per_s)
+        self.samples += 1
+
+
+class ResidencyCalibrator:
+    def __init__(self, index: PrefixIndex, block_tokens: int) -> None:
+        self._index = index
+        self._block_tokens = block_tokens
+        self._share: dict[str, float] = {}
+
+    def share(self, worker: str) -> float:
+        """The fraction of its nominal capacity the worker is modelled to hold."""
+        return self._share.get(worker, 1.0)
+
+    def observe(self, worker: Worker, predicted: int, cached: int, prompt: int) -> None:
+        if prompt <= 0:
+            return
+        share = self.share(worker.name)
+        if predicted - cached > CALIBRATION_TOLERANCE * prompt:
+            share = max(MIN_CAPACITY_SHARE, share * (1 - SHRINK_STEP))
+        elif cached >= predicted:
+            share = min(1.0, share * (1 + GROW_STEP))
+        else:
+            return
+        self._share[worker.name] = share
+        blocks = max(1, int(worker.capacity_tokens * share) // self._block_tokens)
+        self._index.resize_worker(worker.name, blocks)
+
+    def reset(self, worker: str) -> None:
+        self._share.pop(worker, None)
