@@ -7,6 +7,7 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
+    from bench import perf
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -14,3 +15,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH_COMMAND")
     workloads_cli.register(sub)
     replay_cli.register(sub)
+    perf.register(sub)

@@ -1,0 +1,169 @@
+"""Router performance benchmarks: ``kvrouter bench hashing`` and ``kvrouter bench overhead``.
+
+Both report ratios against a baseline measured in the same run, because this kind of
+machine is small and noisy: absolute numbers move from run to run, ratios much less.
+
+* ``hashing``: the routing work for one long prompt (parse the body, canonicalize, hash
+  the prefix blocks, look up the longest match on every worker) against parsing the
+  same body with orjson alone, which any proxy that reads the model name must do.
+* ``overhead``: TTFT and end-to-end latency through the router against the same
+  requests sent straight to the engine, at a fixed request rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from bench.sim.config import EngineConfig
+from bench.sim.server import create_app as create_engine_app
+from bench.textgen import text_for
+from router.capacity import gpu, load_model
+from router.config import RouterConfig, WorkerConfig
+from router.index import LocalPrefixIndex
+from router.parse import parse_request
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _time(fn: Callable[[], object], repeat: int) -> list[float]:
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def hashing(tokens: int, workers: int, repeat: int) -> dict[str, float]:
+    body = orjson.dumps({"model": "m", "messages": [
+        {"role": "system", "content": text_for("sys", 4000)},
+        {"role": "user", "content": text_for("user", tokens - 4000)},
+    ]})
+    block_bytes = 256
+    index = LocalPrefixIndex()
+    request = parse_request("chat", body, None, ("user",), block_bytes)
+    for w in range(workers):
+        index.add_worker(f"w{w}", 1_000_000)
+        # Each worker holds a different share of the prompt, so searches differ.
+        index.touch(f"w{w}", request.key.hashes[: len(request.key.hashes) * (w + 1) // workers])
+
+    def route() -> None:
+        parsed = parse_request("chat", body, None, ("user",), block_bytes)
+        for w in range(workers):
+            index.match(f"w{w}", parsed.key.hashes)
+
+    baseline = _time(lambda: orjson.loads(body), repeat)
+    routed = _time(route, repeat)
+    return {
+        "prompt_tokens": tokens, "body_bytes": len(body), "blocks": len(request.key.hashes),
+        "workers": workers,
+        "orjson_parse_ms_p50": statistics.median(baseline) * 1e3,
+        "route_ms_p50": statistics.median(routed) * 1e3,
+        "route_ms_p99": _percentile(routed, 0.99) * 1e3,
+        "ratio_to_parse": statistics.median(routed) / statistics.median(baseline),
+    }
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def _load(http: aiohttp.ClientSession, url: str, requests: int, rate: float,
+                prompt_tokens: int) -> tuple[list[float], list[float]]:
+    ttfts: list[float] = []
+    totals: list[float] = []
+
+    async def one(i: int) -> None:
+        body = {"model": "m", "stream": True, "max_tokens": 16, "ignore_eos": True,
+                "messages": [{"role": "user", "content": text_for(f"r{i}", prompt_tokens)}]}
+        start = time.perf_counter()
+        first = None
+        async with http.post(url + "/v1/chat/completions", json=body) as response:
+            async for _ in response.content.iter_any():
+                first = first or time.perf_counter()
+        end = time.perf_counter()
+        ttfts.append((first or end) - start)
+        totals.append(end - start)
+
+    tasks = []
+    for i in range(requests):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(1 / rate)
+    await asyncio.gather(*tasks)
+    return ttfts, totals
+
+
+async def overhead(requests: int, rate: float, prompt_tokens: int) -> dict[str, float]:
+    from router.app import create_app as create_router_app
+
+    engine_config = EngineConfig(model=load_model("llama-3.1-8b"), gpu=gpu("h100"),
+                                 served_model_name="m", kv_tokens=200_000)
+    engine_runner, engine_url = await _serve(create_engine_app(engine_config))
+    router_config = RouterConfig(workers=(WorkerConfig(engine_url),), policy="ttft")
+    router_runner, router_url = await _serve(create_router_app(router_config))
+    try:
+        async with aiohttp.ClientSession() as http:
+            results: dict[str, Any] = {}
+            # Interleave direct and routed rounds so drift hits both alike.
+            for label, url in (("direct", engine_url), ("router", router_url)) * 2:
+                ttft, total = await _load(http, url, requests // 2, rate, prompt_tokens)
+                results.setdefault(label, ([], []))
+                results[label][0].extend(ttft)
+                results[label][1].extend(total)
+    finally:
+        await router_runner.cleanup()
+        await engine_runner.cleanup()
+    out: dict[str, float] = {"requests_each": requests, "rate": rate}
+    for label, (ttft, total) in results.items():
+        out[f"{label}_ttft_ms_p50"] = statistics.median(ttft) * 1e3
+        out[f"{label}_ttft_ms_p99"] = _percentile(ttft, 0.99) * 1e3
+        out[f"{label}_e2e_ms_p50"] = statistics.median(total) * 1e3
+        out[f"{label}_e2e_ms_p99"] = _percentile(total, 0.99) * 1e3
+    for stat in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p99"):
+        out[f"added_{stat}"] = out[f"router_{stat}"] - out[f"direct_{stat}"]
+        out[f"ratio_{stat}"] = out[f"router_{stat}"] / out[f"direct_{stat}"]
+    return out
+
+
+def _print(results: dict[str, float]) -> None:
+    for key, value in results.items():
+        print(f"{key:28} {value:12.3f}" if isinstance(value, float) else f"{key:28} {value:>12}")
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    h = sub.add_parser("hashing", help="routing work for one long prompt vs parsing it")
+    h.add_argument("--tokens", type=int, default=100_000)
+    h.add_argument("--workers", type=int, default=8)
+    h.add_argument("--repeat", type=int, default=200)
+    h.set_defaults(func=_run_hashing)
+    o = sub.add_parser("overhead", help="latency through the router vs straight to the engine")
+    o.add_argument("--requests", type=int, default=400)
+    o.add_argument("--rate", type=float, default=20.0, help="requests per second")
+    o.add_argument("--prompt-tokens", type=int, default=1000)
+    o.set_defaults(func=_run_overhead)
+
+
+def _run_hashing(args: argparse.Namespace) -> int:
+    _print(hashing(args.tokens, args.workers, args.repeat))
+    return 0
+
+
+def _run_overhead(args: argparse.Namespace) -> int:
+    _print(asyncio.run(overhead(args.requests, args.rate, args.prompt_tokens)))
+    return 0
