@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import perf
+    from bench import peers, perf
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -16,3 +16,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     workloads_cli.register(sub)
     replay_cli.register(sub)
     perf.register(sub)
+    peers.register(sub)

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,23 +59,31 @@ class DemoConfig:
     host: str = "127.0.0.1"
 
 
-async def _start_router(config: DemoConfig, policy: str,
-                        engines: Sequence[EngineProcess]) -> asyncio.subprocess.Process:
-    workers = [arg for e in engines for arg in ("--worker", e.url)]
-    return await asyncio.create_subprocess_exec(
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """A router to measure: a label and the command that serves it on ``port``."""
+
+    label: str
+    argv: tuple[str, ...]
+    port: int
+
+
+def kvrouter_spec(config: DemoConfig, policy: str, worker_urls: Sequence[str]) -> RouterSpec:
+    workers = [arg for url in worker_urls for arg in ("--worker", url)]
+    return RouterSpec(policy, (
         sys.executable, "-m", "router.cli", "--log-level", "WARNING", "serve",
         "--host", config.host, "--port", str(config.router_port), "--policy", policy,
         "--seed", str(config.seed), *workers,
-    )
+    ), config.router_port)
 
 
 @contextlib.asynccontextmanager
-async def running_router(config: DemoConfig, policy: str,
-                         engines: Sequence[EngineProcess]) -> AsyncIterator[str]:
-    process = await _start_router(config, policy, engines)
-    url = f"http://{config.host}:{config.router_port}"
+async def running_router(spec: RouterSpec, host: str) -> AsyncIterator[str]:
+    process = await asyncio.create_subprocess_exec(
+        *spec.argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    url = f"http://{host}:{spec.port}"
     try:
-        await wait_healthy([url])
+        await wait_healthy([url], timeout_s=60)
         yield url
     finally:
         if process.returncode is None:
@@ -94,7 +102,12 @@ async def empty_caches(engines: Sequence[EngineProcess]) -> None:
                 response.raise_for_status()
 
 
-async def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
+RouterSpecs = Callable[[Sequence[str]], Sequence[RouterSpec]]
+
+
+async def run_comparison(config: DemoConfig, console: Console,
+                         specs_for: RouterSpecs) -> list[RunResult]:
+    """Replay one agent workload through each router in front of the same fleet."""
     config.out.mkdir(parents=True, exist_ok=True)
     trace_path = config.out / "trace.jsonl"
     turns = generate(AgentParams(sessions=config.sessions, rate=config.rate,
@@ -109,26 +122,30 @@ async def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
     async with fleet(config.engines, config.host, config.base_port, flags) as engines:
         console.print(f"fleet: {config.engines} simulated engines, {config.kv_tokens:,} KV "
                       f"tokens each, time scale {config.time_scale:g}")
-        for policy in config.policies:
+        specs = specs_for([e.url for e in engines])
+        for spec in specs:
             await empty_caches(engines)
             await wait_healthy([e.url for e in engines])
-            async with running_router(config, policy, engines) as url:
-                console.print(f"policy {policy}: replaying through {url}")
+            async with running_router(spec, config.host) as url:
+                console.print(f"{spec.label}: replaying through {url}")
                 replay_config = ReplayConfig(target=url, trace=trace_path,
                                              time_scale=config.time_scale)
                 total = sum(len(s.turns) for s in sessions)
                 async with ProgressDisplay(total) as display:
                     result = await replay(replay_config, sessions, display.add)
-            save_result(result, config.out / f"{policy}.json")
+            save_result(result, config.out / f"{spec.label}.json")
             results.append(result)
-    compare(results, list(config.policies), console, config.out)
+    compare(results, [spec.label for spec in specs], console, config.out)
     return results
 
 
-def register(commands: argparse._SubParsersAction[Any]) -> None:
-    parser = commands.add_parser(
-        "demo", help="simulated fleet + router: compare policies on an agent workload",
-        description=__doc__)
+async def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
+    return await run_comparison(
+        config, console,
+        lambda urls: [kvrouter_spec(config, policy, urls) for policy in config.policies])
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
     parser.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS)
     parser.add_argument("--rate", type=float, default=DEFAULT_RATE,
@@ -138,20 +155,30 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
                         help="KV cache per engine, in tokens")
     parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help="comma-separated policies to compare")
+                        help="comma-separated kvrouter policies to compare")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="directory for the trace, results and plots")
     parser.add_argument("--base-port", type=int, default=8100)
     parser.add_argument("--router-port", type=int, default=8000)
-    parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    config = DemoConfig(
+def demo_config(args: argparse.Namespace) -> DemoConfig:
+    return DemoConfig(
         engines=args.engines, sessions=args.sessions, rate=args.rate, seed=args.seed,
         kv_tokens=args.kv_tokens, time_scale=args.time_scale,
         policies=tuple(p for p in args.policies.split(",") if p), out=args.out,
         base_port=args.base_port, router_port=args.router_port,
     )
-    asyncio.run(run_demo(config, Console()))
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    parser = commands.add_parser(
+        "demo", help="simulated fleet + router: compare policies on an agent workload",
+        description=__doc__)
+    add_workload_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(run_demo(demo_config(args), Console()))
     return 0
