@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -13,7 +13,9 @@ from aiohttp import web
 from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine
 from bench.sim.server import ENGINE_KEY, create_app
+from router.app import create_app as create_router_app
 from router.capacity import gpu, load_model
+from router.config import HealthConfig, RouterConfig, WorkerConfig
 
 TEST_MODEL = "sim-model"
 # Fast enough for CI, slow enough that the roofline still orders events.
@@ -70,3 +72,39 @@ def engine_factory() -> EngineFactory:
 async def sim() -> AsyncIterator[RunningEngine]:
     async with serve_engine(engine_config()) as running:
         yield running
+
+
+# -- the router ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class RunningRouter:
+    url: str
+    app: web.Application
+    config: RouterConfig
+
+
+def router_config(engines: Sequence[RunningEngine], **overrides: Any) -> RouterConfig:
+    """A router over ``engines``, named w0, w1, ... in order; ``overrides`` are
+    ``RouterConfig`` fields. Health probes are slow unless a test asks otherwise, so
+    the only probe is the one at startup."""
+    workers = tuple(WorkerConfig(e.url, name=f"w{i}") for i, e in enumerate(engines))
+    values: dict[str, Any] = {"workers": workers, "host": "127.0.0.1", "port": 0,
+                              "health": HealthConfig(interval_s=60.0), "seed": 1}
+    values.update(overrides)
+    return RouterConfig(**values)
+
+
+@contextlib.asynccontextmanager
+async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
+    """A router app on a free loopback port, stopped on exit."""
+    app = create_router_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield RunningRouter(f"http://127.0.0.1:{port}", app, config)
+    finally:
+        await runner.cleanup()
