@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from rich.console import Console
 
+from bench.replay.client import discover_model
 from bench.replay.compare import compare
 from bench.replay.progress import ProgressDisplay
 from bench.replay.result import RunResult, save_result
@@ -123,12 +124,15 @@ async def run_comparison(config: DemoConfig, console: Console,
         console.print(f"fleet: {config.engines} simulated engines, {config.kv_tokens:,} KV "
                       f"tokens each, time scale {config.time_scale:g}")
         specs = specs_for([e.url for e in engines])
+        async with aiohttp.ClientSession() as http:
+            # From the engine: some peer routers answer /v1/models only with a tokenizer.
+            model = await discover_model(http, engines[0].url)
         for spec in specs:
             await empty_caches(engines)
             await wait_healthy([e.url for e in engines])
             async with running_router(spec, config.host) as url:
                 console.print(f"{spec.label}: replaying through {url}")
-                replay_config = ReplayConfig(target=url, trace=trace_path,
+                replay_config = ReplayConfig(target=url, trace=trace_path, model=model,
                                              time_scale=config.time_scale)
                 total = sum(len(s.turns) for s in sessions)
                 async with ProgressDisplay(total) as display:

@@ -52,6 +52,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        if STATE_KEY in request.app:
+            request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
         error = RouterError(exc.reason)
         body = error.body()
         body["error"]["code"] = exc.status

@@ -66,6 +66,10 @@ class _Retry(Exception):
         self.error = error
         self.fallback = fallback
 
+    @property
+    def outcome(self) -> Outcome:
+        return "timeout" if isinstance(self.error, UpstreamTimeout) else "upstream_error"
+
 
 def _forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
     out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
@@ -129,6 +133,7 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
             log.warning("request %s failed on %s before the first byte: %s",
                         request_id, dispatch.worker.name, retry.error.message)
     assert failure is not None
+    state.metrics.requests.labels(request.model, tried[-1], failure.outcome).inc()
     if failure.fallback is not None:
         fb = failure.fallback
         return web.Response(status=fb.status, body=fb.body, content_type=fb.content_type)
@@ -145,7 +150,10 @@ async def _open(state: RouterState, dispatch: Dispatch, http: web.Request,
     except TimeoutError as exc:
         raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} timed out")) from exc
     except (aiohttp.ClientError, ConnectionError) as exc:
-        state.mark_unreachable(dispatch.worker)
+        # Only a refused or failed new connection says the worker is down; a pooled
+        # connection the engine closed while idle says nothing about its health.
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            state.mark_unreachable(dispatch.worker)
         raise _Retry(UpstreamError(f"worker {dispatch.worker.name} unreachable: {exc}")
                      ) from exc
 
@@ -177,7 +185,8 @@ async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
             return response
         finally:
             upstream.close()
-    except _Retry:
+    except _Retry as retry:
+        outcome = retry.outcome
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         outcome = "client_disconnect"
