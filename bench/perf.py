@@ -21,8 +21,8 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
+from bench.loopback import serve_on_loopback
 from bench.sim.config import EngineConfig
 from bench.sim.server import create_app as create_engine_app
 from bench.textgen import text_for
@@ -76,14 +76,6 @@ def hashing(tokens: int, workers: int, repeat: int) -> dict[str, float]:
     }
 
 
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
 async def _load(http: aiohttp.ClientSession, url: str, requests: int, rate: float,
                 prompt_tokens: int) -> tuple[list[float], list[float]]:
     ttfts: list[float] = []
@@ -114,21 +106,17 @@ async def overhead(requests: int, rate: float, prompt_tokens: int) -> dict[str, 
 
     engine_config = EngineConfig(model=load_model("llama-3.1-8b"), gpu=gpu("h100"),
                                  served_model_name="m", kv_tokens=200_000)
-    engine_runner, engine_url = await _serve(create_engine_app(engine_config))
-    router_config = RouterConfig(workers=(WorkerConfig(engine_url),), policy="ttft")
-    router_runner, router_url = await _serve(create_router_app(router_config))
-    try:
-        async with aiohttp.ClientSession() as http:
-            results: dict[str, Any] = {}
+    async with serve_on_loopback(create_engine_app(engine_config)) as engine_url:
+        router_config = RouterConfig(workers=(WorkerConfig(engine_url),), policy="ttft")
+        async with (serve_on_loopback(create_router_app(router_config)) as router_url,
+                    aiohttp.ClientSession() as http):
+            results: dict[str, tuple[list[float], list[float]]] = {}
             # Interleave direct and routed rounds so drift hits both alike.
             for label, url in (("direct", engine_url), ("router", router_url)) * 2:
                 ttft, total = await _load(http, url, requests // 2, rate, prompt_tokens)
                 results.setdefault(label, ([], []))
                 results[label][0].extend(ttft)
                 results[label][1].extend(total)
-    finally:
-        await router_runner.cleanup()
-        await engine_runner.cleanup()
     out: dict[str, float] = {"requests_each": requests, "rate": rate}
     for label, (ttft, total) in results.items():
         out[f"{label}_ttft_ms_p50"] = statistics.median(ttft) * 1e3

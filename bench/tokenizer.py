@@ -25,6 +25,8 @@ from typing import Any
 
 import orjson
 
+from router.prefix import content_text
+
 TOKEN_BYTES = 4
 _PAD = b"\xff"
 
@@ -51,25 +53,6 @@ def encode_token_ids(ids: Iterable[int]) -> bytes:
 def decode_generated(encoded: bytes) -> str:
     """Text of generated tokens (always 4-byte ASCII, never padded)."""
     return encoded.decode("ascii")
-
-
-def content_text(content: Any) -> str:
-    """Flatten OpenAI message content (a string or a list of parts) to text.
-
-    Non-text parts render as a stable placeholder, so the same part always gives the
-    same tokens.
-    """
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts: list[str] = []
-    for part in content:
-        if isinstance(part, Mapping) and part.get("type") == "text":
-            parts.append(str(part.get("text", "")))
-        else:
-            parts.append(orjson.dumps(part, option=orjson.OPT_SORT_KEYS).decode())
-    return "".join(parts)
 
 
 def _render_message(message: Mapping[str, Any]) -> list[bytes]:

@@ -31,7 +31,9 @@ def chain_seed(model: str, cache_salt: str | None = None) -> int:
     return _digest(f"{model}\x00{cache_salt or ''}".encode())
 
 
-def _text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """OpenAI message content (a string or a list of parts) as text; non-text parts
+    render as their sorted JSON, so the same part always gives the same bytes."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -47,7 +49,7 @@ def _text(content: Any) -> str:
 
 def render_message(message: Mapping[str, Any]) -> bytes:
     pieces = [_RS, str(message.get("role", "")).encode(), _US,
-              _text(message.get("content")).encode()]
+              content_text(message.get("content")).encode()]
     tool_calls = message.get("tool_calls")
     if tool_calls:
         pieces += [_US, orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS)]

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from bench.loopback import serve_on_loopback
 from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine
 from bench.sim.server import ENGINE_KEY, create_app
@@ -44,15 +45,8 @@ class RunningEngine:
 async def serve_engine(config: EngineConfig) -> AsyncIterator[RunningEngine]:
     """One simulated engine on a free loopback port, stopped on exit."""
     app = create_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield RunningEngine(f"http://127.0.0.1:{port}", app[ENGINE_KEY], config)
-    finally:
-        await runner.cleanup()
+    async with serve_on_loopback(app) as url:
+        yield RunningEngine(url, app[ENGINE_KEY], config)
 
 
 EngineFactory = Callable[..., contextlib.AbstractAsyncContextManager[RunningEngine]]
@@ -99,12 +93,5 @@ def router_config(engines: Sequence[RunningEngine], **overrides: Any) -> RouterC
 async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     """A router app on a free loopback port, stopped on exit."""
     app = create_router_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield RunningRouter(f"http://127.0.0.1:{port}", app, config)
-    finally:
-        await runner.cleanup()
+    async with serve_on_loopback(app) as url:
+        yield RunningRouter(url, app, config)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -392,13 +391,6 @@ def test_cli_reports_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "arrival times" in capsys.readouterr().err
 
 
-_KVROUTER_PARTS = ("bench.sim.cli", "bench.replay.cli", "router.capacity_cli")
-
-
-@pytest.mark.skipif(
-    any(importlib.util.find_spec(name) is None for name in _KVROUTER_PARTS),
-    reason="the kvrouter command's other groups are not written yet",
-)
 def test_kvrouter_bench_gen_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from router.cli import main
 

@@ -1,0 +1,21 @@
+"""Serve an aiohttp app on a free loopback port (tests and in-process benchmarks)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+
+@contextlib.asynccontextmanager
+async def serve_on_loopback(app: web.Application) -> AsyncIterator[str]:
+    """Run ``app`` on 127.0.0.1 and a free port; yields its base URL; stops it on exit."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
