@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 DEFAULT_POLICIES = ("round_robin", "cache_aware", "ttft")
 DEFAULT_ENGINES = 4
 DEFAULT_SESSIONS = 16
-DEFAULT_RATE = 0.1  # sessions/s (simulated): ~one new agent session every 10 s
+DEFAULT_RATE = 0.05  # sessions/s (simulated): ~one new agent session every 20 s
 DEFAULT_KV_TOKENS = 150_000  # per engine: the fleet holds ~60% of the sessions' context
 DEFAULT_MAX_CONTEXT = 90_000  # keeps every prompt under the engines' max_model_len
-DEFAULT_TIME_SCALE = 20.0
+DEFAULT_TIME_SCALE = 10.0  # low enough that the engines' own CPU time stays small
 DEFAULT_OUT = Path("results/demo")
 
 

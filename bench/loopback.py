@@ -7,11 +7,15 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+SHUTDOWN_TIMEOUT_S = 5.0
+
 
 @contextlib.asynccontextmanager
 async def serve_on_loopback(app: web.Application) -> AsyncIterator[str]:
     """Run ``app`` on 127.0.0.1 and a free port; yields its base URL; stops it on exit."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # A short graceful shutdown: a test that leaves a stream open should not wait 60 s.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)

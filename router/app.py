@@ -21,16 +21,23 @@ from router.capacity import CapacityError, dtype_bytes, gpu, load_model, plan
 from router.config import DEFAULT_KV_TOKENS, RouterConfig
 from router.errors import PayloadTooLarge, RouterError
 from router.health import HealthProber
-from router.index import LocalPrefixIndex
+from router.index import LocalPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
 from router.proxy import handle_chat, handle_completions
 from router.routing import Router
+from router.shared.connect import connect
+from router.shared.index import SharedPrefixIndex
+from router.shared.metrics import RedisMetrics
+from router.shared.sync import RedisSync
 from router.state import STATE_KEY, RouterState
 from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
 
 CONFIG_KEY = web.AppKey("kvrouter_config", RouterConfig)
+# On shutdown, how long the last index changes may take to reach Redis.
+FINAL_FLUSH_TIMEOUT_S = 2.0
+SYNC_STOP_TIMEOUT_S = 5.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -82,7 +89,8 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[R
                                                                               set[str]]:
     """The router state, and the workers whose capacity must be read from the engine."""
     block_tokens = config.prefix.block_tokens
-    fleet, index = Fleet(), LocalPrefixIndex()
+    fleet, local = Fleet(), LocalPrefixIndex()
+    index: PrefixIndex = SharedPrefixIndex(local) if config.state.url else local
     discover: set[str] = set()
     for wc in config.workers:
         capacity = worker_capacity(config, wc.kv_tokens)
@@ -131,6 +139,30 @@ def _session(config: RouterConfig) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
 
+@contextlib.asynccontextmanager
+async def _shared_state(state: RouterState) -> AsyncIterator[None]:
+    """With ``state.url``: the Redis sync, warm-started before the app serves."""
+    index = state.router.index
+    if not isinstance(index, SharedPrefixIndex):
+        yield
+        return
+    client = connect(state.config.state.url)
+    sync = RedisSync(client, index, state.router, state.config.state,
+                     RedisMetrics(state.metrics.registry))
+    await sync.start()
+    task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")
+    try:
+        yield
+    finally:
+        sync.stop()
+        try:
+            await asyncio.wait_for(task, SYNC_STOP_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("redis sync did not stop in %.0f s", SYNC_STOP_TIMEOUT_S)
+        await sync.flush(timeout_s=FINAL_FLUSH_TIMEOUT_S)
+        await client.aclose()
+
+
 async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
     async with _session(config) as session:
@@ -141,7 +173,8 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
         await prober.probe_all()
         task = asyncio.create_task(prober.run(), name="kvrouter-health")
         try:
-            yield
+            async with _shared_state(state):
+                yield
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

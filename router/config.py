@@ -116,6 +116,34 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StateConfig:
+    """Shared state across router replicas (``url`` empty: in-process only).
+
+    ``redis://``, ``rediss://``, ``redis+sentinel://host:port/service_name`` and
+    ``redis+cluster://host:port`` are accepted.
+    """
+
+    url: str = ""
+    namespace: str = "kvrouter"
+    flush_interval_s: float = 0.02  # how long index writes wait to be batched
+    load_interval_s: float = 1.0  # how often replicas share their load and rates
+    key_ttl_s: float = 3600.0  # residency keys of a worker nobody touches expire
+    stream_max_events: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.url and not self.url.startswith(
+            ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
+        ):
+            raise ConfigError("url: expected redis://, rediss://, unix://, "
+                              "redis+sentinel:// or redis+cluster://")
+        for name in ("flush_interval_s", "load_interval_s", "key_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0")
+        if self.stream_max_events < 1000:
+            raise ConfigError("stream_max_events: must be >= 1000")
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     workers: tuple[WorkerConfig, ...] = ()
     host: str = "0.0.0.0"
@@ -126,6 +154,7 @@ class RouterConfig:
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    state: StateConfig = field(default_factory=StateConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     session_header: str = "X-Session-Id"
     session_body_fields: tuple[str, ...] = ("session_id", "user")

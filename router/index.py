@@ -95,6 +95,22 @@ class Residency:
         for h in hashes:
             self._lru.pop(h, None)
 
+    def oldest_first(self) -> list[int]:
+        return list(self._lru)
+
+    def restore(self, oldest_first: Iterable[int]) -> None:
+        """Add entries from a snapshot, oldest first, below what is already held."""
+        lru = self._lru
+        existing = list(lru.items())
+        lru.clear()
+        for h in oldest_first:
+            lru[h] = None
+        for h, _ in existing:
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.capacity_blocks:
+            lru.popitem(last=False)
+
     def resize(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
@@ -138,6 +154,22 @@ class LocalPrefixIndex:
     def resident_blocks(self, worker: str) -> int:
         residency = self._workers.get(worker)
         return len(residency) if residency is not None else 0
+
+    def capacity_blocks(self, worker: str) -> int:
+        residency = self._workers.get(worker)
+        return residency.capacity_blocks if residency is not None else 0
+
+    def workers(self) -> list[str]:
+        return list(self._workers)
+
+    def oldest_first(self, worker: str) -> list[int]:
+        residency = self._workers.get(worker)
+        return residency.oldest_first() if residency is not None else []
+
+    def restore(self, worker: str, oldest_first: Iterable[int]) -> None:
+        residency = self._workers.get(worker)
+        if residency is not None:
+            residency.restore(oldest_first)
 
     def size(self) -> int:
         return sum(len(r) for r in self._workers.values())

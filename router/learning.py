@@ -48,6 +48,18 @@ class PrefillRate:
         self.samples += 1
 
 
+    def blend(self, others: list[tuple[float, int]]) -> None:
+        """Fold in other replicas' rates (rate, samples), weighted by their samples."""
+        weighted = [(r, n) for r, n in others if n > 0 and r > 0]
+        if not weighted:
+            return
+        total = self.samples + sum(n for _, n in weighted)
+        self.tokens_per_s = (self.tokens_per_s * self.samples
+                             + sum(r * n for r, n in weighted)) / total
+        if self.samples == 0:
+            self.samples = 1  # a shared rate is no longer the default guess
+
+
 class ResidencyCalibrator:
     def __init__(self, index: PrefixIndex, block_tokens: int) -> None:
         self._index = index

@@ -133,9 +133,10 @@ class Router:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         return WorkerView(
             name=worker.name,
-            outstanding_requests=worker.outstanding_requests,
-            outstanding_tokens=worker.outstanding_tokens,
-            queued_prefill_tokens=worker.queued_prefill_tokens,
+            outstanding_requests=worker.outstanding_requests + worker.remote_requests,
+            outstanding_tokens=worker.outstanding_tokens + worker.remote_tokens,
+            queued_prefill_tokens=(worker.queued_prefill_tokens
+                                   + worker.remote_queued_prefill_tokens),
             matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,

@@ -47,6 +47,10 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     serve.add_argument("--max-attempts", type=int,
                        help="workers tried before the first byte")
     serve.add_argument("--seed", type=int, help="seed for policies that draw at random")
+    serve.add_argument("--state", metavar="URL",
+                       help="share routing state with other replicas through Redis "
+                       "(redis://host:port/db, rediss://, redis+sentinel://, "
+                       "redis+cluster://)")
     serve.set_defaults(func=run_serve)
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
@@ -69,6 +73,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["prefix"] = {"block_bytes": args.block_bytes}
     if args.max_attempts is not None:
         values["upstream"] = {"max_attempts": args.max_attempts}
+    if args.state is not None:
+        values["state"] = {"url": args.state}
     return values
 
 

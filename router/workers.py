@@ -21,6 +21,10 @@ class Worker:
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     queued_prefill_tokens: int = 0
+    # Load other router replicas report on this worker (shared state; 0 when alone).
+    remote_requests: int = 0
+    remote_tokens: int = 0
+    remote_queued_prefill_tokens: int = 0
 
     def serves(self, model: str) -> bool:
         # Before the first /v1/models answer a worker is assumed to serve any model.

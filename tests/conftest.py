@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -95,3 +98,70 @@ async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     app = create_router_app(config)
     async with serve_on_loopback(app) as url:
         yield RunningRouter(url, app, config)
+
+
+# -- redis ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class RedisServer:
+    """A real redis-server on a free loopback port, restartable on the same port."""
+
+    port: int
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", self.port), timeout=0.2) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    return
+            time.sleep(0.02)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+        self.process = None
+
+    def flush(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as conn:
+            conn.sendall(b"FLUSHALL\r\n")
+            conn.recv(16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One redis-server for the test session (never the machine's shared one)."""
+    server = RedisServer(_free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's redis, emptied for this test."""
+    if redis_server.process is None:
+        redis_server.start()
+    redis_server.flush()
+    return redis_server.url

@@ -1,0 +1,1 @@
+"""State shared by router replicas through Redis: a local mirror kept current by a stream."""

@@ -1,0 +1,66 @@
+"""``SharedPrefixIndex``: the local index, with every change also sent to the other replicas.
+
+Reads never leave the process (the hot path makes no Redis round trip); writes apply
+locally at once and are queued for the publisher (``router.shared.sync``), which batches
+them onto Redis. Changes from other replicas arrive through ``apply``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+from router.index import LocalPrefixIndex
+from router.shared.events import IndexEvent
+
+# Past this many unsent changes (Redis down), the oldest are dropped: the local index
+# keeps working and a resync pushes the whole state when Redis returns.
+MAX_OUTBOX = 100_000
+
+
+class SharedPrefixIndex:
+    def __init__(self, local: LocalPrefixIndex) -> None:
+        self.local = local
+        self.outbox: deque[IndexEvent] = deque(maxlen=MAX_OUTBOX)
+
+    # -- reads: local only --------------------------------------------------------------
+
+    def match(self, worker: str, hashes: Sequence[int]) -> int:
+        return self.local.match(worker, hashes)
+
+    def resident_blocks(self, worker: str) -> int:
+        return self.local.resident_blocks(worker)
+
+    def size(self) -> int:
+        return self.local.size()
+
+    # -- writes: local, then shared -----------------------------------------------------
+
+    def add_worker(self, worker: str, capacity_blocks: int) -> None:
+        self.local.add_worker(worker, capacity_blocks)
+
+    def remove_worker(self, worker: str) -> None:
+        self.local.remove_worker(worker)
+
+    def resize_worker(self, worker: str, capacity_blocks: int) -> None:
+        self.local.resize_worker(worker, capacity_blocks)
+
+    def touch(self, worker: str, hashes: Sequence[int]) -> list[int]:
+        added = self.local.touch(worker, hashes)
+        if hashes:
+            self.outbox.append(IndexEvent("touch", worker, tuple(hashes)))
+        return added
+
+    def forget(self, worker: str, hashes: Iterable[int]) -> None:
+        hashes = tuple(hashes)
+        self.local.forget(worker, hashes)
+        if hashes:
+            self.outbox.append(IndexEvent("forget", worker, hashes))
+
+    # -- from other replicas --------------------------------------------------------------
+
+    def apply(self, event: IndexEvent) -> None:
+        if event.op == "touch":
+            self.local.touch(event.worker, event.hashes)
+        else:
+            self.local.forget(event.worker, event.hashes)

@@ -1,0 +1,252 @@
+"""Keeps replicas in step through Redis; never on a request's path.
+
+* publisher: every ``flush_interval_s``, the queued index changes go out in one pipeline:
+  each worker's residency as a sorted set (score = last touch, trimmed to the worker's
+  capacity, with a TTL) and the changes themselves on a stream for live replicas;
+* subscriber: reads the stream and applies other replicas' changes to the local mirror;
+* load sharer: every ``load_interval_s``, this replica's outstanding load per worker and
+  its learned prefill rate go to Redis with a TTL (a crashed replica's load expires), and
+  the other live replicas' figures come back into ``Worker.remote_*`` and the rate;
+* at start, and whenever Redis comes back after a failure, the residency sets are read
+  (a restarted router starts warm) and this replica's own state is pushed back (Redis
+  restarted empty rebuilds from the replicas and from traffic).
+
+Redis unreachable: every loop logs once, counts errors, backs off and keeps going; routing
+continues on local state and no request waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from router.config import StateConfig
+from router.routing import Router
+from router.shared.events import IndexEvent, decode, encode
+from router.shared.index import SharedPrefixIndex
+from router.shared.metrics import RedisMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 512
+READ_BLOCK_MS = 250
+BACKOFF_MAX_S = 5.0
+REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+
+
+def _member(block_hash: int) -> bytes:
+    return block_hash.to_bytes(8, "big")
+
+
+def _hash(member: bytes) -> int:
+    return int.from_bytes(member, "big")
+
+
+class RedisSync:
+    def __init__(self, client: Redis | RedisCluster, index: SharedPrefixIndex, router: Router,
+                 config: StateConfig, metrics: RedisMetrics) -> None:
+        self._redis = client
+        self._index = index
+        self._router = router
+        self._config = config
+        self._metrics = metrics
+        self.replica = uuid.uuid4().hex[:12]
+        ns = f"kvr:{{{config.namespace}}}"
+        self._res_prefix = f"{ns}:res:"
+        self._stream = f"{ns}:events"
+        self._replicas = f"{ns}:replicas"
+        self._load_prefix = f"{ns}:load:"
+        self._rate_prefix = f"{ns}:rate:"
+        self._cursor = "0-0"
+        self.up = False
+        self._needs_resync = True
+        self._stopping = asyncio.Event()
+
+    # -- health -------------------------------------------------------------------------
+
+    async def _op(self, name: str, call: Awaitable[Any]) -> Any:
+        start = time.perf_counter()
+        try:
+            result = await call
+        except REDIS_ERRORS as exc:
+            self._metrics.errors.labels(name).inc()
+            if self.up:
+                log.warning("redis unreachable (%s: %r); routing on local state", name, exc)
+            self.up = False
+            self._needs_resync = True
+            self._metrics.up.set(0)
+            raise
+        self._metrics.seconds.labels(name).observe(time.perf_counter() - start)
+        if not self.up:
+            log.info("redis reachable")
+            self.up = True
+            self._metrics.up.set(1)
+        return result
+
+    async def _loop(self, step: Callable[[], Awaitable[None]], pause: float) -> None:
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                if self._needs_resync:
+                    await self._resync()
+                await step()
+                backoff = 0.1
+                await self._pause(pause)
+            except REDIS_ERRORS:
+                await self._pause(backoff)
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+
+    async def _pause(self, seconds: float) -> None:
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    async def run(self) -> None:
+        """The three loops, until ``stop()``.
+
+        Loops end by checking a flag rather than by cancellation: redis-py can leave a
+        cancelled blocking read (XREAD BLOCK) waiting forever, so reads block briefly
+        and the loops look at the flag between them.
+        """
+        config = self._config
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._loop(self._publish, config.flush_interval_s))
+            group.create_task(self._loop(self._subscribe, 0))
+            group.create_task(self._loop(self._share_load, config.load_interval_s))
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def start(self) -> None:
+        """Start warm from Redis if it is there; carry on cold if not."""
+        try:
+            await self._resync()
+        except REDIS_ERRORS:
+            log.warning("redis unreachable at start; starting with an empty index")
+
+    async def flush(self, timeout_s: float) -> None:
+        """Send what is still queued (on shutdown); give up quietly if Redis is away."""
+        with contextlib.suppress(*REDIS_ERRORS):
+            await asyncio.wait_for(self._publish(), timeout_s)
+
+    # -- resync: snapshot in, own state out -----------------------------------------------
+
+    async def _resync(self) -> None:
+        last = await self._op("resync", self._redis.xrevrange(self._stream, count=1))
+        self._cursor = last[0][0].decode() if last else "0-0"
+        local = self._index.local
+        for worker in local.workers():
+            members = await self._op("resync", self._redis.zrange(
+                self._res_prefix + worker, 0, -1))
+            local.restore(worker, (_hash(m) for m in members))
+        for worker in local.workers():
+            own = local.oldest_first(worker)
+            if own:
+                await self._op("resync", self._write_residency(worker, own))
+        self._needs_resync = False
+        log.info("shared index synchronised: %d entries", local.size())
+
+    async def _write_residency(self, worker: str, oldest_first: list[int]) -> None:
+        now = time.time() * 1000
+        key = self._res_prefix + worker
+        step = 1.0 / max(1, len(oldest_first))
+        mapping = {_member(h): now - 1 + i * step for i, h in enumerate(oldest_first)}
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zadd(key, mapping)
+        self._trim(pipe, worker, key)
+        await pipe.execute()
+
+    def _trim(self, pipe: Any, worker: str, key: str) -> None:
+        capacity = self._index.local.capacity_blocks(worker)
+        pipe.zremrangebyrank(key, 0, -(capacity + 1))
+        pipe.pexpire(key, int(self._config.key_ttl_s * 1000))
+
+    # -- publisher ------------------------------------------------------------------------
+
+    async def _publish(self) -> None:
+        outbox = self._index.outbox
+        while outbox:
+            batch = [outbox.popleft() for _ in range(min(MAX_BATCH, len(outbox)))]
+            await self._op("publish", self._send(batch))
+            self._metrics.events.labels("out").inc(len(batch))
+
+    async def _send(self, batch: list[IndexEvent]) -> None:
+        pipe = self._redis.pipeline(transaction=False)
+        now = time.time() * 1000
+        for event in batch:
+            key = self._res_prefix + event.worker
+            if event.op == "touch":
+                n = len(event.hashes)
+                # Head blocks get the newest scores: a prefix's tail is trimmed first.
+                pipe.zadd(key, {_member(h): now + (n - i) * 1e-3
+                                for i, h in enumerate(event.hashes)})
+                self._trim(pipe, event.worker, key)
+            else:
+                pipe.zrem(key, *(_member(h) for h in event.hashes))
+            pipe.xadd(self._stream, encode(event, self.replica),  # type: ignore[arg-type]
+                      maxlen=self._config.stream_max_events, approximate=True)
+        await pipe.execute()
+
+    # -- subscriber -----------------------------------------------------------------------
+
+    async def _subscribe(self) -> None:
+        response = await self._op("subscribe", self._redis.xread(
+            {self._stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS))
+        for _, entries in response or ():
+            for entry_id, fields in entries:
+                self._cursor = entry_id.decode()
+                decoded = decode(fields)
+                if decoded is None or decoded[0] == self.replica:
+                    continue
+                self._index.apply(decoded[1])
+                self._metrics.events.labels("in").inc()
+
+    # -- load and rates -------------------------------------------------------------------
+
+    async def _share_load(self) -> None:
+        fleet, rate = self._router.fleet, self._router.prefill_rate
+        ttl = int(self._config.load_interval_s * 3000)
+        now = time.time()
+        load = {w.name: f"{w.outstanding_requests},{w.outstanding_tokens},"
+                        f"{w.queued_prefill_tokens}" for w in fleet.all()}
+        pipe = self._redis.pipeline(transaction=False)
+        if load:
+            pipe.hset(self._load_prefix + self.replica, mapping=load)  # type: ignore[arg-type]
+            pipe.pexpire(self._load_prefix + self.replica, ttl)
+        pipe.set(self._rate_prefix + self.replica, f"{rate.tokens_per_s},{rate.samples}",
+                 px=ttl)
+        pipe.zadd(self._replicas, {self.replica: now})
+        pipe.zremrangebyscore(self._replicas, 0, now - ttl / 1000)
+        pipe.zrange(self._replicas, 0, -1)
+        results = await self._op("load", pipe.execute())
+        others = [r.decode() for r in results[-1] if r.decode() != self.replica]
+        pipe = self._redis.pipeline(transaction=False)
+        for other in others:
+            pipe.hgetall(self._load_prefix + other)
+            pipe.get(self._rate_prefix + other)
+        replies = await self._op("load", pipe.execute()) if others else []
+        self._apply_remote(replies[0::2], replies[1::2])
+
+    def _apply_remote(self, loads: list[dict[bytes, bytes]], rates: list[bytes | None]) -> None:
+        totals: dict[str, list[int]] = {}
+        for load in loads:
+            for worker, value in load.items():
+                parts = [int(x) for x in value.split(b",")]
+                acc = totals.setdefault(worker.decode(), [0, 0, 0])
+                for i in range(3):
+                    acc[i] += parts[i]
+        for w in self._router.fleet.all():
+            requests, tokens, queued = totals.get(w.name, (0, 0, 0))
+            w.remote_requests, w.remote_tokens, w.remote_queued_prefill_tokens = (
+                requests, tokens, queued)
+        self._router.prefill_rate.blend(
+            [(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)])
