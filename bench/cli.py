@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import peers, perf
+    from bench import peers, perf, replicas
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -17,3 +17,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     replay_cli.register(sub)
     perf.register(sub)
     peers.register(sub)
+    replicas.register(sub)

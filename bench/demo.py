@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,38 +62,51 @@ class DemoConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
-    """A router to measure: a label and the command that serves it on ``port``."""
+    """A router to measure: a label and the commands that serve it, one per replica,
+    the i-th listening on ``ports[i]``; clients spread requests over the replicas."""
 
     label: str
-    argv: tuple[str, ...]
-    port: int
+    commands: tuple[tuple[str, ...], ...]
+    ports: tuple[int, ...]
+
+
+def kvrouter_command(config: DemoConfig, policy: str, worker_urls: Sequence[str], port: int,
+                     *extra: str) -> tuple[str, ...]:
+    workers = [arg for url in worker_urls for arg in ("--worker", url)]
+    return (sys.executable, "-m", "router.cli", "--log-level", "WARNING", "serve",
+            "--host", config.host, "--port", str(port), "--policy", policy,
+            "--seed", str(config.seed), *workers, *extra)
 
 
 def kvrouter_spec(config: DemoConfig, policy: str, worker_urls: Sequence[str]) -> RouterSpec:
-    workers = [arg for url in worker_urls for arg in ("--worker", url)]
-    return RouterSpec(policy, (
-        sys.executable, "-m", "router.cli", "--log-level", "WARNING", "serve",
-        "--host", config.host, "--port", str(config.router_port), "--policy", policy,
-        "--seed", str(config.seed), *workers,
-    ), config.router_port)
+    return RouterSpec(policy, (kvrouter_command(config, policy, worker_urls,
+                                                config.router_port),), (config.router_port,))
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), 10)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
 
 
 @contextlib.asynccontextmanager
-async def running_router(spec: RouterSpec, host: str) -> AsyncIterator[str]:
-    process = await asyncio.create_subprocess_exec(
-        *spec.argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    url = f"http://{host}:{spec.port}"
+async def running_router(spec: RouterSpec, host: str) -> AsyncIterator[list[str]]:
+    """Every replica of ``spec`` running and healthy; yields their base URLs."""
+    processes: list[asyncio.subprocess.Process] = []
+    urls = [f"http://{host}:{port}" for port in spec.ports]
     try:
-        await wait_healthy([url], timeout_s=60)
-        yield url
+        for argv in spec.commands:
+            processes.append(await asyncio.create_subprocess_exec(
+                *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL))
+        await wait_healthy(urls, timeout_s=60)
+        yield urls
     finally:
-        if process.returncode is None:
-            process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), 10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        for process in processes:
+            await _stop(process)
 
 
 async def empty_caches(engines: Sequence[EngineProcess]) -> None:
@@ -106,9 +119,11 @@ async def empty_caches(engines: Sequence[EngineProcess]) -> None:
 RouterSpecs = Callable[[Sequence[str]], Sequence[RouterSpec]]
 
 
-async def run_comparison(config: DemoConfig, console: Console,
-                         specs_for: RouterSpecs) -> list[RunResult]:
-    """Replay one agent workload through each router in front of the same fleet."""
+async def run_comparison(config: DemoConfig, console: Console, specs_for: RouterSpecs,
+                         before_each: Callable[[], Awaitable[None]] | None = None,
+                         ) -> list[RunResult]:
+    """Replay one agent workload through each router in front of the same fleet;
+    ``before_each`` runs before each router starts (e.g. to empty shared state)."""
     config.out.mkdir(parents=True, exist_ok=True)
     trace_path = config.out / "trace.jsonl"
     turns = generate(AgentParams(sessions=config.sessions, rate=config.rate,
@@ -130,9 +145,12 @@ async def run_comparison(config: DemoConfig, console: Console,
         for spec in specs:
             await empty_caches(engines)
             await wait_healthy([e.url for e in engines])
-            async with running_router(spec, config.host) as url:
-                console.print(f"{spec.label}: replaying through {url}")
-                replay_config = ReplayConfig(target=url, trace=trace_path, model=model,
+            if before_each is not None:
+                await before_each()
+            async with running_router(spec, config.host) as urls:
+                console.print(f"{spec.label}: replaying through {', '.join(urls)}")
+                replay_config = ReplayConfig(target=urls[0], more_targets=tuple(urls[1:]),
+                                             trace=trace_path, model=model,
                                              time_scale=config.time_scale)
                 total = sum(len(s.turns) for s in sessions)
                 async with ProgressDisplay(total) as display:

@@ -37,8 +37,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     )
     rp.add_argument("--trace", type=Path, required=True, metavar="T",
                     help="trace file (JSON lines)")
-    rp.add_argument("--target", required=True, metavar="URL",
-                    help="base URL, e.g. http://127.0.0.1:8000")
+    rp.add_argument("--target", required=True, metavar="URL", action="append",
+                    help="base URL, e.g. http://127.0.0.1:8000; repeat for router replicas "
+                    "(each request goes to one at random)")
     rp.add_argument("--model", metavar="NAME",
                     help="model name (default: the first listed by /v1/models)")
     rp.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
@@ -75,7 +76,8 @@ async def _replay_with_progress(config: ReplayConfig, sessions: list[Session]) -
 def _replay_command(args: argparse.Namespace) -> int:
     try:
         config = ReplayConfig(
-            target=args.target, trace=args.trace, model=args.model,
+            target=args.target[0], more_targets=tuple(args.target[1:]), trace=args.trace,
+            model=args.model,
             concurrency=args.concurrency, time_scale=args.time_scale,
             max_sessions=args.max_sessions, duration_s=args.duration_s,
             request_timeout_s=args.request_timeout,

@@ -7,8 +7,9 @@ outcome rather than raised: the replay records it and carries on.
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,14 +142,20 @@ async def _read_stream(
 
 
 class ChatClient:
-    """Sends chat requests for one model through a shared pooled session."""
+    """Sends chat requests for one model through a shared pooled session.
 
-    __slots__ = ("_http", "_model", "_url")
+    With several targets (router replicas behind no load balancer), each request goes
+    to one picked at random, as a load balancer in front of replicas would do.
+    """
 
-    def __init__(self, http: aiohttp.ClientSession, target: str, model: str) -> None:
+    __slots__ = ("_http", "_model", "_rng", "_urls")
+
+    def __init__(self, http: aiohttp.ClientSession, target: str, model: str,
+                 more_targets: Sequence[str] = (), seed: int = 0) -> None:
         self._http = http
         self._model = model
-        self._url = f"{target}/v1/chat/completions"
+        self._urls = [f"{t.rstrip('/')}/v1/chat/completions" for t in (target, *more_targets)]
+        self._rng = random.Random(seed)
 
     async def stream_chat(self, request: ChatRequest) -> StreamOutcome:
         outcome = StreamOutcome()
@@ -156,8 +163,9 @@ class ChatClient:
         headers = {SESSION_HEADER: request.session, "Content-Type": "application/json"}
         t0 = time.perf_counter()
         try:
+            url = self._urls[0] if len(self._urls) == 1 else self._rng.choice(self._urls)
             async with self._http.post(
-                self._url, data=orjson.dumps(_body(self._model, request)), headers=headers
+                url, data=orjson.dumps(_body(self._model, request)), headers=headers
             ) as resp:
                 outcome.status = resp.status
                 outcome.worker = resp.headers.get(WORKER_HEADER)

@@ -49,6 +49,8 @@ class ReplayConfig:
     target: str
     trace: Path
     model: str | None = None  # None: the first model the target lists
+    # Further router replicas; each request goes to one of all targets at random.
+    more_targets: tuple[str, ...] = ()
     concurrency: int = DEFAULT_CONCURRENCY
     time_scale: float = DEFAULT_TIME_SCALE
     max_sessions: int | None = None
@@ -169,7 +171,8 @@ async def replay(
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     async with open_http_session(config.concurrency, config.request_timeout_s) as http:
         model = config.model or await discover_model(http, target)
-        run = _Run(config, ChatClient(http, target, model), sink)
+        client = ChatClient(http, target, model, config.more_targets)
+        run = _Run(config, client, sink)
         await run.launch(sessions)
         duration = run.elapsed() * config.time_scale
     records = sorted(run.records, key=lambda r: (r.start, r.session, r.turn))
