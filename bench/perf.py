@@ -76,6 +76,51 @@ def hashing(tokens: int, workers: int, repeat: int) -> dict[str, float]:
     }
 
 
+def decision(tokens: int, workers: int, repeat: int) -> dict[str, float]:
+    """``Router.dispatch`` + ``Dispatch.finish`` for one long prompt, with the in-process
+    index and with the shared one (whose writes also queue events for Redis)."""
+    from policies.registry import build_policy
+    from router.metrics import RouterMetrics
+    from router.routing import EngineUsage, Router
+    from router.shared.index import SharedPrefixIndex
+    from router.workers import Fleet, Worker
+
+    body = orjson.dumps({"model": "m", "messages": [
+        {"role": "user", "content": text_for("decision", tokens)}]})
+    request = parse_request("chat", body, None, ("user",), 256)
+
+    def run(shared: bool) -> list[float]:
+        fleet, local = Fleet(), LocalPrefixIndex()
+        index = SharedPrefixIndex(local) if shared else local
+        for w in range(workers):
+            fleet.add(Worker(f"w{w}", f"http://w{w}", 1_000_000))
+            index.add_worker(f"w{w}", 1_000_000 // 64)
+        router = Router(fleet, index, build_policy("ttft", seed=0), "ttft", 64,
+                        RouterMetrics(fleet, index, 64))
+        route = router.route_request(request, "r")
+
+        def once() -> None:
+            dispatch = router.dispatch(request, route, [])
+            dispatch.first_byte()
+            dispatch.finish("success", (), EngineUsage(route.prompt_tokens, 0))
+            if isinstance(index, SharedPrefixIndex):
+                index.outbox.clear()  # what the publisher does, off the request path
+
+        return _time(once, repeat)
+
+    local_times, shared_times = run(False), run(True)
+    return {
+        "prompt_tokens": tokens, "workers": workers,
+        "local_us_p50": statistics.median(local_times) * 1e6,
+        "local_us_p99": _percentile(local_times, 0.99) * 1e6,
+        "shared_us_p50": statistics.median(shared_times) * 1e6,
+        "shared_us_p99": _percentile(shared_times, 0.99) * 1e6,
+        "shared_over_local_p50": statistics.median(shared_times) / statistics.median(
+            local_times),
+        "redis_round_trips_per_decision": 0,
+    }
+
+
 async def _load(http: aiohttp.ClientSession, url: str, requests: int, rate: float,
                 prompt_tokens: int) -> tuple[list[float], list[float]]:
     ttfts: list[float] = []
@@ -140,6 +185,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     h.add_argument("--workers", type=int, default=8)
     h.add_argument("--repeat", type=int, default=200)
     h.set_defaults(func=_run_hashing)
+    d = sub.add_parser("decision", help="routing decision cost, in-process vs shared index")
+    d.add_argument("--tokens", type=int, default=20_000)
+    d.add_argument("--workers", type=int, default=8)
+    d.add_argument("--repeat", type=int, default=2000)
+    d.set_defaults(func=_run_decision)
     o = sub.add_parser("overhead", help="latency through the router vs straight to the engine")
     o.add_argument("--requests", type=int, default=400)
     o.add_argument("--rate", type=float, default=20.0, help="requests per second")
@@ -149,6 +199,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _run_hashing(args: argparse.Namespace) -> int:
     _print(hashing(args.tokens, args.workers, args.repeat))
+    return 0
+
+
+def _run_decision(args: argparse.Namespace) -> int:
+    _print(decision(args.tokens, args.workers, args.repeat))
     return 0
 
 

@@ -62,18 +62,21 @@ async def redis_server() -> AsyncIterator[str]:
 
 
 def replica_specs(config: DemoConfig, counts: Sequence[int], policy: str, redis_url: str,
-                  urls: Sequence[str]) -> list[RouterSpec]:
+                  urls: Sequence[str], unshared: Sequence[int] = ()) -> list[RouterSpec]:
+    """Shared-state runs for ``counts``, then runs of ``unshared`` replicas that each keep
+    a private index (what routers without shared state do), for contrast."""
     specs = []
-    for count in counts:
+    for count, shared in [(n, True) for n in counts] + [(n, False) for n in unshared]:
         ports = tuple(config.router_port + i for i in range(count))
-        commands = tuple(kvrouter_command(config, policy, urls, port, "--state", redis_url)
-                         for port in ports)
-        specs.append(RouterSpec(f"{count} replica{'s' if count > 1 else ''}", commands, ports))
+        state = ("--state", redis_url) if shared else ()
+        commands = tuple(kvrouter_command(config, policy, urls, port, *state) for port in ports)
+        label = f"{count} replica{'s' if count > 1 else ''}{'' if shared else ', private'}"
+        specs.append(RouterSpec(label, commands, ports))
     return specs
 
 
 async def run_replicas(config: DemoConfig, counts: Sequence[int], policy: str,
-                       console: Console) -> None:
+                       console: Console, unshared: Sequence[int] = ()) -> None:
     async with redis_server() as url:
         client = aioredis.Redis.from_url(url)
 
@@ -83,7 +86,7 @@ async def run_replicas(config: DemoConfig, counts: Sequence[int], policy: str,
         try:
             await run_comparison(
                 config, console,
-                lambda urls: replica_specs(config, counts, policy, url, urls), flush)
+                lambda urls: replica_specs(config, counts, policy, url, urls, unshared), flush)
         finally:
             await client.aclose()
 
@@ -93,11 +96,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                             description=__doc__)
     add_workload_arguments(parser)
     parser.add_argument("--replicas", default="1,2,4", help="replica counts to compare")
+    parser.add_argument("--unshared", default="",
+                        help="replica counts to run also without shared state, for contrast")
     parser.set_defaults(func=run, out=Path("results/replicas"), policies="ttft")
 
 
 def run(args: argparse.Namespace) -> int:
     config = demo_config(args)
     counts = [int(n) for n in args.replicas.split(",") if n]
-    asyncio.run(run_replicas(config, counts, config.policies[0], Console()))
+    unshared = [int(n) for n in args.unshared.split(",") if n]
+    asyncio.run(run_replicas(config, counts, config.policies[0], Console(), unshared))
     return 0

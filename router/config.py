@@ -128,7 +128,10 @@ class StateConfig:
     flush_interval_s: float = 0.02  # how long index writes wait to be batched
     load_interval_s: float = 1.0  # how often replicas share their load and rates
     key_ttl_s: float = 3600.0  # residency keys of a worker nobody touches expire
-    stream_max_events: int = 100_000
+    # Changes stay on the stream this long: live replicas read them within milliseconds;
+    # a starting replica reads the residency sets instead. Events carry every block hash
+    # of a prompt (8 bytes each), so the stream is bounded by time, not by count.
+    stream_retention_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(
@@ -136,11 +139,9 @@ class StateConfig:
         ):
             raise ConfigError("url: expected redis://, rediss://, unix://, "
                               "redis+sentinel:// or redis+cluster://")
-        for name in ("flush_interval_s", "load_interval_s", "key_ttl_s"):
+        for name in ("flush_interval_s", "load_interval_s", "key_ttl_s", "stream_retention_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
-        if self.stream_max_events < 1000:
-            raise ConfigError("stream_max_events: must be >= 1000")
 
 
 @dataclass(frozen=True, slots=True)

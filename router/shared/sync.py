@@ -182,6 +182,7 @@ class RedisSync:
     async def _send(self, batch: list[IndexEvent]) -> None:
         pipe = self._redis.pipeline(transaction=False)
         now = time.time() * 1000
+        oldest = f"{int(now - self._config.stream_retention_s * 1000)}-0"
         for event in batch:
             key = self._res_prefix + event.worker
             if event.op == "touch":
@@ -193,7 +194,7 @@ class RedisSync:
             else:
                 pipe.zrem(key, *(_member(h) for h in event.hashes))
             pipe.xadd(self._stream, encode(event, self.replica),  # type: ignore[arg-type]
-                      maxlen=self._config.stream_max_events, approximate=True)
+                      minid=oldest, approximate=True)
         await pipe.execute()
 
     # -- subscriber -----------------------------------------------------------------------
