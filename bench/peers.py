@@ -33,14 +33,14 @@ def peer_specs(config: DemoConfig, peer_bin: Path, urls: Sequence[str]) -> list[
     specs: list[RouterSpec] = []
     sglang = peer_bin / "python"
     if sglang.exists():
-        specs.append(RouterSpec("sglang-router cache_aware", ((
+        specs.append(RouterSpec("sglang-router", ((
             str(sglang), "-m", "sglang_router.launch_router", "--host", config.host,
             "--port", str(port), "--policy", "cache_aware", "--prometheus-host", config.host,
             "--prometheus-port", str(port + 1000), "--worker-urls", *urls,
         ),), (port,)))
     vllm = peer_bin / "vllm-router"
     if vllm.exists():
-        specs.append(RouterSpec("vllm-router cache_aware", ((
+        specs.append(RouterSpec("vllm-router", ((
             str(vllm), "--host", config.host, "--port", str(port), "--policy", "cache_aware",
             "--prometheus-host", config.host, "--prometheus-port", str(port + 1001),
             "--worker-urls", *urls,
