@@ -1,4 +1,5 @@
-"""The router end to end: real HTTP over loopback to simulated engines, real clients."""
+"""The router end to end: placement, byte-for-byte streaming, every policy, models and
+health; real HTTP over loopback to simulated engines, real clients."""
 
 from __future__ import annotations
 
@@ -6,10 +7,7 @@ import asyncio
 import contextlib
 import itertools
 import re
-import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -17,162 +15,31 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.textgen import text_for
 from policies.registry import policy_names
-from router.config import HealthConfig, UpstreamConfig, WorkerConfig
+from router.config import HealthConfig, WorkerConfig
 from tests.conftest import (
     TEST_MODEL,
     EngineFactory,
-    RunningEngine,
-    RunningRouter,
     router_config,
     serve_router,
 )
-
-BLOCK = 16  # the engines' KV block, in tokens
-WORKER = "X-Kvrouter-Worker"
-LOAD_GAUGES = ("kvrouter_worker_outstanding_requests", "kvrouter_worker_outstanding_tokens",
-               "kvrouter_worker_queued_prefill_tokens")
-
-
-# -- helpers -------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Streamed:
-    status: int
-    headers: Mapping[str, str]
-    raw: bytes
-    text: str = ""
-    usage: dict[str, Any] | None = None
-    errors: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def worker(self) -> str | None:
-        return self.headers.get(WORKER)
-
-    @property
-    def cached(self) -> int:
-        assert self.usage is not None
-        cached: int = self.usage["prompt_tokens_details"]["cached_tokens"]
-        return cached
-
-
-def parse_sse(raw: bytes) -> tuple[str, dict[str, Any] | None, list[dict[str, Any]]]:
-    """Content, usage and error events of a chat SSE body."""
-    text, usage, errors = "", None, []
-    for line in raw.split(b"\n"):
-        payload = line.removeprefix(b"data:").strip()
-        if not line.startswith(b"data:") or payload == b"[DONE]":
-            continue
-        event = orjson.loads(payload)
-        if "error" in event:
-            errors.append(event["error"])
-        if event.get("usage"):
-            usage = event["usage"]
-        for choice in event.get("choices", []):
-            text += choice.get("delta", {}).get("content") or choice.get("text") or ""
-    return text, usage, errors
-
-
-def chat_body(messages: list[dict[str, Any]], max_tokens: int = 8, stream: bool = True,
-              **extra: Any) -> dict[str, Any]:
-    body = {"model": TEST_MODEL, "messages": messages, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": stream, **extra}
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: Mapping[str, Any],
-               path: str = "/v1/chat/completions") -> Streamed:
-    """A whole request; a streamed body is parsed as SSE, a JSON one as a response."""
-    async with http.post(url + path, json=body) as response:
-        raw = await response.read()
-        result = Streamed(response.status, response.headers, raw)
-    if response.status == 200 and body.get("stream"):
-        result.text, result.usage, result.errors = parse_sse(raw)
-    elif response.status == 200:
-        obj = orjson.loads(raw)
-        choice = obj["choices"][0]
-        result.text = choice["message"]["content"] if "message" in choice else choice["text"]
-        result.usage = obj["usage"]
-    return result
-
-
-async def router_samples(http: aiohttp.ClientSession, router: RunningRouter
-                         ) -> list[tuple[str, dict[str, str], float]]:
-    async with http.get(router.url + "/metrics") as response:
-        assert response.status == 200
-        text = await response.text()
-    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text)
-            for s in f.samples]
-
-
-async def metric(http: aiohttp.ClientSession, router: RunningRouter, name: str,
-                 **labels: str) -> float:
-    """The sum of the samples called ``name`` whose labels include ``labels``."""
-    return sum(v for n, lab, v in await router_samples(http, router)
-               if n == name and labels.items() <= lab.items())
-
-
-async def load(http: aiohttp.ClientSession, router: RunningRouter) -> dict[str, float]:
-    """Every worker's load gauges, as ``{"<gauge>{<worker>}": value}``."""
-    return {f"{n}{{{lab['worker']}}}": v for n, lab, v in await router_samples(http, router)
-            if n in LOAD_GAUGES}
-
-
-async def assert_idle(http: aiohttp.ClientSession, router: RunningRouter,
-                      wait_s: float = 0.0) -> None:
-    """Every worker's outstanding requests, tokens and queued prefill are back to 0."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        values = await load(http, router)
-        assert len(values) == len(LOAD_GAUGES) * len(router.config.workers)
-        if not any(values.values()) or time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(0.02)
-    assert {k: v for k, v in values.items() if v} == {}
-
-
-async def wait_for(condition: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
-
-
-async def set_faults(http: aiohttp.ClientSession, engine: RunningEngine, **faults: Any) -> None:
-    async with http.post(engine.url + "/sim/faults", json=faults) as response:
-        assert response.status == 200, await response.text()
-
-
-@contextlib.asynccontextmanager
-async def engines(factory: EngineFactory, count: int, **overrides: Any
-                  ) -> AsyncIterator[list[RunningEngine]]:
-    async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(factory(engine_id=str(i), **overrides))
-               for i in range(count)]
-
-
-@contextlib.asynccontextmanager
-async def held_stream(http: aiohttp.ClientSession, url: str, body: Mapping[str, Any]
-                      ) -> AsyncIterator[tuple[aiohttp.ClientResponse, bytes]]:
-    """A streaming request whose first chunk has arrived; closed (abandoned) on exit."""
-    response = await http.post(url + "/v1/chat/completions", json=body)
-    try:
-        assert response.status == 200, await response.text()
-        yield response, await response.content.readany()
-    finally:
-        response.close()
-
-
-def conversation(key: str, system_tokens: int, user_tokens: int) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": text_for(f"{key}-sys", system_tokens)},
-            {"role": "user", "content": text_for(f"{key}-u0", user_tokens)}]
-
+from tests.router_client import (
+    BLOCK,
+    WORKER,
+    Streamed,
+    assert_idle,
+    chat_body,
+    conversation,
+    engines,
+    fake_engine,
+    held_stream,
+    metric,
+    post,
+    set_faults,
+    wait_for,
+)
 
 # -- sessions and placement ----------------------------------------------------------------
 
@@ -337,30 +204,6 @@ async def _odd_stream(request: web.Request) -> web.StreamResponse:
     return response
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@contextlib.asynccontextmanager
-async def fake_engine(chat: Handler) -> AsyncIterator[str]:
-    """A stand-in engine whose chat endpoint is ``chat``; health and models answer."""
-
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": TEST_MODEL}]})
-
-    app = web.Application()
-    app.router.add_get("/health", ok)
-    app.router.add_get("/v1/models", ok)
-    app.router.add_post("/v1/chat/completions", chat)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
-
-
 async def test_odd_chunking_passes_through_byte_for_byte() -> None:
     async with fake_engine(_odd_stream) as url:
         config = router_config([], workers=(WorkerConfig(url, name="fake", kv_tokens=10_000),))
@@ -374,291 +217,6 @@ async def test_odd_chunking_passes_through_byte_for_byte() -> None:
             assert raw == _ODD_BODY
             assert await metric(http, router, "kvrouter_engine_cached_tokens_total") == 7
             await assert_idle(http, router)
-
-
-# -- load accounting on every exit ---------------------------------------------------------
-
-
-async def test_load_returns_to_zero_after_successes(engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet, policy="least_load")) as router, \
-            aiohttp.ClientSession() as http:
-        bodies = [chat_body(conversation(f"ok{i}", 80, 20), 6, stream=i % 2 == 0)
-                  for i in range(6)]
-        results = await asyncio.gather(*(post(http, router.url, b) for b in bodies),
-                                       post(http, router.url, {"model": TEST_MODEL,
-                                                               "prompt": [1, 2, 3],
-                                                               "max_tokens": 3},
-                                            path="/v1/completions"))
-        assert [r.status for r in results] == [200] * 7
-        await assert_idle(http, router)
-        assert await metric(http, router, "kvrouter_requests_total", outcome="success") == 7
-
-
-async def test_load_returns_to_zero_after_upstream_errors(engine_factory: EngineFactory
-                                                          ) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet)) as router, aiohttp.ClientSession() as http:
-        for engine in fleet:
-            await set_faults(http, engine, fail_requests=True)
-        results = await asyncio.gather(*(
-            post(http, router.url, chat_body(conversation(f"e{i}", 50, 10), stream=i == 0))
-            for i in range(3)))
-        assert [r.status for r in results] == [500] * 3
-        await assert_idle(http, router)
-
-
-async def test_load_returns_to_zero_after_a_client_disconnect(engine_factory: EngineFactory
-                                                              ) -> None:
-    async with engines(engine_factory, 1) as fleet, \
-            serve_router(router_config(fleet)) as router, aiohttp.ClientSession() as http:
-        body = chat_body(conversation("gone", 80, 20), max_tokens=20_000)
-        async with held_stream(http, router.url, body) as (_, first):
-            assert first.startswith(b"data: ")
-            assert await metric(http, router, "kvrouter_worker_outstanding_requests") == 1
-        await assert_idle(http, router, wait_s=5.0)
-
-        async def engine_idle() -> bool:  # the router cancelled the upstream request too
-            async with http.get(fleet[0].url + "/metrics") as response:
-                text = await response.text()
-            return all(s.value == 0 for f in text_string_to_metric_families(text)
-                       for s in f.samples if s.name == "vllm:num_requests_running")
-
-        await wait_for(engine_idle)
-        assert await metric(http, router, "kvrouter_requests_total",
-                            outcome="client_disconnect") == 1
-
-        # Gone before the first byte: the engine hangs, the client gives up waiting.
-        await set_faults(http, fleet[0], stall=True)
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(post(http, router.url, body), 0.3)
-        await assert_idle(http, router, wait_s=5.0)
-        assert await metric(http, router, "kvrouter_requests_total",
-                            outcome="client_disconnect") == 2
-        await set_faults(http, fleet[0], stall=False)
-
-
-async def test_load_returns_to_zero_after_timeouts(engine_factory: EngineFactory) -> None:
-    config_up = UpstreamConfig(read_timeout_s=0.5)
-    async with engines(engine_factory, 1) as fleet, \
-            serve_router(router_config(fleet, upstream=config_up)) as router, \
-            aiohttp.ClientSession() as http:
-        engine = fleet[0]
-        # Mid-stream: the first chunk is through, then the engine hangs.
-        body = chat_body(conversation("slow", 80, 20), max_tokens=20_000)
-        async with http.post(router.url + "/v1/chat/completions", json=body) as response:
-            assert response.status == 200
-            await response.content.readany()
-            await set_faults(http, engine, stall=True)
-            started = time.monotonic()
-            rest = await response.read()
-            assert time.monotonic() - started < 3
-        _, _, errors = parse_sse(rest)
-        assert len(errors) == 1 and "mid-stream" in errors[0]["message"]
-        await assert_idle(http, router)
-        assert await metric(http, router, "kvrouter_requests_total", outcome="timeout") == 1
-        # Before the first byte, streaming or not: the router answers with an error.
-        for stream in (True, False):
-            started = time.monotonic()
-            result = await post(http, router.url,
-                                chat_body(conversation("slow2", 50, 10), stream=stream))
-            assert result.status == 504 and time.monotonic() - started < 3
-            error = orjson.loads(result.raw)["error"]
-            assert error["type"] == "server_error" and error["code"] == result.status
-            await assert_idle(http, router)
-        await set_faults(http, engine, stall=False)
-
-
-# -- retries -------------------------------------------------------------------------------
-
-
-async def test_a_failing_worker_is_retried_on_another(engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet, policy="round_robin")) as router, \
-            aiohttp.ClientSession() as http:
-        await set_faults(http, fleet[0], fail_requests=True)
-        results = [await post(http, router.url, chat_body(conversation(f"r{i}", 50, 10),
-                                                          stream=i % 2 == 0))
-                   for i in range(4)]
-        assert [(r.status, r.worker) for r in results] == [(200, "w1")] * 4
-        # Round robin offers w0 first every time (the retry takes w1's turn).
-        assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 4
-        assert await metric(http, router, "kvrouter_retries_total", worker="w1") == 0
-        await assert_idle(http, router)
-
-
-async def test_a_timed_out_worker_is_retried_on_another(engine_factory: EngineFactory) -> None:
-    config_up = UpstreamConfig(read_timeout_s=0.5)
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet, policy="round_robin", upstream=config_up)
-                         ) as router, aiohttp.ClientSession() as http:
-        await set_faults(http, fleet[0], stall=True)
-        started = time.monotonic()
-        result = await post(http, router.url, chat_body(conversation("t", 50, 10)))
-        assert (result.status, result.worker) == (200, "w1") and not result.errors
-        assert time.monotonic() - started < 3
-        assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 1
-        await assert_idle(http, router)
-        await set_faults(http, fleet[0], stall=False)
-
-
-async def _error_that_hangs(request: web.Request) -> web.StreamResponse:
-    """A 500 whose body never finishes."""
-    response = web.StreamResponse(status=500, headers={"Content-Type": "application/json",
-                                                       "Content-Length": "1000"})
-    await response.prepare(request)
-    await response.write(b'{"error": ')
-    await asyncio.sleep(30)
-    return response
-
-
-async def test_an_error_whose_body_hangs_is_retried(engine_factory: EngineFactory) -> None:
-    async with fake_engine(_error_that_hangs) as url, engine_factory() as engine:
-        config = router_config([engine], policy="round_robin",
-                               upstream=UpstreamConfig(read_timeout_s=0.5),
-                               workers=(WorkerConfig(url, name="w0", kv_tokens=10_000),
-                                        WorkerConfig(engine.url, name="w1")))
-        async with serve_router(config) as router, aiohttp.ClientSession() as http:
-            result = await post(http, router.url, chat_body(conversation("h", 50, 10)))
-            assert (result.status, result.worker) == (200, "w1")
-            assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 1
-            await assert_idle(http, router)
-
-
-_SPLIT_JSON = orjson.dumps({"id": "x", "object": "chat.completion", "choices": [
-    {"index": 0, "message": {"role": "assistant", "content": "word " * 2000},
-     "finish_reason": "length"}], "usage": {"prompt_tokens": 5, "completion_tokens": 2000,
-                                            "prompt_tokens_details": {"cached_tokens": 0}}})
-
-
-async def _json_in_two_writes(request: web.Request) -> web.StreamResponse:
-    """A whole (non-streamed) response whose second half comes a moment later."""
-    status = 500 if request.headers.get("X-Fail") else 200
-    response = web.StreamResponse(status=status, headers={
-        "Content-Type": "application/json", "Content-Length": str(len(_SPLIT_JSON))})
-    await response.prepare(request)
-    half = len(_SPLIT_JSON) // 2
-    await response.write(_SPLIT_JSON[:half])
-    await asyncio.sleep(0.05)
-    await response.write(_SPLIT_JSON[half:])
-    await response.write_eof()
-    return response
-
-
-async def test_whole_responses_are_passed_on_whole() -> None:
-    async with fake_engine(_json_in_two_writes) as url:
-        config = router_config([], workers=(WorkerConfig(url, name="w0", kv_tokens=10_000),))
-        async with serve_router(config) as router, aiohttp.ClientSession() as http:
-            body = chat_body([{"role": "user", "content": "hi"}], stream=False)
-            for headers in ({}, {"X-Fail": "1"}):  # a success, and an error passed on
-                async with http.post(router.url + "/v1/chat/completions", json=body,
-                                     headers=headers) as response:
-                    assert response.status == (500 if headers else 200)
-                    assert await response.read() == _SPLIT_JSON
-            await assert_idle(http, router)
-
-
-async def test_when_every_worker_fails_the_client_gets_the_upstream_error(
-        engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet)) as router, aiohttp.ClientSession() as http:
-        for engine in fleet:
-            await set_faults(http, engine, fail_requests=True, fail_status=503)
-        body = chat_body(conversation("all", 50, 10))
-        routed = await post(http, router.url, body)
-        direct = await post(http, fleet[0].url, body)
-        assert routed.status == direct.status == 503
-        assert orjson.loads(routed.raw) == orjson.loads(direct.raw) == {"error": {
-            "message": "simulated engine failure (fault injected)",
-            "type": "ServiceUnavailableError", "param": None, "code": 503}}
-        # Two attempts, so one retry: the last failure has nowhere left to go.
-        assert await metric(http, router, "kvrouter_retries_total") == 1
-        await assert_idle(http, router)
-
-
-async def test_a_closed_port_is_retried_never_hangs(engine_factory: EngineFactory) -> None:
-    async with contextlib.AsyncExitStack() as first_engine, \
-            engine_factory(engine_id="1") as survivor:
-        doomed = await first_engine.enter_async_context(engine_factory(engine_id="0"))
-        async with serve_router(router_config([doomed, survivor], policy="round_robin")
-                                ) as router, aiohttp.ClientSession() as http:
-            await first_engine.aclose()  # w0's port is closed; the router has not noticed
-            for stream in (True, False):
-                result = await asyncio.wait_for(
-                    post(http, router.url, chat_body(conversation("c", 50, 10), stream=stream)),
-                    5)
-                assert (result.status, result.worker) == (200, "w1")
-            # The refused connection took w0 out of rotation at once: one retry, not two.
-            assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 1
-            async with http.get(router.url + "/ready") as response:
-                assert (await response.json())["healthy_workers"] == ["w1"]
-            await assert_idle(http, router)
-
-
-# -- bad requests --------------------------------------------------------------------------
-
-_GOOD = {"model": TEST_MODEL, "messages": [{"role": "user", "content": "hi"}],
-         "max_tokens": 2}
-_BAD: Sequence[tuple[str, bytes, int, str]] = [
-    ("malformed json", b'{"model": "sim-model", "messages": [', 400, "invalid_request_error"),
-    ("not an object", b"[1, 2]", 400, "invalid_request_error"),
-    ("missing messages", orjson.dumps({"model": TEST_MODEL}), 400, "invalid_request_error"),
-    ("empty messages", orjson.dumps({**_GOOD, "messages": []}), 400, "invalid_request_error"),
-    ("messages a string", orjson.dumps({**_GOOD, "messages": "hi"}), 400,
-     "invalid_request_error"),
-    ("role a number", orjson.dumps({**_GOOD, "messages": [{"role": 1, "content": "x"}]}), 400,
-     "invalid_request_error"),
-    ("content a number", orjson.dumps({**_GOOD, "messages": [{"role": "user",
-                                                              "content": 5}]}), 400,
-     "invalid_request_error"),
-    ("stream a string", orjson.dumps({**_GOOD, "stream": "yes"}), 400,
-     "invalid_request_error"),
-    ("model a number", orjson.dumps({**_GOOD, "model": 5}), 400, "invalid_request_error"),
-    ("unknown model", orjson.dumps({**_GOOD, "model": "gpt-9"}), 404,
-     "invalid_request_error"),
-    ("too large", orjson.dumps({**_GOOD, "messages": [{"role": "user",
-                                                       "content": "x" * 4000}]}), 413,
-     "invalid_request_error"),
-]
-
-
-async def test_bad_requests_get_openai_errors_and_the_router_still_serves(
-        engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 1) as fleet, \
-            serve_router(router_config(fleet, max_body_bytes=2048)) as router, \
-            aiohttp.ClientSession() as http:
-        statuses: Counter[str] = Counter()
-        for name, raw, status, error_type in _BAD:
-            async with http.post(router.url + "/v1/chat/completions", data=raw,
-                                 headers={"Content-Type": "application/json"}) as response:
-                assert response.status == status, name
-                error = (await response.json())["error"]
-            assert isinstance(error["message"], str) and error["message"], name
-            assert error["type"] == error_type, name
-            assert error["code"] == ("model_not_found" if status == 404 else status), name
-            statuses[str(status)] += 1
-
-        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: read, then refused
-            for _ in range(8):
-                yield b" " * 512
-        async with http.post(router.url + "/v1/chat/completions", data=chunks()) as response:
-            assert response.status == 413
-            assert (await response.json())["error"]["code"] == 413
-        statuses["413"] += 1
-        async with http.post(router.url + "/v1/completions",
-                             json={"model": TEST_MODEL, "prompt": [True]}) as response:
-            assert response.status == 400
-            assert (await response.json())["error"]["param"] == "prompt"
-        statuses["400"] += 1
-        async with http.get(router.url + "/v1/chat/completions") as response:
-            assert response.status == 405
-            assert (await response.json())["error"]["code"] == 405
-        for code, count in statuses.items():
-            assert await metric(http, router, "kvrouter_rejected_requests_total",
-                                status=code) == count, code
-        result = await post(http, router.url, chat_body(conversation("fine", 20, 5)))
-        assert result.status == 200 and len(result.text) == 8 * 4
-        await assert_idle(http, router)
 
 
 # -- every policy, models, health ----------------------------------------------------------

@@ -22,7 +22,7 @@ from tests.conftest import (
     router_config,
     serve_router,
 )
-from tests.test_router_e2e import (
+from tests.router_client import (
     chat_body,
     conversation,
     engines,
