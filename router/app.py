@@ -146,8 +146,8 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
     if not isinstance(index, SharedPrefixIndex):
         yield
         return
-    client = connect(state.config.state.url)
-    sync = RedisSync(client, index, state.router, state.config.state,
+    handle = connect(state.config.state.url)
+    sync = RedisSync(handle.client, index, state.router, state.config.state,
                      RedisMetrics(state.metrics.registry))
     await sync.start()
     task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")
@@ -160,7 +160,7 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         except TimeoutError:
             log.warning("redis sync did not stop in %.0f s", SYNC_STOP_TIMEOUT_S)
         await sync.flush(timeout_s=FINAL_FLUSH_TIMEOUT_S)
-        await client.aclose()
+        await handle.aclose()
 
 
 async def _state_ctx(app: web.Application) -> AsyncIterator[None]:

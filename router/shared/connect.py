@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,13 +27,27 @@ def _options() -> dict[str, Any]:
     }
 
 
-def connect(url: str) -> Redis | RedisCluster:
+@dataclass(slots=True)
+class RedisHandle:
+    """The client the router uses, and what else must close with it (Sentinel's own
+    connections to the sentinels)."""
+
+    client: Redis | RedisCluster
+    sentinels: list[Redis] = field(default_factory=list)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        for sentinel in self.sentinels:
+            await sentinel.aclose()
+
+
+def connect(url: str) -> RedisHandle:
     """``redis+sentinel://h1:26379,h2:26379/service[/db]`` asks Sentinel for the master;
     ``redis+cluster://host:port`` talks to a Cluster (all keys share one hash slot)."""
     if url.startswith("redis+cluster://"):
-        return RedisCluster.from_url("redis://" + url.removeprefix("redis+cluster://"),
-                                     socket_timeout=SOCKET_TIMEOUT_S,
-                                     socket_connect_timeout=SOCKET_TIMEOUT_S)
+        return RedisHandle(RedisCluster.from_url(
+            "redis://" + url.removeprefix("redis+cluster://"),
+            socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S))
     if url.startswith("redis+sentinel://"):
         parts = urlsplit(url)
         hosts = []
@@ -45,5 +60,5 @@ def connect(url: str) -> Redis | RedisCluster:
         db = int(path[1]) if len(path) > 1 else 0
         sentinel = Sentinel(hosts, socket_timeout=SOCKET_TIMEOUT_S)  # type: ignore[no-untyped-call]
         client: Redis = sentinel.master_for(path[0], db=db, **_options())
-        return client
-    return Redis.from_url(url, **_options())
+        return RedisHandle(client, list(sentinel.sentinels))
+    return RedisHandle(Redis.from_url(url, **_options()))
