@@ -169,7 +169,8 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
         state, discover = build_state(config, session)
         app[STATE_KEY] = state
         prober = HealthProber(state.router.fleet, state.router.index, session, config.health,
-                              config.prefix.block_tokens, discover)
+                              config.prefix.block_tokens, discover,
+                              state.router.worker_restarted)
         await prober.probe_all()
         task = asyncio.create_task(prober.run(), name="kvrouter-health")
         try:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -27,25 +29,38 @@ log = logging.getLogger(__name__)
 MODELS_EVERY = 12
 
 
-def capacity_from_metrics(text: str) -> int | None:
-    """KV capacity in tokens from an engine's /metrics text, if it says."""
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What an engine's /metrics says about it."""
+
+    capacity_tokens: int | None = None
+    started_at: float | None = None  # process_start_time_seconds
+
+
+def read_engine_metrics(text: str) -> EngineFacts:
+    """KV capacity (vLLM's ``cache_config_info`` num_gpu_blocks x block_size, or SGLang's
+    ``max_total_num_tokens``) and process start time from an engine's /metrics text."""
+    capacity: int | None = None
+    started: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "vllm:cache_config_info":
-                try:
-                    blocks = int(sample.labels["num_gpu_blocks"])
-                    return blocks * int(sample.labels["block_size"])
-                except (KeyError, ValueError):
-                    continue
-            if sample.name == "sglang:max_total_num_tokens" and sample.value > 0:
-                return int(sample.value)
-    return None
+            if sample.name == "vllm:cache_config_info" and capacity is None:
+                with contextlib.suppress(KeyError, ValueError):
+                    capacity = (int(sample.labels["num_gpu_blocks"])
+                                * int(sample.labels["block_size"]))
+            elif sample.name == "sglang:max_total_num_tokens" and sample.value > 0:
+                capacity = int(sample.value)
+            elif sample.name == "process_start_time_seconds":
+                started = sample.value
+    return EngineFacts(capacity, started)
 
 
 class HealthProber:
     def __init__(self, fleet: Fleet, index: PrefixIndex, session: aiohttp.ClientSession,
-                 config: HealthConfig, block_tokens: int, discover_capacity: set[str]) -> None:
+                 config: HealthConfig, block_tokens: int, discover_capacity: set[str],
+                 on_restart: Callable[[Worker], None]) -> None:
         self._fleet = fleet
+        self._on_restart = on_restart
         self._index = index
         self._session = session
         self._config = config
@@ -79,8 +94,7 @@ class HealthProber:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError, ValueError):
             if not worker.models or self._round % MODELS_EVERY == 0:
                 await self._learn_models(worker)
-            if worker.name in self._discover:
-                await self._learn_capacity(worker)
+            await self._read_metrics(worker)
 
     def _set_health(self, worker: Worker, healthy: bool, why: str) -> None:
         if healthy != worker.healthy:
@@ -97,11 +111,20 @@ class HealthProber:
                 worker.models = frozenset(str(m["id"]) for m in data
                                           if isinstance(m, dict) and "id" in m)
 
-    async def _learn_capacity(self, worker: Worker) -> None:
+    async def _read_metrics(self, worker: Worker) -> None:
         status, text = await self._get(worker.url + "/metrics")
-        tokens = capacity_from_metrics(text) if status == 200 else None
-        if tokens:
-            worker.capacity_tokens = tokens
-            self._index.resize_worker(worker.name, max(1, tokens // self._block_tokens))
+        if status != 200:
+            return
+        facts = read_engine_metrics(text)
+        if worker.name in self._discover and facts.capacity_tokens:
+            worker.capacity_tokens = facts.capacity_tokens
+            self._index.resize_worker(worker.name,
+                                      max(1, facts.capacity_tokens // self._block_tokens))
             self._discover.discard(worker.name)
-            log.info("worker %s reports %d KV tokens", worker.name, tokens)
+            log.info("worker %s reports %d KV tokens", worker.name, facts.capacity_tokens)
+        if facts.started_at is not None:
+            if worker.engine_started_at not in (None, facts.started_at):
+                log.warning("worker %s restarted; its cache is gone, purging its entries",
+                            worker.name)
+                self._on_restart(worker)
+            worker.engine_started_at = facts.started_at

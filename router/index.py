@@ -25,6 +25,10 @@ class PrefixIndex(Protocol):
 
     def resize_worker(self, worker: str, capacity_blocks: int) -> None: ...
 
+    def purge(self, worker: str) -> None:
+        """The worker lost its cache (it restarted): forget everything it held."""
+        ...
+
     def match(self, worker: str, hashes: Sequence[int]) -> int:
         """How many leading ``hashes`` the worker holds."""
         ...
@@ -137,6 +141,11 @@ class LocalPrefixIndex:
         residency = self._workers.get(worker)
         if residency is not None:
             residency.resize(capacity_blocks)
+
+    def purge(self, worker: str) -> None:
+        residency = self._workers.get(worker)
+        if residency is not None:
+            self._workers[worker] = Residency(residency.capacity_blocks)
 
     def match(self, worker: str, hashes: Sequence[int]) -> int:
         residency = self._workers.get(worker)

@@ -114,6 +114,10 @@ class RouterMetrics:
             "kvrouter_routing_decision_seconds",
             "Time to hash the prompt, look up the index and choose a worker.",
             buckets=DECISION_BUCKETS, registry=r)
+        self.worker_restarts = Counter(
+            "kvrouter_worker_restarts",
+            "Engine restarts seen (process_start_time_seconds changed); its entries purged.",
+            ["worker"], registry=r)
         self.prefill_rate = Gauge(
             "kvrouter_prefill_tokens_per_second",
             "Fleet prefill speed learned from TTFTs and engine-reported uncached tokens.",

@@ -129,6 +129,12 @@ class Router:
         self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
         self.metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
 
+    def worker_restarted(self, worker: Worker) -> None:
+        """The engine restarted: its cache is gone, so is everything the index says of it."""
+        self.index.purge(worker.name)
+        self.calibrator.reset(worker.name)
+        self.metrics.worker_restarts.labels(worker.name).inc()
+
     def _view(self, worker: Worker, route: RouteRequest) -> WorkerView:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         return WorkerView(

@@ -25,6 +25,8 @@ class Worker:
     remote_requests: int = 0
     remote_tokens: int = 0
     remote_queued_prefill_tokens: int = 0
+    # The engine's process_start_time_seconds when last seen; a change means a restart.
+    engine_started_at: float | None = None
 
     def serves(self, model: str) -> bool:
         # Before the first /v1/models answer a worker is assumed to serve any model.

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-Op = Literal["touch", "forget"]
-_OPS: dict[bytes, Op] = {b"t": "touch", b"f": "forget"}
+Op = Literal["touch", "forget", "purge"]
+_OPS: dict[bytes, Op] = {b"t": "touch", b"f": "forget", b"p": "purge"}
 _CODES: dict[Op, bytes] = {v: k for k, v in _OPS.items()}
 
 

@@ -45,6 +45,10 @@ class SharedPrefixIndex:
     def resize_worker(self, worker: str, capacity_blocks: int) -> None:
         self.local.resize_worker(worker, capacity_blocks)
 
+    def purge(self, worker: str) -> None:
+        self.local.purge(worker)
+        self.outbox.append(IndexEvent("purge", worker, ()))
+
     def touch(self, worker: str, hashes: Sequence[int]) -> list[int]:
         added = self.local.touch(worker, hashes)
         if hashes:
@@ -62,5 +66,7 @@ class SharedPrefixIndex:
     def apply(self, event: IndexEvent) -> None:
         if event.op == "touch":
             self.local.touch(event.worker, event.hashes)
-        else:
+        elif event.op == "forget":
             self.local.forget(event.worker, event.hashes)
+        else:
+            self.local.purge(event.worker)

@@ -191,8 +191,10 @@ class RedisSync:
                 pipe.zadd(key, {_member(h): now + (n - i) * 1e-3
                                 for i, h in enumerate(event.hashes)})
                 self._trim(pipe, event.worker, key)
-            else:
+            elif event.op == "forget":
                 pipe.zrem(key, *(_member(h) for h in event.hashes))
+            else:
+                pipe.delete(key)
             pipe.xadd(self._stream, encode(event, self.replica),  # type: ignore[arg-type]
                       minid=oldest, approximate=True)
         await pipe.execute()
