@@ -17,6 +17,7 @@ from aiohttp import web
 
 from policies.registry import build_policy
 from router import __version__
+from router.breaker import CircuitBreaker
 from router.capacity import CapacityError, dtype_bytes, gpu, load_model, plan
 from router.config import DEFAULT_KV_TOKENS, RouterConfig
 from router.errors import PayloadTooLarge, RouterError
@@ -97,7 +98,10 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[R
         if capacity is None:
             discover.add(wc.name)
             capacity = DEFAULT_KV_TOKENS
-        fleet.add(Worker(wc.name, wc.url.rstrip("/"), capacity))
+        health = config.health
+        breaker = CircuitBreaker(health.failure_threshold, health.cooldown_s,
+                                 health.max_cooldown_s)
+        fleet.add(Worker(wc.name, wc.url.rstrip("/"), capacity, breaker=breaker))
         index.add_worker(wc.name, max(1, capacity // block_tokens))
     metrics = RouterMetrics(fleet, index, block_tokens)
     policy = build_policy(config.policy, config.policy_knobs, config.seed)

@@ -109,10 +109,19 @@ class UpstreamConfig:
 class HealthConfig:
     interval_s: float = 5.0
     timeout_s: float = 2.0
+    # Circuit breaker (router/breaker.py): consecutive upstream failures that open it,
+    # and how long it stays open before one trial request (doubling up to the max).
+    failure_threshold: int = 5
+    cooldown_s: float = 2.0
+    max_cooldown_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.timeout_s <= 0:
             raise ConfigError("interval_s, timeout_s: must be > 0")
+        if self.failure_threshold < 1:
+            raise ConfigError("failure_threshold: must be >= 1")
+        if not 0 < self.cooldown_s <= self.max_cooldown_s:
+            raise ConfigError("cooldown_s: must be > 0 and <= max_cooldown_s")
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,7 +49,11 @@ class _FleetCollector(Collector):
                 "kvrouter_worker_capacity_tokens",
                 "The worker's KV-cache capacity in tokens.", labels=["worker"]),
             "healthy": GaugeMetricFamily(
-                "kvrouter_worker_healthy", "1 if the worker receives traffic.",
+                "kvrouter_worker_healthy", "1 if the worker passes its health probes.",
+                labels=["worker"]),
+            "circuit": GaugeMetricFamily(
+                "kvrouter_worker_circuit_state",
+                "The worker's circuit breaker: 0 closed, 1 half-open, 2 open.",
                 labels=["worker"]),
         }
         for w in self._fleet.all():
@@ -61,6 +65,7 @@ class _FleetCollector(Collector):
                 ("resident", resident),
                 ("capacity", w.capacity_tokens),
                 ("healthy", 1 if w.healthy else 0),
+                ("circuit", int(w.breaker.state)),
             ):
                 families[key].add_metric([w.name], value)
         yield from families.values()

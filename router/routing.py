@@ -67,6 +67,13 @@ class Dispatch:
             return
         self.done = True
         self.lease.release()
+        breaker = self.worker.breaker
+        if outcome in ("success", "rejected"):
+            breaker.on_success()  # a 4xx is the request's fault, not the worker's
+        elif outcome == "client_disconnect":
+            breaker.on_abandoned()
+        else:
+            breaker.on_failure()
         router = self.router
         if outcome == "success":
             if reply_hashes:
@@ -110,6 +117,7 @@ class Router:
         matched = next(v.matched_tokens for v in views if v.name == decision.worker)
         queued_before = worker.queued_prefill_tokens
         lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
+        worker.breaker.on_dispatch()
         added = self.index.touch(worker.name, route.block_hashes)
         self.policy.on_dispatch(route, worker.name)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from router.breaker import CircuitBreaker
+
 
 @dataclass(slots=True)
 class Worker:
@@ -27,6 +29,7 @@ class Worker:
     remote_queued_prefill_tokens: int = 0
     # The engine's process_start_time_seconds when last seen; a change means a restart.
     engine_started_at: float | None = None
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
 
     def serves(self, model: str) -> bool:
         # Before the first /v1/models answer a worker is assumed to serve any model.
@@ -85,7 +88,8 @@ class Fleet:
     def eligible(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
         excluded = set(exclude)
         return [w for w in self.workers.values()
-                if w.healthy and w.name not in excluded and w.serves(model)]
+                if w.healthy and w.name not in excluded and w.serves(model)
+                and w.breaker.allows()]
 
     def models(self) -> set[str]:
         return {m for w in self.workers.values() for m in w.models}

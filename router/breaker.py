@@ -1,0 +1,86 @@
+"""A circuit breaker per worker, fed by request outcomes.
+
+A worker that fails requests while its ``/health`` still answers (a broken model, a full
+disk, an OOM loop) fails fast, so it looks idle, and load-seeking policies would send it
+everything. The breaker takes it out instead:
+
+    closed --(failure_threshold consecutive failures)--> open
+    open --(cooldown elapsed)--> half-open: one trial request is let through
+    half-open --trial succeeds--> closed
+    half-open --trial fails--> open again, cooldown doubled (up to max_cooldown_s)
+
+Only upstream failures count (connection errors, 5xx, timeouts); a client that goes away
+or a 4xx for a bad request says nothing about the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from enum import IntEnum
+
+DEFAULT_FAILURE_THRESHOLD = 5
+DEFAULT_COOLDOWN_S = 2.0
+DEFAULT_MAX_COOLDOWN_S = 60.0
+
+
+class BreakerState(IntEnum):
+    CLOSED = 0
+    HALF_OPEN = 1
+    OPEN = 2
+
+
+class CircuitBreaker:
+    __slots__ = ("_clock", "_cooldown", "_failures", "_opened_at", "_trial_out",
+                 "cooldown_s", "failure_threshold", "max_cooldown_s", "state")
+
+    def __init__(self, failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+                 cooldown_s: float = DEFAULT_COOLDOWN_S,
+                 max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.failure_threshold = failure_threshold
+        self.cooldown_s = cooldown_s
+        self.max_cooldown_s = max_cooldown_s
+        self._clock = clock
+        self.state = BreakerState.CLOSED
+        self._failures = 0
+        self._cooldown = cooldown_s
+        self._opened_at = 0.0
+        self._trial_out = False
+
+    def allows(self) -> bool:
+        """May a request be sent now? (Moves open -> half-open when the cooldown is over.)"""
+        if self.state is BreakerState.OPEN and self._clock() - self._opened_at >= self._cooldown:
+            self.state = BreakerState.HALF_OPEN
+            self._trial_out = False
+        if self.state is BreakerState.HALF_OPEN:
+            return not self._trial_out
+        return self.state is BreakerState.CLOSED
+
+    def on_dispatch(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self._trial_out = True
+
+    def on_success(self) -> None:
+        self.state = BreakerState.CLOSED
+        self._failures = 0
+        self._cooldown = self.cooldown_s
+        self._trial_out = False
+
+    def on_failure(self) -> None:
+        if self.state is BreakerState.HALF_OPEN:
+            self._cooldown = min(self.max_cooldown_s, self._cooldown * 2)
+            self._open()
+            return
+        self._failures += 1
+        if self.state is BreakerState.CLOSED and self._failures >= self.failure_threshold:
+            self._open()
+
+    def on_abandoned(self) -> None:
+        """The request ended without a verdict (the client left): free the trial slot."""
+        self._trial_out = False
+
+    def _open(self) -> None:
+        self.state = BreakerState.OPEN
+        self._opened_at = self._clock()
+        self._trial_out = False

@@ -1,0 +1,99 @@
+"""The circuit breaker, on a fake clock and end to end against a worker that fails fast."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from router.breaker import BreakerState, CircuitBreaker
+from router.config import HealthConfig
+from tests.conftest import EngineFactory, router_config, serve_router
+from tests.router_client import chat_body, engines, metric, post, set_faults, wait_for
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def state(breaker: CircuitBreaker) -> BreakerState:
+    return breaker.state
+
+
+def test_opens_after_consecutive_failures_and_half_opens_after_cooldown() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=3, cooldown_s=1.0, max_cooldown_s=4.0,
+                             clock=clock)
+    for _ in range(2):
+        breaker.on_failure()
+    breaker.on_success()  # a success resets the count: failures must be consecutive
+    for _ in range(2):
+        breaker.on_failure()
+    assert breaker.allows()
+    breaker.on_failure()
+    assert state(breaker) is BreakerState.OPEN and not breaker.allows()
+    clock.now = 1.0
+    assert breaker.allows() and state(breaker) is BreakerState.HALF_OPEN
+    breaker.on_dispatch()
+    assert not breaker.allows()  # one trial at a time
+    breaker.on_failure()  # the trial failed: open again, for twice as long
+    clock.now = 2.5
+    assert not breaker.allows()
+    clock.now = 3.0
+    assert breaker.allows()
+    breaker.on_dispatch()
+    breaker.on_success()
+    assert state(breaker) is BreakerState.CLOSED and breaker.allows()
+
+
+def test_an_abandoned_trial_frees_the_slot() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=1.0, clock=clock)
+    breaker.on_failure()
+    clock.now = 1.0
+    assert breaker.allows()
+    breaker.on_dispatch()
+    assert not breaker.allows()
+    breaker.on_abandoned()
+    assert breaker.allows()
+
+
+def test_cooldown_is_capped() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=1.0, max_cooldown_s=2.0,
+                             clock=clock)
+    breaker.on_failure()
+    for _ in range(5):  # every trial fails
+        clock.now += 10
+        assert breaker.allows()
+        breaker.on_dispatch()
+        breaker.on_failure()
+    clock.now += 2.0
+    assert breaker.allows()
+
+
+async def test_a_worker_failing_fast_is_cut_off_then_readmitted(
+        engine_factory: EngineFactory) -> None:
+    health = HealthConfig(interval_s=60, failure_threshold=3, cooldown_s=0.3)
+    async with (engines(engine_factory, 2) as fleet,
+                serve_router(router_config(fleet, policy="least_load", health=health)) as router,
+                aiohttp.ClientSession() as http):
+        await set_faults(http, fleet[0], fail_requests=True)  # /health still answers 200
+        body = chat_body([{"role": "user", "content": "hi"}], max_tokens=2)
+        for _ in range(20):
+            result = await post(http, router.url, body)
+            assert result.status == 200 and result.worker == "w1"
+        # Idle and failing fast, w0 would win every least-load pick: only the breaker
+        # keeps it to its threshold of failed attempts.
+        assert await metric(http, router, "kvrouter_retries_total") == 3
+        assert await metric(http, router, "kvrouter_worker_circuit_state", worker="w0") == 2
+
+        await set_faults(http, fleet[0], fail_requests=False)
+
+        async def readmitted() -> bool:
+            result = await post(http, router.url, body)
+            return result.status == 200 and result.worker == "w0"
+        await wait_for(readmitted, timeout_s=5)
+        assert await metric(http, router, "kvrouter_worker_circuit_state", worker="w0") == 0
