@@ -40,7 +40,9 @@ class WorkerView:
     """One eligible worker as the policy sees it for this request."""
 
     name: str
-    outstanding_requests: int  # dispatched by this router, not yet finished
+    # Dispatched by this router and its replicas and not yet finished, or what the engine
+    # reports running + waiting, whichever is larger.
+    outstanding_requests: int
     outstanding_tokens: int  # prompt tokens of those requests
     queued_prefill_tokens: int  # uncached prompt tokens dispatched, first byte not yet seen
     matched_tokens: int  # this request's prefix the worker is modelled to hold

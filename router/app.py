@@ -105,7 +105,8 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[R
         index.add_worker(wc.name, max(1, capacity // block_tokens))
     metrics = RouterMetrics(fleet, index, block_tokens)
     policy = build_policy(config.policy, config.policy_knobs, config.seed)
-    router = Router(fleet, index, policy, config.policy, block_tokens, metrics)
+    router = Router(fleet, index, policy, config.policy, block_tokens, metrics,
+                    config.health.stale_after_s)
     return RouterState(config, router, metrics, session), discover
 
 

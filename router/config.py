@@ -109,6 +109,10 @@ class UpstreamConfig:
 class HealthConfig:
     interval_s: float = 5.0
     timeout_s: float = 2.0
+    # Engine /metrics reads (load, restarts); a worker whose metrics are older than
+    # stale_after_s counts as saturated: chosen only when every worker is.
+    scrape_interval_s: float = 1.0
+    stale_after_s: float = 10.0
     # Circuit breaker (router/breaker.py): consecutive upstream failures that open it,
     # and how long it stays open before one trial request (doubling up to the max).
     failure_threshold: int = 5
@@ -116,8 +120,10 @@ class HealthConfig:
     max_cooldown_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.interval_s <= 0 or self.timeout_s <= 0:
-            raise ConfigError("interval_s, timeout_s: must be > 0")
+        if min(self.interval_s, self.timeout_s, self.scrape_interval_s) <= 0:
+            raise ConfigError("interval_s, timeout_s, scrape_interval_s: must be > 0")
+        if self.stale_after_s <= self.scrape_interval_s:
+            raise ConfigError("stale_after_s: must be longer than scrape_interval_s")
         if self.failure_threshold < 1:
             raise ConfigError("failure_threshold: must be >= 1")
         if not 0 < self.cooldown_s <= self.max_cooldown_s:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,12 +30,24 @@ log = logging.getLogger(__name__)
 MODELS_EVERY = 12
 
 
+# vLLM's and SGLang's names for the load an engine reports.
+_LOAD_NAMES = {
+    "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage",
+    "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting",
+    "sglang:token_usage": "kv_usage",
+}
+
+
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What an engine's /metrics says about it."""
 
     capacity_tokens: int | None = None
     started_at: float | None = None  # process_start_time_seconds
+    running: int | None = None
+    waiting: int | None = None
+    kv_usage: float | None = None  # 0..1
 
 
 def read_engine_metrics(text: str) -> EngineFacts:
@@ -42,8 +55,13 @@ def read_engine_metrics(text: str) -> EngineFacts:
     ``max_total_num_tokens``) and process start time from an engine's /metrics text."""
     capacity: int | None = None
     started: float | None = None
+    load: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            key = _LOAD_NAMES.get(sample.name)
+            if key is not None:
+                load[key] = load.get(key, 0.0) + sample.value  # summed over engines
+                continue
             if sample.name == "vllm:cache_config_info" and capacity is None:
                 with contextlib.suppress(KeyError, ValueError):
                     capacity = (int(sample.labels["num_gpu_blocks"])
@@ -52,7 +70,10 @@ def read_engine_metrics(text: str) -> EngineFacts:
                 capacity = int(sample.value)
             elif sample.name == "process_start_time_seconds":
                 started = sample.value
-    return EngineFacts(capacity, started)
+    running, waiting = load.get("running"), load.get("waiting")
+    return EngineFacts(capacity, started,
+                       None if running is None else int(running),
+                       None if waiting is None else int(waiting), load.get("kv_usage"))
 
 
 class HealthProber:
@@ -73,9 +94,23 @@ class HealthProber:
         self._round += 1
 
     async def run(self) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._every(self._config.interval_s, self.probe_all))
+            group.create_task(self._every(self._config.scrape_interval_s, self.scrape_all))
+
+    @staticmethod
+    async def _every(seconds: float, action: Callable[[], Awaitable[None]]) -> None:
         while True:
-            await asyncio.sleep(self._config.interval_s)
-            await self.probe_all()
+            await asyncio.sleep(seconds)
+            await action()
+
+    async def scrape_all(self) -> None:
+        """Every healthy worker's /metrics: load, restarts, capacity."""
+        await asyncio.gather(*(self._scrape(w) for w in self._fleet.all() if w.healthy))
+
+    async def _scrape(self, worker: Worker) -> None:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError, ValueError):
+            await self._read_metrics(worker)
 
     async def _get(self, url: str) -> tuple[int, str]:
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
@@ -94,7 +129,8 @@ class HealthProber:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError, ValueError):
             if not worker.models or self._round % MODELS_EVERY == 0:
                 await self._learn_models(worker)
-            await self._read_metrics(worker)
+            if worker.metrics_at is None:
+                await self._read_metrics(worker)
 
     def _set_health(self, worker: Worker, healthy: bool, why: str) -> None:
         if healthy != worker.healthy:
@@ -116,6 +152,11 @@ class HealthProber:
         if status != 200:
             return
         facts = read_engine_metrics(text)
+        if facts.running is not None or facts.waiting is not None:
+            worker.engine_running = facts.running or 0
+            worker.engine_waiting = facts.waiting or 0
+            worker.engine_kv_usage = facts.kv_usage or 0.0
+            worker.metrics_at = time.monotonic()
         if worker.name in self._discover and facts.capacity_tokens:
             worker.capacity_tokens = facts.capacity_tokens
             self._index.resize_worker(worker.name,

@@ -85,8 +85,10 @@ class Dispatch:
 
 class Router:
     def __init__(self, fleet: Fleet, index: PrefixIndex, policy: Policy, policy_name: str,
-                 block_tokens: int, metrics: RouterMetrics) -> None:
+                 block_tokens: int, metrics: RouterMetrics,
+                 stale_after_s: float | None = None) -> None:
         self.fleet = fleet
+        self.stale_after_s = stale_after_s
         self.index = index
         self.policy = policy
         self.policy_name = policy_name
@@ -108,7 +110,7 @@ class Router:
     def dispatch(self, request: ClientRequest, route: RouteRequest,
                  exclude: list[str]) -> Dispatch:
         started = time.perf_counter()
-        candidates = self.fleet.eligible(request.model, exclude)
+        candidates = self.fleet.eligible(request.model, exclude, self.stale_after_s)
         if not candidates:
             raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
         views = [self._view(w, route) for w in candidates]
@@ -145,9 +147,13 @@ class Router:
 
     def _view(self, worker: Worker, route: RouteRequest) -> WorkerView:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
+        # Requests this router (and its replicas) sent, or what the engine itself reports
+        # running and waiting, whichever is more: traffic from elsewhere counts too.
+        outstanding = max(worker.outstanding_requests + worker.remote_requests,
+                          worker.engine_running + worker.engine_waiting)
         return WorkerView(
             name=worker.name,
-            outstanding_requests=worker.outstanding_requests + worker.remote_requests,
+            outstanding_requests=outstanding,
             outstanding_tokens=worker.outstanding_tokens + worker.remote_tokens,
             queued_prefill_tokens=(worker.queued_prefill_tokens
                                    + worker.remote_queued_prefill_tokens),

@@ -7,6 +7,7 @@ is a no-op. Broken accounting is what makes cache-aware routers collapse onto on
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,15 @@ class Worker:
     # The engine's process_start_time_seconds when last seen; a change means a restart.
     engine_started_at: float | None = None
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    # What the engine's /metrics said, and when (monotonic); None: never read.
+    engine_running: int = 0
+    engine_waiting: int = 0
+    engine_kv_usage: float = 0.0
+    metrics_at: float | None = None
+
+    def saturated(self, now: float, stale_after_s: float) -> bool:
+        """Metrics missing or stale: assume the worst."""
+        return self.metrics_at is None or now - self.metrics_at > stale_after_s
 
     def serves(self, model: str) -> bool:
         # Before the first /v1/models answer a worker is assumed to serve any model.
@@ -85,11 +95,19 @@ class Fleet:
     def all(self) -> list[Worker]:
         return list(self.workers.values())
 
-    def eligible(self, model: str, exclude: Iterable[str] = ()) -> list[Worker]:
+    def eligible(self, model: str, exclude: Iterable[str] = (),
+                 stale_after_s: float | None = None) -> list[Worker]:
+        """Healthy workers serving ``model`` whose circuit lets a request through; with
+        ``stale_after_s``, workers with stale engine metrics only if all are stale."""
         excluded = set(exclude)
-        return [w for w in self.workers.values()
-                if w.healthy and w.name not in excluded and w.serves(model)
-                and w.breaker.allows()]
+        found = [w for w in self.workers.values()
+                 if w.healthy and w.name not in excluded and w.serves(model)
+                 and w.breaker.allows()]
+        if stale_after_s is None:
+            return found
+        now = time.monotonic()
+        fresh = [w for w in found if not w.saturated(now, stale_after_s)]
+        return fresh or found
 
     def models(self) -> set[str]:
         return {m for w in self.workers.values() for m in w.models}

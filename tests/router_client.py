@@ -171,12 +171,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 @contextlib.asynccontextmanager
 async def fake_engine(chat: Handler) -> AsyncIterator[str]:
-    """A stand-in engine whose chat endpoint is ``chat``; health and models answer."""
+    """A stand-in engine whose chat endpoint is ``chat``; health, models and an idle
+    /metrics answer (a worker without fresh metrics counts as saturated)."""
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": TEST_MODEL}]})
 
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
     app = web.Application()
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", ok)
     app.router.add_get("/v1/models", ok)
     app.router.add_post("/v1/chat/completions", chat)

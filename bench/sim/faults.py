@@ -4,6 +4,7 @@
 * ``stall``: the engine stops making progress (a hung GPU): requests in flight and new
   ones get no tokens until the stall is lifted. ``/health`` stalls too.
 * ``fail_health``: ``/health`` answers 503 while completions still work.
+* ``fail_metrics``: ``/metrics`` answers 503 (a scrape that breaks; the load is unknown).
 
 A restart with an empty cache is ``Engine.restart``; it is exposed beside these at
 ``POST /sim/restart``.
@@ -22,6 +23,7 @@ class FaultState:
     fail_status: int = 500
     stall: bool = False
     fail_health: bool = False
+    fail_metrics: bool = False
 
 
 class Faults:

@@ -160,6 +160,8 @@ async def health_generate(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
+    if engine.faults.state.fail_metrics:
+        return web.Response(status=503)
     engine.record_gauges()
     body, content_type = engine.metrics.render()
     return web.Response(body=body, headers={"Content-Type": content_type})
