@@ -17,9 +17,10 @@ from aiohttp import web
 
 from policies.registry import build_policy
 from router import __version__
+from router.admin import add_routes
 from router.breaker import CircuitBreaker
 from router.capacity import CapacityError, dtype_bytes, gpu, load_model, plan
-from router.config import DEFAULT_KV_TOKENS, RouterConfig
+from router.config import DEFAULT_KV_TOKENS, RouterConfig, WorkerConfig
 from router.errors import PayloadTooLarge, RouterError
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
@@ -86,27 +87,33 @@ def worker_capacity(config: RouterConfig, configured: int | None) -> int | None:
     return None
 
 
+def new_worker(config: RouterConfig, wc: WorkerConfig) -> tuple[Worker, bool]:
+    """A worker from its config; False when its capacity must be read from the engine."""
+    capacity = worker_capacity(config, wc.kv_tokens)
+    health = config.health
+    breaker = CircuitBreaker(health.failure_threshold, health.cooldown_s,
+                             health.max_cooldown_s)
+    worker = Worker(wc.name, wc.url.rstrip("/"), capacity or DEFAULT_KV_TOKENS,
+                    breaker=breaker)
+    return worker, capacity is not None
+
+
 def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[RouterState,
                                                                               set[str]]:
     """The router state, and the workers whose capacity must be read from the engine."""
     block_tokens = config.prefix.block_tokens
     fleet, local = Fleet(), LocalPrefixIndex()
     index: PrefixIndex = SharedPrefixIndex(local) if config.state.url else local
-    discover: set[str] = set()
-    for wc in config.workers:
-        capacity = worker_capacity(config, wc.kv_tokens)
-        if capacity is None:
-            discover.add(wc.name)
-            capacity = DEFAULT_KV_TOKENS
-        health = config.health
-        breaker = CircuitBreaker(health.failure_threshold, health.cooldown_s,
-                                 health.max_cooldown_s)
-        fleet.add(Worker(wc.name, wc.url.rstrip("/"), capacity, breaker=breaker))
-        index.add_worker(wc.name, max(1, capacity // block_tokens))
     metrics = RouterMetrics(fleet, index, block_tokens)
     policy = build_policy(config.policy, config.policy_knobs, config.seed)
     router = Router(fleet, index, policy, config.policy, block_tokens, metrics,
                     config.health.stale_after_s)
+    discover: set[str] = set()
+    for wc in config.workers:
+        worker, known = new_worker(config, wc)
+        router.add_worker(worker)
+        if not known:
+            discover.add(worker.name)
     return RouterState(config, router, metrics, session), discover
 
 
@@ -176,6 +183,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
         prober = HealthProber(state.router.fleet, state.router.index, session, config.health,
                               config.prefix.block_tokens, discover,
                               state.router.worker_restarted)
+        state.prober = prober
         await prober.probe_all()
         task = asyncio.create_task(prober.run(), name="kvrouter-health")
         try:
@@ -199,4 +207,6 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    if config.admin_token:
+        add_routes(app)
     return app

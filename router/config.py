@@ -175,6 +175,7 @@ class RouterConfig:
     session_header: str = "X-Session-Id"
     session_body_fields: tuple[str, ...] = ("session_id", "user")
     seed: int | None = None
+    admin_token: str = ""  # enables the admin API (router/admin.py) when set
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

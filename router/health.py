@@ -89,6 +89,10 @@ class HealthProber:
         self._discover = set(discover_capacity)
         self._round = 0
 
+    def discover_capacity(self, worker: str) -> None:
+        """Read this worker's KV capacity from its /metrics (a worker added at runtime)."""
+        self._discover.add(worker)
+
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(w) for w in self._fleet.all()))
         self._round += 1

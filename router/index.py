@@ -29,6 +29,10 @@ class PrefixIndex(Protocol):
         """The worker lost its cache (it restarted): forget everything it held."""
         ...
 
+    def migrate(self, source: str, target: str) -> int:
+        """Move everything ``source`` holds to ``target``; returns the blocks moved."""
+        ...
+
     def match(self, worker: str, hashes: Sequence[int]) -> int:
         """How many leading ``hashes`` the worker holds."""
         ...
@@ -146,6 +150,13 @@ class LocalPrefixIndex:
         residency = self._workers.get(worker)
         if residency is not None:
             self._workers[worker] = Residency(residency.capacity_blocks)
+
+    def migrate(self, source: str, target: str) -> int:
+        held = self.oldest_first(source)
+        if target in self._workers:
+            self._workers[target].restore(held)
+        self.purge(source)
+        return len(held)
 
     def match(self, worker: str, hashes: Sequence[int]) -> int:
         residency = self._workers.get(worker)

@@ -139,6 +139,23 @@ class Router:
         self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
         self.metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
 
+    def add_worker(self, worker: Worker) -> None:
+        self.fleet.add(worker)
+        self.index.add_worker(worker.name, max(1, worker.capacity_tokens // self.block_tokens))
+
+    def remove_worker(self, name: str) -> None:
+        self.fleet.remove(name)
+        self.index.remove_worker(name)
+        self.calibrator.reset(name)
+
+    def migrate(self, source: str, target: str) -> int:
+        """``source``'s KV state now lives on ``target`` (checkpointed and restored): its
+        index entries move there, so sessions' next turns hit on ``target``. Returns the
+        number of blocks moved."""
+        moved = self.index.migrate(source, target)
+        self.calibrator.reset(source)
+        return moved
+
     def worker_restarted(self, worker: Worker) -> None:
         """The engine restarted: its cache is gone, so is everything the index says of it."""
         self.index.purge(worker.name)

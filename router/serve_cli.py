@@ -47,6 +47,9 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     serve.add_argument("--max-attempts", type=int,
                        help="workers tried before the first byte")
     serve.add_argument("--seed", type=int, help="seed for policies that draw at random")
+    serve.add_argument("--admin-token", metavar="TOKEN",
+                       help="enable the admin API, with this bearer token (prefer "
+                       "KVROUTER_ADMIN_TOKEN: flags show in process lists)")
     serve.add_argument("--state", metavar="URL",
                        help="share routing state with other replicas through Redis "
                        "(redis://host:port/db, rediss://, redis+sentinel://, "
@@ -73,6 +76,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["prefix"] = {"block_bytes": args.block_bytes}
     if args.max_attempts is not None:
         values["upstream"] = {"max_attempts": args.max_attempts}
+    if args.admin_token:
+        values["admin_token"] = args.admin_token
     if args.state is not None:
         values["state"] = {"url": args.state}
     return values

@@ -9,6 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from router.config import RouterConfig
+from router.health import HealthProber
 from router.metrics import RouterMetrics
 from router.routing import Router
 from router.workers import Worker
@@ -22,6 +23,7 @@ class RouterState:
     router: Router
     metrics: RouterMetrics
     session: aiohttp.ClientSession
+    prober: HealthProber | None = None
 
     def mark_unreachable(self, worker: Worker) -> None:
         """Passive health: a refused connection takes the worker out until a probe passes."""

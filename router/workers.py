@@ -20,6 +20,7 @@ class Worker:
     url: str
     capacity_tokens: int
     healthy: bool = True
+    draining: bool = False  # no new requests; in-flight ones finish
     models: frozenset[str] = frozenset()
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
@@ -101,8 +102,8 @@ class Fleet:
         ``stale_after_s``, workers with stale engine metrics only if all are stale."""
         excluded = set(exclude)
         found = [w for w in self.workers.values()
-                 if w.healthy and w.name not in excluded and w.serves(model)
-                 and w.breaker.allows()]
+                 if w.healthy and not w.draining and w.name not in excluded
+                 and w.serves(model) and w.breaker.allows()]
         if stale_after_s is None:
             return found
         now = time.monotonic()

@@ -49,6 +49,16 @@ class SharedPrefixIndex:
         self.local.purge(worker)
         self.outbox.append(IndexEvent("purge", worker, ()))
 
+    def migrate(self, source: str, target: str) -> int:
+        held = self.local.oldest_first(source)
+        moved = self.local.migrate(source, target)
+        # Oldest first as separate touches would make each the newest in turn; one event
+        # with the newest first (the order a prefix is touched in) keeps the LRU order.
+        if held:
+            self.outbox.append(IndexEvent("touch", target, tuple(reversed(held))))
+        self.outbox.append(IndexEvent("purge", source, ()))
+        return moved
+
     def touch(self, worker: str, hashes: Sequence[int]) -> list[int]:
         added = self.local.touch(worker, hashes)
         if hashes:

@@ -1,0 +1,157 @@
+"""The admin API: list, add, remove, drain and migrate workers at runtime.
+
+Off unless an admin token is configured (``admin_token`` / ``--admin-token`` /
+``KVROUTER_ADMIN_TOKEN``); every call needs ``Authorization: Bearer <token>``.
+
+    GET    /admin/workers                     workers with state, load, resident tokens
+    POST   /admin/workers                     {"url": ..., "name"?: ..., "kv_tokens"?: ...}
+    DELETE /admin/workers/{name}
+    POST   /admin/workers/{name}/drain        no new requests; in-flight ones finish
+    DELETE /admin/workers/{name}/drain        back in rotation
+    POST   /admin/workers/{name}/migrate      {"to": "other"}: its KV state was restored on
+                                              another worker; its index entries move there
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from router.config import WorkerConfig
+from router.errors import BadRequest, ConfigError, RouterError
+from router.state import STATE_KEY, RouterState
+from router.workers import Worker
+
+
+class Unauthorized(RouterError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(RouterError):
+    status = 404
+    error_type = "invalid_request_error"
+
+
+class Conflict(RouterError):
+    status = 409
+    error_type = "invalid_request_error"
+
+
+Handler = Callable[[web.Request], Awaitable[web.Response]]
+
+
+def _authorized(handler: Handler) -> Handler:
+    async def check(request: web.Request) -> web.Response:
+        token = request.app[STATE_KEY].config.admin_token
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise Unauthorized("missing or wrong admin bearer token")
+        return await handler(request)
+    return check
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _describe(state: RouterState, worker: Worker) -> dict[str, Any]:
+    index, block_tokens = state.router.index, state.router.block_tokens
+    return {
+        "name": worker.name, "url": worker.url, "healthy": worker.healthy,
+        "draining": worker.draining, "circuit": worker.breaker.state.name.lower(),
+        "models": sorted(worker.models),
+        "outstanding_requests": worker.outstanding_requests,
+        "outstanding_tokens": worker.outstanding_tokens,
+        "engine_running": worker.engine_running, "engine_waiting": worker.engine_waiting,
+        "resident_tokens": index.resident_blocks(worker.name) * block_tokens,
+        "capacity_tokens": worker.capacity_tokens,
+    }
+
+
+def _worker(state: RouterState, name: str) -> Worker:
+    worker = state.router.fleet.workers.get(name)
+    if worker is None:
+        raise NotFound(f"no worker named {name!r}")
+    return worker
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+@_authorized
+async def list_workers(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    return _json({"workers": [_describe(state, w) for w in state.router.fleet.all()]})
+
+
+@_authorized
+async def add_worker(request: web.Request) -> web.Response:
+    from router.app import new_worker
+
+    state = request.app[STATE_KEY]
+    body = await _body(request)
+    try:
+        config = WorkerConfig(**{k: body[k] for k in ("url", "name", "kv_tokens") if k in body})
+    except (ConfigError, TypeError) as exc:
+        raise BadRequest(f"bad worker: {exc}") from None
+    if config.name in state.router.fleet.workers:
+        raise Conflict(f"a worker named {config.name!r} exists")
+    worker, known = new_worker(state.config, config)
+    state.router.add_worker(worker)
+    if state.prober is not None:
+        if not known:
+            state.prober.discover_capacity(worker.name)
+        await state.prober.probe_all()
+    return _json(_describe(state, worker), status=201)
+
+
+@_authorized
+async def remove_worker(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    worker = _worker(state, request.match_info["name"])
+    state.router.remove_worker(worker.name)
+    return _json({"removed": worker.name})
+
+
+@_authorized
+async def drain(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    worker = _worker(state, request.match_info["name"])
+    worker.draining = request.method == "POST"
+    return _json(_describe(state, worker))
+
+
+@_authorized
+async def migrate(request: web.Request) -> web.Response:
+    state = request.app[STATE_KEY]
+    source = _worker(state, request.match_info["name"])
+    target_name = (await _body(request)).get("to")
+    if not isinstance(target_name, str):
+        raise BadRequest("'to' must name the worker the state was restored on", param="to")
+    target = _worker(state, target_name)
+    if target is source:
+        raise BadRequest("'to' must be another worker", param="to")
+    moved = state.router.migrate(source.name, target.name)
+    return _json({"from": source.name, "to": target.name,
+                  "moved_tokens": moved * state.router.block_tokens})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/workers", list_workers)
+    app.router.add_post("/admin/workers", add_worker)
+    app.router.add_delete("/admin/workers/{name}", remove_worker)
+    app.router.add_post("/admin/workers/{name}/drain", drain)
+    app.router.add_delete("/admin/workers/{name}/drain", drain)
+    app.router.add_post("/admin/workers/{name}/migrate", migrate)
