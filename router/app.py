@@ -18,6 +18,7 @@ from aiohttp import web
 from policies.registry import build_policy
 from router import __version__
 from router.admin import add_routes
+from router.admission import Admission, TooManyRequests, retry_after_header
 from router.breaker import CircuitBreaker
 from router.capacity import CapacityError, dtype_bytes, gpu, load_model, plan
 from router.config import DEFAULT_KV_TOKENS, RouterConfig, WorkerConfig
@@ -55,7 +56,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except RouterError as exc:
         if STATE_KEY in request.app and exc.status >= 400:
             request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
-        return _json(exc.body(), exc.status)
+        response = _json(exc.body(), exc.status)
+        if isinstance(exc, TooManyRequests):
+            response.headers["Retry-After"] = retry_after_header(exc.retry_after_s)
+        return response
     except web.HTTPRequestEntityTooLarge:
         return _json(PayloadTooLarge("request body too large").body(), 413)
     except web.HTTPException as exc:
@@ -114,7 +118,10 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[R
         router.add_worker(worker)
         if not known:
             discover.add(worker.name)
-    return RouterState(config, router, metrics, session), discover
+    limits = config.admission
+    admission = Admission(limits.max_outstanding_per_worker, limits.queue_size,
+                          limits.queue_timeout_s)
+    return RouterState(config, router, metrics, session, admission), discover
 
 
 async def health(request: web.Request) -> web.Response:

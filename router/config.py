@@ -131,6 +131,24 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """When every eligible worker has this many requests outstanding, new requests wait
+    in a bounded queue (429 when it is full, 503 when the wait runs out); 0: off."""
+
+    max_outstanding_per_worker: int = 0
+    queue_size: int = 1024
+    queue_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_outstanding_per_worker < 0:
+            raise ConfigError("max_outstanding_per_worker: must be >= 0 (0: off)")
+        if self.queue_size < 0:
+            raise ConfigError("queue_size: must be >= 0")
+        if self.queue_timeout_s <= 0:
+            raise ConfigError("queue_timeout_s: must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class StateConfig:
     """Shared state across router replicas (``url`` empty: in-process only).
 
@@ -171,6 +189,7 @@ class RouterConfig:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     session_header: str = "X-Session-Id"
     session_body_fields: tuple[str, ...] = ("session_id", "user")

@@ -114,6 +114,8 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
         raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
     request_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     route = state.router.route_request(request, request_id)
+    limit = state.admission.limit
+    await state.admission.wait_for_room(lambda: state.router.has_room(request.model, limit))
     tried: list[str] = []
     failure: _Retry | None = None
     for _ in range(config.upstream.max_attempts):
@@ -205,10 +207,12 @@ def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outco
     metrics = state.metrics
     if not sent:
         dispatch.fail(outcome)
+        state.admission.notify()
         return
     prompt, cached = capture.prompt_tokens, capture.cached_tokens
     usage = EngineUsage(prompt, cached) if prompt is not None and cached is not None else None
     dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [], usage)
+    state.admission.notify()  # after the lease is released: there is room now
     metrics.requests.labels(dispatch.request.model, worker, outcome).inc()
     metrics.latency.labels(worker).observe(time.monotonic() - arrived)
     metrics.prompt_tokens.labels(worker).inc(prompt if prompt is not None

@@ -139,6 +139,12 @@ class Router:
         self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
         self.metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
 
+    def has_room(self, model: str, limit: int) -> bool:
+        """Some eligible worker has fewer than ``limit`` requests outstanding."""
+        return any(max(w.outstanding_requests + w.remote_requests,
+                       w.engine_running + w.engine_waiting) < limit
+                   for w in self.fleet.eligible(model, (), self.stale_after_s))
+
     def add_worker(self, worker: Worker) -> None:
         self.fleet.add(worker)
         self.index.add_worker(worker.name, max(1, worker.capacity_tokens // self.block_tokens))

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from router.admission import Admission
 from router.config import RouterConfig
 from router.health import HealthProber
 from router.metrics import RouterMetrics
@@ -23,6 +24,7 @@ class RouterState:
     router: Router
     metrics: RouterMetrics
     session: aiohttp.ClientSession
+    admission: Admission
     prober: HealthProber | None = None
 
     def mark_unreachable(self, worker: Worker) -> None:
