@@ -23,6 +23,7 @@ from aiohttp import web
 
 from router.config import WorkerConfig
 from router.errors import BadRequest, ConfigError, RouterError
+from router.provision import new_worker
 from router.state import STATE_KEY, RouterState
 from router.workers import Worker
 
@@ -98,8 +99,6 @@ async def list_workers(request: web.Request) -> web.Response:
 
 @_authorized
 async def add_worker(request: web.Request) -> web.Response:
-    from router.app import new_worker
-
     state = request.app[STATE_KEY]
     body = await _body(request)
     try:

@@ -16,16 +16,15 @@ import orjson
 from aiohttp import web
 
 from policies.registry import build_policy
-from router import __version__
+from router import __version__, discovery
 from router.admin import add_routes
 from router.admission import Admission, TooManyRequests, retry_after_header
-from router.breaker import CircuitBreaker
-from router.capacity import CapacityError, dtype_bytes, gpu, load_model, plan
-from router.config import DEFAULT_KV_TOKENS, RouterConfig, WorkerConfig
+from router.config import RouterConfig
 from router.errors import PayloadTooLarge, RouterError
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
+from router.provision import new_worker
 from router.proxy import handle_chat, handle_completions
 from router.routing import Router
 from router.shared.connect import connect
@@ -33,7 +32,7 @@ from router.shared.index import SharedPrefixIndex
 from router.shared.metrics import RedisMetrics
 from router.shared.sync import RedisSync
 from router.state import STATE_KEY, RouterState
-from router.workers import Fleet, Worker
+from router.workers import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -72,34 +71,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body["error"]["code"] = exc.status
         body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
         return _json(body, exc.status)
-
-
-def worker_capacity(config: RouterConfig, configured: int | None) -> int | None:
-    """A worker's KV capacity from config, or None to discover it from the engine."""
-    if configured is not None:
-        return configured
-    cap = config.capacity
-    if cap.kv_tokens is not None:
-        return cap.kv_tokens
-    if cap.model and cap.gpu:
-        try:
-            kv_bytes = dtype_bytes(cap.kv_dtype) if cap.kv_dtype else None
-            return plan(load_model(cap.model), gpu(cap.gpu), cap.gpus_per_worker,
-                        cap.gpu_memory_utilization, kv_bytes).resident_tokens
-        except CapacityError as exc:
-            raise RouterError(f"capacity: {exc}") from exc
-    return None
-
-
-def new_worker(config: RouterConfig, wc: WorkerConfig) -> tuple[Worker, bool]:
-    """A worker from its config; False when its capacity must be read from the engine."""
-    capacity = worker_capacity(config, wc.kv_tokens)
-    health = config.health
-    breaker = CircuitBreaker(health.failure_threshold, health.cooldown_s,
-                             health.max_cooldown_s)
-    worker = Worker(wc.name, wc.url.rstrip("/"), capacity or DEFAULT_KV_TOKENS,
-                    breaker=breaker)
-    return worker, capacity is not None
 
 
 def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[RouterState,
@@ -192,14 +163,22 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
                               state.router.worker_restarted)
         state.prober = prober
         await prober.probe_all()
-        task = asyncio.create_task(prober.run(), name="kvrouter-health")
+        tasks = [asyncio.create_task(prober.run(), name="kvrouter-health")]
+        found = discovery.sources(config.discovery)
+        if found:
+            reconciler = discovery.Reconciler(state, found)
+            await reconciler.reconcile()
+            tasks.append(asyncio.create_task(reconciler.run(config.discovery.interval_s),
+                                             name="kvrouter-discovery"))
         try:
             async with _shared_state(state):
                 yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
 
 def create_app(config: RouterConfig) -> web.Application:

@@ -131,6 +131,22 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Workers beyond the static list (router/discovery.py); empty: static only."""
+
+    file: str = ""  # a YAML/JSON list of workers, re-read when it changes
+    dns: str = ""  # a name whose A/AAAA records are the workers (a headless service)
+    dns_port: int = 8000
+    interval_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0:
+            raise ConfigError("interval_s: must be > 0")
+        if not 0 < self.dns_port <= 65535:
+            raise ConfigError("dns_port: must be 1-65535")
+
+
+@dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     """When every eligible worker has this many requests outstanding, new requests wait
     in a bounded queue (429 when it is full, 503 when the wait runs out); 0: off."""
@@ -190,6 +206,7 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     state: StateConfig = field(default_factory=StateConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     session_header: str = "X-Session-Id"
     session_body_fields: tuple[str, ...] = ("session_id", "user")
