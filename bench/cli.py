@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import peers, perf, replicas
+    from bench import kill, peers, perf, replicas
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -18,3 +18,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     perf.register(sub)
     peers.register(sub)
     replicas.register(sub)
+    kill.register(sub)
