@@ -164,7 +164,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
         state.prober = prober
         await prober.probe_all()
         tasks = [asyncio.create_task(prober.run(), name="kvrouter-health")]
-        found = discovery.sources(config.discovery)
+        found = discovery.sources(config.discovery, session)
         if found:
             reconciler = discovery.Reconciler(state, found)
             await reconciler.reconcile()

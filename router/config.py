@@ -131,12 +131,25 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesConfig:
+    """EndpointSlices by label selector (router/kubernetes.py); empty selector: off."""
+
+    selector: str = ""  # e.g. "app=vllm"
+    namespace: str = ""  # default: the pod's own
+    port_name: str = ""  # default: the slice's first port
+    api_url: str = ""  # default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+
+@dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
     """Workers beyond the static list (router/discovery.py); empty: static only."""
 
     file: str = ""  # a YAML/JSON list of workers, re-read when it changes
     dns: str = ""  # a name whose A/AAAA records are the workers (a headless service)
     dns_port: int = 8000
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     interval_s: float = 5.0
 
     def __post_init__(self) -> None:

@@ -9,6 +9,8 @@ capacity read from their /metrics) and removes the ones that left, every
   changes.
 * dns: the A/AAAA records of a name (a Kubernetes headless service), one worker per
   address, on ``dns_port``; re-resolved every interval.
+* kubernetes: EndpointSlices by label selector, listed then watched
+  (``router/kubernetes.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+import aiohttp
 import yaml
 
 from router.config import DiscoveryConfig, WorkerConfig, build
 from router.errors import ConfigError
+from router.kubernetes import EndpointSliceSource
 from router.provision import new_worker
 from router.state import RouterState
 
@@ -33,6 +37,10 @@ log = logging.getLogger(__name__)
 class Source(Protocol):
     async def workers(self) -> list[WorkerConfig] | None:
         """The workers that exist now; None when the source cannot tell (keep what is)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what the source runs in the background."""
         ...
 
 
@@ -52,6 +60,9 @@ class FileSource:
             self._mtime = mtime
             self._last = self._read()
         return self._last
+
+    async def close(self) -> None:
+        return None
 
     def _read(self) -> list[WorkerConfig] | None:
         try:
@@ -81,17 +92,22 @@ class DnsSource:
         addresses = sorted({str(info[4][0]) for info in infos})
         return [WorkerConfig(self._url(a)) for a in addresses]
 
+    async def close(self) -> None:
+        return None
+
     def _url(self, address: str) -> str:
         host = f"[{address}]" if ":" in address else address
         return f"{self._scheme}://{host}:{self._port}"
 
 
-def sources(config: DiscoveryConfig) -> list[Source]:
+def sources(config: DiscoveryConfig, session: aiohttp.ClientSession) -> list[Source]:
     found: list[Source] = []
     if config.file:
         found.append(FileSource(Path(config.file)))
     if config.dns:
         found.append(DnsSource(config.dns, config.dns_port))
+    if config.kubernetes.selector:
+        found.append(EndpointSliceSource(config.kubernetes, session))
     return found
 
 
@@ -140,6 +156,10 @@ class Reconciler:
             await state.prober.probe_all()
 
     async def run(self, interval_s: float) -> None:
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.reconcile()
+        try:
+            while True:
+                await asyncio.sleep(interval_s)
+                await self.reconcile()
+        finally:
+            for source in self._sources:
+                await source.close()
