@@ -95,9 +95,11 @@ class UpstreamConfig:
     max_connections: int = 2048
     max_connections_per_worker: int = 512
     max_attempts: int = 2  # tries on distinct workers before the first byte
+    # No retry starts this long after the request arrived (a client's patience).
+    retry_deadline_s: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "read_timeout_s"):
+        for name in ("connect_timeout_s", "read_timeout_s", "retry_deadline_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
         for name in ("max_connections", "max_connections_per_worker", "max_attempts"):

@@ -119,6 +119,8 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     tried: list[str] = []
     failure: _Retry | None = None
     for _ in range(config.upstream.max_attempts):
+        if failure is not None and time.monotonic() - arrived > config.upstream.retry_deadline_s:
+            break  # too late to try again
         try:
             dispatch = state.router.dispatch(request, route, tried)
         except NoEligibleWorker:

@@ -321,3 +321,16 @@ async def test_bad_requests_get_openai_errors_and_the_router_still_serves(
         await assert_idle(http, router)
 
 
+
+
+async def test_no_retry_starts_after_the_retry_deadline(engine_factory: EngineFactory) -> None:
+    async with engines(engine_factory, 2) as fleet, aiohttp.ClientSession() as http:
+        upstream = UpstreamConfig(read_timeout_s=0.3, retry_deadline_s=0.1, max_attempts=2)
+        config = router_config(fleet, policy="round_robin", upstream=upstream)
+        async with serve_router(config) as router:
+            for engine in fleet:
+                await set_faults(http, engine, stall=True)
+            result = await post(http, router.url, chat_body(conversation("late", 50, 10)))
+            # The first attempt timed out after 0.3 s, past the 0.1 s deadline: no retry.
+            assert result.status == 504
+            assert await metric(http, router, "kvrouter_retries_total") == 0
