@@ -149,8 +149,9 @@ class DiscoveryConfig:
     """Workers beyond the static list (router/discovery.py); empty: static only."""
 
     file: str = ""  # a YAML/JSON list of workers, re-read when it changes
-    dns: str = ""  # a name whose A/AAAA records are the workers (a headless service)
-    dns_port: int = 8000
+    dns: str = ""  # A/AAAA records of a name, or SRV records of a _service._proto name
+    dns_port: int = 8000  # for A/AAAA records (SRV records carry their own)
+    dns_nameserver: str = ""  # host:port; default: the system's resolvers
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     interval_s: float = 5.0
 

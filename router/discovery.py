@@ -8,7 +8,9 @@ capacity read from their /metrics) and removes the ones that left, every
   (the format of ``workers:`` in the config file); re-read when its modification time
   changes.
 * dns: the A/AAAA records of a name (a Kubernetes headless service), one worker per
-  address, on ``dns_port``; re-resolved every interval.
+  address, on ``dns_port``; or, for a name starting with ``_``
+  (``_http._tcp.vllm.ns.svc.cluster.local``), its SRV records, one worker per target and
+  port. Re-resolved every interval.
 * kubernetes: EndpointSlices by label selector, listed then watched
   (``router/kubernetes.py``).
 """
@@ -23,6 +25,9 @@ from pathlib import Path
 from typing import Protocol
 
 import aiohttp
+import dns.asyncresolver
+import dns.exception
+import dns.resolver
 import yaml
 
 from router.config import DiscoveryConfig, WorkerConfig, build
@@ -32,6 +37,8 @@ from router.provision import new_worker
 from router.state import RouterState
 
 log = logging.getLogger(__name__)
+
+SRV_TIMEOUT_S = 2.0
 
 
 class Source(Protocol):
@@ -77,12 +84,20 @@ class FileSource:
 
 
 class DnsSource:
-    def __init__(self, name: str, port: int, scheme: str = "http") -> None:
+    def __init__(self, name: str, port: int, scheme: str = "http",
+                 nameserver: str = "") -> None:
         self._name = name
         self._port = port
         self._scheme = scheme
+        self._resolver = dns.asyncresolver.Resolver(configure=not nameserver)
+        if nameserver:
+            host, _, ns_port = nameserver.rpartition(":")
+            self._resolver.nameservers = [host]
+            self._resolver.port = int(ns_port)
 
     async def workers(self) -> list[WorkerConfig] | None:
+        if self._name.startswith("_"):
+            return await self._srv()
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(self._name, self._port, type=socket.SOCK_STREAM)
@@ -95,9 +110,26 @@ class DnsSource:
     async def close(self) -> None:
         return None
 
-    def _url(self, address: str) -> str:
+    async def _srv(self) -> list[WorkerConfig] | None:
+        """``_http._tcp.vllm.ns.svc.cluster.local``: one worker per SRV record, at its
+        target and port, named after the target (a pod's stable DNS name)."""
+        try:
+            answer = await self._resolver.resolve(self._name, "SRV", lifetime=SRV_TIMEOUT_S)
+        except dns.resolver.NXDOMAIN:
+            return []
+        except dns.exception.DNSException as exc:
+            log.warning("discovery: SRV lookup of %s failed: %r", self._name, exc)
+            return None
+        workers = []
+        for record in answer:
+            target = record.target.to_text().rstrip(".")
+            port = int(record.port)
+            workers.append(WorkerConfig(self._url(target, port), name=f"{target}:{port}"))
+        return workers
+
+    def _url(self, address: str, port: int | None = None) -> str:
         host = f"[{address}]" if ":" in address else address
-        return f"{self._scheme}://{host}:{self._port}"
+        return f"{self._scheme}://{host}:{port or self._port}"
 
 
 def sources(config: DiscoveryConfig, session: aiohttp.ClientSession) -> list[Source]:
@@ -105,7 +137,7 @@ def sources(config: DiscoveryConfig, session: aiohttp.ClientSession) -> list[Sou
     if config.file:
         found.append(FileSource(Path(config.file)))
     if config.dns:
-        found.append(DnsSource(config.dns, config.dns_port))
+        found.append(DnsSource(config.dns, config.dns_port, nameserver=config.dns_nameserver))
     if config.kubernetes.selector:
         found.append(EndpointSliceSource(config.kubernetes, session))
     return found

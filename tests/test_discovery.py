@@ -6,6 +6,11 @@ import asyncio
 from pathlib import Path
 
 import aiohttp
+import dns.message
+import dns.rcode
+import dns.rdata
+import dns.rdataclass
+import dns.rdatatype
 import yaml
 
 from router.config import DiscoveryConfig
@@ -50,3 +55,54 @@ async def test_workers_from_dns(engine_factory: EngineFactory) -> None:
             body = chat_body([{"role": "user", "content": "hi"}], max_tokens=2)
             result = await post(http, router.url, body)
             assert result.status == 200 and result.worker == f"127.0.0.1:{port}"
+
+
+class SrvServer(asyncio.DatagramProtocol):
+    """A tiny authoritative DNS server on UDP loopback answering SRV queries."""
+
+    def __init__(self, records: dict[str, list[tuple[str, int]]]) -> None:
+        self.records = records
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # a datagram transport (not a DatagramTransport subclass)
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        query = dns.message.from_wire(data)
+        response = dns.message.make_response(query)
+        question = query.question[0]
+        name = question.name.to_text()
+        if question.rdtype == dns.rdatatype.SRV and name in self.records:
+            rrset = response.find_rrset(response.answer, question.name, dns.rdataclass.IN,
+                                        dns.rdatatype.SRV, create=True)
+            for target, port in self.records[name]:
+                rrset.add(dns.rdata.from_text(dns.rdataclass.IN, dns.rdatatype.SRV,
+                                              f"0 0 {port} {target}."), ttl=5)
+        else:
+            response.set_rcode(dns.rcode.NXDOMAIN)
+        self.transport.sendto(response.to_wire(), addr)  # type: ignore[union-attr]
+
+
+async def test_workers_from_srv_records(engine_factory: EngineFactory) -> None:
+    async with engines(engine_factory, 2) as fleet, aiohttp.ClientSession() as http:
+        ports = [int(e.url.rsplit(":", 1)[1]) for e in fleet]
+        name = "_http._tcp.vllm.test."
+        server = SrvServer({name: [("localhost", ports[0])]})
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(lambda: server,
+                                                           local_addr=("127.0.0.1", 0))
+        try:
+            dns_port = transport.get_extra_info("sockname")[1]
+            discovery = DiscoveryConfig(dns=name.rstrip("."), interval_s=0.05,
+                                        dns_nameserver=f"127.0.0.1:{dns_port}")
+            async with serve_router(router_config([], discovery=discovery)) as router:
+                assert names(router) == {f"localhost:{ports[0]}"}
+                server.records[name].append(("localhost", ports[1]))
+
+                async def both() -> bool:
+                    return names(router) == {f"localhost:{p}" for p in ports}
+                await wait_for(both)
+                body = chat_body([{"role": "user", "content": "hi"}], max_tokens=2)
+                assert (await post(http, router.url, body)).status == 200
+        finally:
+            transport.close()
