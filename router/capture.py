@@ -102,6 +102,11 @@ class ReplyCapture:
         return value if isinstance(value, int) else None
 
     @property
+    def completion_tokens(self) -> int:
+        value = (self.usage or {}).get("completion_tokens")
+        return value if isinstance(value, int) else 0
+
+    @property
     def prompt_tokens(self) -> int | None:
         value = (self.usage or {}).get("prompt_tokens")
         return value if isinstance(value, int) else None

@@ -119,6 +119,19 @@ class RouterMetrics:
             "kvrouter_routing_decision_seconds",
             "Time to hash the prompt, look up the index and choose a worker.",
             buckets=DECISION_BUCKETS, registry=r)
+        self.turns = Counter(
+            "kvrouter_turns", "Turns by what happened to their prefix (engine-reported).",
+            ["outcome"], registry=r)
+        self.lost_turns = Counter(
+            "kvrouter_lost_prefix_turns", "Turns that lost part of their history, by cause.",
+            ["cause"], registry=r)
+        self.lost_tokens = Counter(
+            "kvrouter_lost_prefix_tokens", "History tokens re-read because they were lost.",
+            ["cause"], registry=r)
+        self.turn_ttft = Histogram(
+            "kvrouter_turn_time_to_first_token_seconds",
+            "TTFT of streamed turns by outcome (hit, partial, miss, first_turn).",
+            ["outcome"], buckets=TTFT_BUCKETS, registry=r)
         self.worker_restarts = Counter(
             "kvrouter_worker_restarts",
             "Engine restarts seen (process_start_time_seconds changed); its entries purged.",

@@ -212,7 +212,8 @@ def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outco
         state.admission.notify()
         return
     prompt, cached = capture.prompt_tokens, capture.cached_tokens
-    usage = EngineUsage(prompt, cached) if prompt is not None and cached is not None else None
+    usage = (EngineUsage(prompt, cached, capture.completion_tokens)
+             if prompt is not None and cached is not None else None)
     dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [], usage)
     state.admission.notify()  # after the lease is released: there is room now
     metrics.requests.labels(dispatch.request.model, worker, outcome).inc()

@@ -19,6 +19,7 @@ from router.errors import NoEligibleWorker
 from router.index import PrefixIndex
 from router.learning import PrefillRate, ResidencyCalibrator
 from router.metrics import RouterMetrics
+from router.outcomes import SessionMemory, SessionTracker, classify
 from router.parse import ClientRequest
 from router.workers import Fleet, Lease, Worker
 
@@ -29,6 +30,7 @@ class EngineUsage:
 
     prompt_tokens: int
     cached_tokens: int
+    completion_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class Dispatch:
     lease: Lease
     added: list[int]
     queued_before: int  # prefill tokens queued on the worker ahead of this request
+    best_match: int  # the most of this prompt any eligible worker was modelled to hold
     sent_at: float = field(default_factory=time.monotonic)
     ttft: float | None = None
     done: bool = False
@@ -95,6 +98,7 @@ class Router:
         self.block_tokens = block_tokens
         self.metrics = metrics
         self.prefill_rate = PrefillRate()
+        self.sessions = SessionTracker()
         self.calibrator = ResidencyCalibrator(index, block_tokens)
 
     def route_request(self, request: ClientRequest, request_id: str) -> RouteRequest:
@@ -124,10 +128,11 @@ class Router:
         self.policy.on_dispatch(route, worker.name)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(self.policy_name, decision.reason).inc()
-        self.metrics.best_cached_tokens.labels(worker.name).inc(
-            max(v.matched_tokens for v in views))
+        best = max(v.matched_tokens for v in views)
+        self.metrics.best_cached_tokens.labels(worker.name).inc(best)
         self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
-        return Dispatch(self, request, route, worker, decision, lease, added, queued_before)
+        return Dispatch(self, request, route, worker, decision, lease, added, queued_before,
+                        best)
 
     def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
         uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
@@ -138,6 +143,24 @@ class Router:
         worker = dispatch.worker
         self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
         self.metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
+        self._report_turn(dispatch, usage, predicted)
+
+    def _report_turn(self, dispatch: Dispatch, usage: EngineUsage, predicted: int) -> None:
+        key = dispatch.route.session_key
+        epochs = {w.name: w.epoch for w in self.fleet.all()}
+        report = classify(self.sessions.get(key), dispatch.worker.name, epochs,
+                          usage.prompt_tokens, usage.cached_tokens, dispatch.best_match,
+                          predicted)
+        metrics = self.metrics
+        metrics.turns.labels(report.outcome).inc()
+        if report.cause is not None:
+            metrics.lost_turns.labels(report.cause).inc()
+            metrics.lost_tokens.labels(report.cause).inc(report.lost_tokens)
+        if dispatch.ttft is not None:
+            metrics.turn_ttft.labels(report.outcome).observe(dispatch.ttft)
+        self.sessions.remember(key, SessionMemory(
+            dispatch.worker.name, dispatch.worker.epoch,
+            usage.prompt_tokens + usage.completion_tokens))
 
     def has_room(self, model: str, limit: int) -> bool:
         """Some eligible worker has fewer than ``limit`` requests outstanding."""
@@ -166,6 +189,7 @@ class Router:
         """The engine restarted: its cache is gone, so is everything the index says of it."""
         self.index.purge(worker.name)
         self.calibrator.reset(worker.name)
+        worker.epoch += 1
         self.metrics.worker_restarts.labels(worker.name).inc()
 
     def _view(self, worker: Worker, route: RouteRequest) -> WorkerView:

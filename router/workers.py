@@ -31,6 +31,7 @@ class Worker:
     remote_queued_prefill_tokens: int = 0
     # The engine's process_start_time_seconds when last seen; a change means a restart.
     engine_started_at: float | None = None
+    epoch: int = 0  # restarts seen; a session remembered on an older epoch lost its cache
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     # What the engine's /metrics said, and when (monotonic); None: never read.
     engine_running: int = 0

@@ -1,0 +1,96 @@
+"""What happened to each turn's prefix, and why it was lost when it was.
+
+Outcomes: ``first_turn`` (a session this router has not seen), ``hit`` (the engine had at
+least 90% of the history the turn carries), ``partial`` (some), ``miss`` (under 10%).
+A turn that lost part of its history is given one cause:
+
+* ``worker_failed`` — the worker that held the session restarted or was removed since;
+* ``routed_elsewhere`` — the turn went to another worker than the one holding it (a load
+  decision, or a worker out of rotation);
+* ``evicted`` — it went to the worker that held it, and the engine had dropped it;
+* ``router_state_lost`` — the router no longer knew where the session was (its index
+  entries were lost or trimmed) although the worker did not restart.
+
+Sessions are keyed by the session key (header or body field); requests without one are
+classified by hit ratio alone and their cause is ``unknown``. The tracker is a bounded
+LRU, so it costs a fixed amount of memory whatever clients send.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Literal
+
+Outcome = Literal["first_turn", "hit", "partial", "miss"]
+Cause = Literal["worker_failed", "routed_elsewhere", "evicted", "router_state_lost", "unknown"]
+OUTCOMES: tuple[Outcome, ...] = ("first_turn", "hit", "partial", "miss")
+CAUSES: tuple[Cause, ...] = ("worker_failed", "routed_elsewhere", "evicted",
+                             "router_state_lost", "unknown")
+
+HIT_SHARE = 0.9
+MISS_SHARE = 0.1
+DEFAULT_MAX_SESSIONS = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class SessionMemory:
+    worker: str
+    worker_epoch: int  # the worker's restart count when the turn ran there
+    history_tokens: int  # prompt + reply tokens the next turn will carry
+
+
+@dataclass(frozen=True, slots=True)
+class TurnReport:
+    outcome: Outcome
+    cause: Cause | None  # set when outcome is partial or miss
+    lost_tokens: int
+
+
+def classify(previous: SessionMemory | None, worker: str, worker_epochs: dict[str, int],
+             prompt_tokens: int, cached_tokens: int, best_match_tokens: int,
+             predicted_tokens: int) -> TurnReport:
+    """One turn's outcome; pure, so every rule is testable with plain values."""
+    if previous is None:
+        expected = best_match_tokens
+        if expected <= 0:
+            return TurnReport("first_turn", None, 0)
+    else:
+        expected = min(prompt_tokens, previous.history_tokens)
+    if expected <= 0 or cached_tokens >= HIT_SHARE * expected:
+        return TurnReport("hit", None, 0)
+    outcome: Outcome = "partial" if cached_tokens >= MISS_SHARE * expected else "miss"
+    lost = max(0, expected - cached_tokens)
+    if previous is None:
+        return TurnReport(outcome, "unknown", lost)
+    if worker_epochs.get(previous.worker) != previous.worker_epoch:
+        cause: Cause = "worker_failed"  # restarted (epoch moved) or removed (no epoch)
+    elif worker != previous.worker:
+        cause = "routed_elsewhere"
+    elif predicted_tokens >= HIT_SHARE * expected:
+        cause = "evicted"  # the router expected it there; the engine had dropped it
+    elif best_match_tokens < MISS_SHARE * expected:
+        cause = "router_state_lost"
+    else:
+        cause = "evicted"
+    return TurnReport(outcome, cause, lost)
+
+
+class SessionTracker:
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS) -> None:
+        self._sessions: OrderedDict[str, SessionMemory] = OrderedDict()
+        self._max = max_sessions
+
+    def get(self, key: str | None) -> SessionMemory | None:
+        return self._sessions.get(key) if key is not None else None
+
+    def remember(self, key: str | None, memory: SessionMemory) -> None:
+        if key is None:
+            return
+        self._sessions[key] = memory
+        self._sessions.move_to_end(key)
+        while len(self._sessions) > self._max:
+            self._sessions.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
