@@ -228,6 +228,7 @@ class RouterConfig:
     session_body_fields: tuple[str, ...] = ("session_id", "user")
     seed: int | None = None
     admin_token: str = ""  # enables the admin API (router/admin.py) when set
+    log_requests: bool = False  # one JSON line per request on kvrouter.requests
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

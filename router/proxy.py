@@ -22,6 +22,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from policies.base import Outcome
+from router import request_log
 from router.capture import ReplyCapture
 from router.errors import (
     ModelNotFound,
@@ -130,7 +131,7 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
         if tried:  # this dispatch retries the attempt that failed before it
             state.metrics.retries.labels(tried[-1]).inc()
         try:
-            return await _attempt(http, state, dispatch, request_id, arrived)
+            return await _attempt(http, state, dispatch, request_id, arrived, len(tried) + 1)
         except _Retry as retry:
             failure = retry
             tried.append(dispatch.worker.name)
@@ -163,7 +164,7 @@ async def _open(state: RouterState, dispatch: Dispatch, http: web.Request,
 
 
 async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
-                   request_id: str, arrived: float) -> web.StreamResponse:
+                   request_id: str, arrived: float, attempt: int) -> web.StreamResponse:
     request = dispatch.request
     header = CHAT_REPLY_HEADER if request.kind == "chat" else COMPLETION_REPLY_HEADER
     extender = (ChainExtender(request.key, state.config.prefix.block_bytes, header)
@@ -200,11 +201,11 @@ async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
         outcome = "timeout"
         raise
     finally:
-        _record(state, dispatch, capture, outcome, sent, arrived)
+        _record(state, dispatch, capture, outcome, sent, arrived, attempt)
 
 
 def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outcome: Outcome,
-            sent: bool, arrived: float) -> None:
+            sent: bool, arrived: float, attempt: int) -> None:
     worker = dispatch.worker.name
     metrics = state.metrics
     if not sent:
@@ -223,6 +224,9 @@ def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outco
     if usage is not None:
         metrics.engine_cached_tokens.labels(worker).inc(usage.cached_tokens)
         metrics.usage_prompt_tokens.labels(worker).inc(usage.prompt_tokens)
+    if state.config.log_requests:
+        request_log.write(request_log.request_line(
+            dispatch, outcome, usage, time.monotonic() - arrived, attempt))
 
 
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:

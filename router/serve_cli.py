@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     serve.add_argument("--admin-token", metavar="TOKEN",
                        help="enable the admin API, with this bearer token (prefer "
                        "KVROUTER_ADMIN_TOKEN: flags show in process lists)")
+    serve.add_argument("--log-requests", action="store_true", default=None,
+                       help="one JSON line per request (decision, worker, cached tokens, "
+                       "TTFT; never prompts or headers)")
     serve.add_argument("--state", metavar="URL",
                        help="share routing state with other replicas through Redis "
                        "(redis://host:port/db, rediss://, redis+sentinel://, "
@@ -76,6 +80,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["prefix"] = {"block_bytes": args.block_bytes}
     if args.max_attempts is not None:
         values["upstream"] = {"max_attempts": args.max_attempts}
+    if args.log_requests:
+        values["log_requests"] = True
     if args.admin_token:
         values["admin_token"] = args.admin_token
     if args.state is not None:
@@ -118,7 +124,16 @@ def run_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
-    if not config.workers:
+    if config.log_requests:
+        # Bare JSON lines on stdout, apart from the human log on stderr.
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        request_logger = logging.getLogger("kvrouter.requests")
+        request_logger.addHandler(handler)
+        request_logger.setLevel(logging.INFO)
+        request_logger.propagate = False
+    if not config.workers and not config.discovery.file and not config.discovery.dns \
+            and not config.discovery.kubernetes.selector:
         print("error: no workers: give --worker URL (repeatable) or 'workers' in --config")
         return 2
     with contextlib.suppress(KeyboardInterrupt):
