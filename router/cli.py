@@ -19,13 +19,14 @@ def build_parser() -> argparse.ArgumentParser:
     from bench import cli as bench_cli
     from bench import demo
     from bench.sim import cli as sim_cli
-    from router import capacity_cli, serve_cli
+    from router import capacity_cli, serve_cli, top
 
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvrouter {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_cli.register(commands)
+    top.register(commands)
     sim_cli.register(commands)
     capacity_cli.register(commands)
     bench_cli.register(commands)

@@ -51,6 +51,12 @@ class _FleetCollector(Collector):
             "healthy": GaugeMetricFamily(
                 "kvrouter_worker_healthy", "1 if the worker passes its health probes.",
                 labels=["worker"]),
+            "engine_running": GaugeMetricFamily(
+                "kvrouter_worker_engine_running_requests",
+                "Requests the engine reports running (its /metrics).", labels=["worker"]),
+            "engine_waiting": GaugeMetricFamily(
+                "kvrouter_worker_engine_waiting_requests",
+                "Requests the engine reports waiting (its /metrics).", labels=["worker"]),
             "circuit": GaugeMetricFamily(
                 "kvrouter_worker_circuit_state",
                 "The worker's circuit breaker: 0 closed, 1 half-open, 2 open.",
@@ -66,6 +72,8 @@ class _FleetCollector(Collector):
                 ("capacity", w.capacity_tokens),
                 ("healthy", 1 if w.healthy else 0),
                 ("circuit", int(w.breaker.state)),
+                ("engine_running", w.engine_running),
+                ("engine_waiting", w.engine_waiting),
             ):
                 families[key].add_metric([w.name], value)
         yield from families.values()

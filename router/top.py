@@ -1,0 +1,161 @@
+"""``kvrouter top``: a live view of a running router, read from its /metrics.
+
+Per worker: health, circuit, outstanding requests, engine running/waiting, resident
+tokens against capacity. For the router: the hit rate three ways, turns by outcome,
+lost prefixes by cause, and TTFT p50/p99 for hits and misses over the last interval
+(from the histograms' increase between two reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass
+class Snapshot:
+    """Samples by name, then by their label set."""
+
+    values: dict[str, dict[Labels, float]] = field(default_factory=lambda: defaultdict(dict))
+
+    @classmethod
+    def parse(cls, text: str) -> Snapshot:
+        snap = cls()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                snap.values[s.name][tuple(sorted(s.labels.items()))] = s.value
+        return snap
+
+    def by(self, name: str, label: str) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for labels, value in self.values.get(name, {}).items():
+            out[dict(labels).get(label, "")] += value
+        return out
+
+    def total(self, name: str) -> float:
+        return sum(self.values.get(name, {}).values())
+
+
+def quantile(now: Snapshot, before: Snapshot | None, name: str, outcome: str,
+             q: float) -> float | None:
+    """A quantile of a histogram's increase since ``before`` (upper bucket bound)."""
+    def buckets(snap: Snapshot | None) -> dict[float, float]:
+        found: dict[float, float] = {}
+        for labels, value in (snap.values.get(f"{name}_bucket", {}) if snap else {}).items():
+            tags = dict(labels)
+            if tags.get("outcome") == outcome:
+                found[float(tags["le"])] = value
+        return found
+
+    current, previous = buckets(now), buckets(before)
+    counts = sorted((le, current[le] - previous.get(le, 0.0)) for le in current)
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return None
+    for le, cumulative in counts:
+        if cumulative >= q * total:
+            return le
+    return None
+
+
+def _pct(numerator: float, denominator: float) -> str:
+    return f"{numerator / denominator:.1%}" if denominator else "-"
+
+
+def _secs(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "+Inf" if value == float("inf") else f"≤{value:g} s"
+
+
+def render(now: Snapshot, before: Snapshot | None) -> Group:
+    workers = Table(title="workers")
+    for column in ("worker", "healthy", "circuit", "outstanding", "engine run/wait",
+                   "resident / capacity"):
+        workers.add_column(column, justify="right" if column != "worker" else "left")
+    healthy = now.by("kvrouter_worker_healthy", "worker")
+    circuit = now.by("kvrouter_worker_circuit_state", "worker")
+    outstanding = now.by("kvrouter_worker_outstanding_requests", "worker")
+    resident = now.by("kvrouter_worker_resident_tokens", "worker")
+    capacity = now.by("kvrouter_worker_capacity_tokens", "worker")
+    engine = now.by("kvrouter_worker_engine_running_requests", "worker")
+    waiting = now.by("kvrouter_worker_engine_waiting_requests", "worker")
+    for name in sorted(healthy):
+        workers.add_row(
+            name, "yes" if healthy[name] else "NO",
+            ("closed", "half-open", "open")[int(circuit.get(name, 0))],
+            f"{outstanding.get(name, 0):.0f}",
+            f"{engine.get(name, 0):.0f} / {waiting.get(name, 0):.0f}",
+            f"{resident.get(name, 0):,.0f} / {capacity.get(name, 0):,.0f} "
+            f"({_pct(resident.get(name, 0), capacity.get(name, 0))})")
+
+    prompt = now.total("kvrouter_usage_prompt_tokens_total")
+    summary = Table(title="cache and turns")
+    summary.add_column("measure")
+    summary.add_column("value", justify="right")
+    summary.add_row("hit rate, engine-reported", _pct(now.total(
+        "kvrouter_engine_cached_tokens_total"), prompt))
+    summary.add_row("hit rate, predicted on the chosen worker", _pct(now.total(
+        "kvrouter_predicted_cached_tokens_total"), now.total("kvrouter_prompt_tokens_total")))
+    summary.add_row("hit rate, best any worker held", _pct(now.total(
+        "kvrouter_best_cached_tokens_total"), now.total("kvrouter_prompt_tokens_total")))
+    for outcome, count in sorted(now.by("kvrouter_turns_total", "outcome").items()):
+        summary.add_row(f"turns: {outcome}", f"{count:,.0f}")
+    for cause, count in sorted(now.by("kvrouter_lost_prefix_turns_total", "cause").items()):
+        summary.add_row(f"lost prefix: {cause}", f"{count:,.0f}")
+    ttft = "kvrouter_turn_time_to_first_token_seconds"
+    for outcome in ("hit", "partial", "miss"):
+        summary.add_row(f"TTFT {outcome} p50 / p99 (last interval)",
+                        f"{_secs(quantile(now, before, ttft, outcome, 0.5))} / "
+                        f"{_secs(quantile(now, before, ttft, outcome, 0.99))}")
+    return Group(workers, summary)
+
+
+async def _read(http: aiohttp.ClientSession, url: str) -> Snapshot:
+    async with http.get(url.rstrip("/") + "/metrics") as response:
+        response.raise_for_status()
+        return Snapshot.parse(await response.text())
+
+
+async def watch(url: str, interval_s: float, once: bool, console: Console) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        before = None
+        now = await _read(http, url)
+        if once:
+            console.print(render(now, before))
+            return
+        with Live(render(now, before), console=console, refresh_per_second=2) as live:
+            while True:
+                await asyncio.sleep(interval_s)
+                before, now = now, await _read(http, url)
+                live.update(render(now, before))
+
+
+def register(commands: argparse._SubParsersAction[Any]) -> None:
+    parser = commands.add_parser("top", help="a live view of a running router")
+    parser.add_argument("url", nargs="?", default="http://127.0.0.1:8000")
+    parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--once", action="store_true", help="print one view and exit")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        asyncio.run(watch(args.url, args.interval, args.once, Console()))
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        print(f"error: cannot read {args.url}/metrics: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

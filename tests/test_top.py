@@ -1,0 +1,45 @@
+"""``kvrouter top`` against a real router."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from router.cli import main
+from router.top import Snapshot, quantile
+from tests.conftest import EngineFactory, router_config, serve_router
+from tests.router_client import chat_body, conversation, engines, post
+
+
+def test_quantiles_come_from_the_increase_between_reads() -> None:
+    def snap(counts: dict[str, float]) -> Snapshot:
+        lines = [f'h_bucket{{outcome="hit",le="{le}"}} {n}' for le, n in counts.items()]
+        return Snapshot.parse("# TYPE h histogram\n" + "\n".join(lines) + "\n")
+
+    before = snap({"0.1": 10, "1.0": 10, "+Inf": 10})
+    now = snap({"0.1": 10, "1.0": 19, "+Inf": 20})  # 10 new: 9 under 1 s, 1 slower
+    assert quantile(now, before, "h", "hit", 0.5) == 1.0
+    assert quantile(now, before, "h", "hit", 0.99) == float("inf")
+    assert quantile(now, None, "h", "hit", 0.5) == 0.1
+    assert quantile(now, now, "h", "hit", 0.5) is None
+
+
+async def test_top_once_shows_workers_and_hit_rates(engine_factory: EngineFactory,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    async with (engines(engine_factory, 2) as fleet,
+                serve_router(router_config(fleet)) as router,
+                aiohttp.ClientSession() as http):
+        messages = conversation("top", 300, 50)
+        first = await post(http, router.url, chat_body(messages, max_tokens=8, user="u"))
+        messages += [{"role": "assistant", "content": first.text},
+                     {"role": "user", "content": "more"}]
+        await post(http, router.url, chat_body(messages, max_tokens=8, user="u"))
+        # main() runs its own event loop: give it a thread.
+        code = await asyncio.to_thread(main, ["top", router.url, "--once"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "w0" in out and "w1" in out
+    assert "turns: first_turn" in out and "turns: hit" in out
+    assert "hit rate, engine-reported" in out
