@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.index import PrefixIndex
+from router.outcomes import CAUSES, OUTCOMES
 from router.workers import Fleet
 
 # TTFT and latency buckets: vLLM's TTFT buckets, which span cached (ms) to cold (minutes).
@@ -153,6 +154,16 @@ class RouterMetrics:
             "Calibrated share of the worker's nominal KV capacity the model assumes held.",
             ["worker"], registry=r)
         r.register(_FleetCollector(fleet, index, block_tokens))
+        # Series for every fixed label value from the start, so rates and dashboards
+        # read 0 rather than "no data" before the first event.
+        for outcome in OUTCOMES:
+            self.turns.labels(outcome)
+        for cause in CAUSES:
+            self.lost_turns.labels(cause)
+            self.lost_tokens.labels(cause)
+
+    def worker_added(self, worker: str) -> None:
+        self.retries.labels(worker)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

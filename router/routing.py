@@ -170,6 +170,7 @@ class Router:
 
     def add_worker(self, worker: Worker) -> None:
         self.fleet.add(worker)
+        self.metrics.worker_added(worker.name)
         self.index.add_worker(worker.name, max(1, worker.capacity_tokens // self.block_tokens))
 
     def remove_worker(self, name: str) -> None:
@@ -202,8 +203,7 @@ class Router:
             name=worker.name,
             outstanding_requests=outstanding,
             outstanding_tokens=worker.outstanding_tokens + worker.remote_tokens,
-            queued_prefill_tokens=(worker.queued_prefill_tokens
-                                   + worker.remote_queued_prefill_tokens),
+            queued_prefill_tokens=worker.queued_prefill_tokens,
             matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,

@@ -19,3 +19,7 @@ class RedisMetrics:
         self.events = Counter("kvrouter_redis_index_events",
                               "Index changes sent to and received from other replicas.",
                               ["direction"], registry=registry)
+        for op in ("publish", "subscribe", "load", "resync"):
+            self.errors.labels(op)
+        for direction in ("in", "out"):
+            self.events.labels(direction)

@@ -219,8 +219,11 @@ class RedisSync:
         fleet, rate = self._router.fleet, self._router.prefill_rate
         ttl = int(self._config.load_interval_s * 3000)
         now = time.time()
-        load = {w.name: f"{w.outstanding_requests},{w.outstanding_tokens},"
-                        f"{w.queued_prefill_tokens}" for w in fleet.all()}
+        # Outstanding requests and tokens change slowly enough to share; queued prefill
+        # lasts milliseconds, so a copy a load interval old would only mislead (another
+        # replica's prefill shows up in the engine's own waiting count instead).
+        load = {w.name: f"{w.outstanding_requests},{w.outstanding_tokens}"
+                for w in fleet.all()}
         pipe = self._redis.pipeline(transaction=False)
         if load:
             pipe.hset(self._load_prefix + self.replica, mapping=load)  # type: ignore[arg-type]
@@ -243,13 +246,11 @@ class RedisSync:
         totals: dict[str, list[int]] = {}
         for load in loads:
             for worker, value in load.items():
-                parts = [int(x) for x in value.split(b",")]
-                acc = totals.setdefault(worker.decode(), [0, 0, 0])
-                for i in range(3):
-                    acc[i] += parts[i]
+                parts = [int(x) for x in value.split(b",")[:2]]
+                acc = totals.setdefault(worker.decode(), [0, 0])
+                acc[0] += parts[0]
+                acc[1] += parts[1]
         for w in self._router.fleet.all():
-            requests, tokens, queued = totals.get(w.name, (0, 0, 0))
-            w.remote_requests, w.remote_tokens, w.remote_queued_prefill_tokens = (
-                requests, tokens, queued)
+            w.remote_requests, w.remote_tokens = totals.get(w.name, (0, 0))
         self._router.prefill_rate.blend(
             [(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)])
