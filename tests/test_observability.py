@@ -1,0 +1,133 @@
+"""Every dashboard panel and every rule, evaluated by a real Prometheus scraping a router
+and simulated engines while traffic flows; promtool checks the rule file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+from bench.textgen import text_for
+from router.config import HealthConfig, StateConfig
+from tests.conftest import EngineFactory, RunningEngine, _free_port, router_config, serve_router
+from tests.router_client import chat_body, conversation, engines, post, set_faults
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
+DASHBOARDS = sorted((ROOT / "deploy" / "grafana").glob("*.json"))
+FAST = HealthConfig(interval_s=0.2, scrape_interval_s=0.2, stale_after_s=2.0)
+
+
+def panel_queries() -> list[tuple[str, str]]:
+    return [(f"{d.stem}: {p['title']}", t["expr"]) for d in DASHBOARDS
+            for p in json.loads(d.read_text())["panels"] for t in p["targets"]]
+
+
+def rules() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]]
+
+
+def test_promtool_accepts_the_rules() -> None:
+    result = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert DASHBOARDS and len(panel_queries()) >= 15
+
+
+@pytest.fixture
+def prometheus_dir(tmp_path: Path) -> Iterator[Path]:
+    assert shutil.which("prometheus"), "prometheus is not installed (.ci/run installs it)"
+    yield tmp_path
+
+
+def _prometheus(folder: Path, targets: dict[str, list[str]]) -> tuple[
+        subprocess.Popen[bytes], str]:
+    shutil.copy(RULES, folder / "rules.yml")
+    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+              "rule_files": ["rules.yml"],
+              "scrape_configs": [{"job_name": job, "static_configs": [{"targets": hosts}]}
+                                 for job, hosts in targets.items()]}
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    process = subprocess.Popen(
+        ["prometheus", f"--config.file={folder / 'prometheus.yml'}",
+         f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return process, f"http://127.0.0.1:{port}"
+
+
+async def _traffic(http: aiohttp.ClientSession, url: str, fleet: list[RunningEngine]) -> None:
+    """Hits, a partial (a worker out of rotation), a retry, long enough for rates."""
+    sessions = {f"s{i}": conversation(f"obs{i}", 400, 100) for i in range(4)}
+    for turn in range(4):
+        if turn == 2:
+            await set_faults(http, fleet[0], fail_requests=True)
+        if turn == 3:
+            await set_faults(http, fleet[0], fail_requests=False)
+        for key, messages in sessions.items():
+            result = await post(http, url, chat_body(messages, max_tokens=16, user=key))
+            assert result.status == 200
+            messages += [{"role": "assistant", "content": result.text},
+                         {"role": "user", "content": text_for(f"{key}{turn}", 400)}]
+        await asyncio.sleep(0.5)
+
+
+async def _query(http: aiohttp.ClientSession, prom: str, expr: str) -> list[Any]:
+    async with http.get(prom + "/api/v1/query", params={"query": expr}) as response:
+        body = await response.json()
+    assert body["status"] == "success", (expr, body)
+    result: list[Any] = body["data"]["result"]
+    return result
+
+
+@pytest.mark.timeout(180)
+async def test_every_panel_and_rule_returns_data(engine_factory: EngineFactory,
+                                                 prometheus_dir: Path, redis_url: str) -> None:
+    async with (engines(engine_factory, 2) as fleet,
+                serve_router(router_config(fleet, health=FAST,
+                                           state=StateConfig(url=redis_url))) as router,
+                aiohttp.ClientSession() as http):
+        process, prom = _prometheus(prometheus_dir, {
+            "kvrouter": _hosts([router.url]), "engines": _hosts([e.url for e in fleet])})
+        try:
+            await _wait_ready(http, prom)
+            await asyncio.sleep(2)  # a couple of scrapes before traffic: rates need two
+            await _traffic(http, router.url, fleet)
+            await asyncio.sleep(4)  # scrapes and rule evaluations after it
+            empty = [name for name, expr in panel_queries()
+                     if not await _query(http, prom, expr)]
+            empty += [r["record"] for r in rules() if "record" in r
+                      and not await _query(http, prom, r["record"])]
+            assert empty == [], f"no data for: {empty}"
+            for rule in (r for r in rules() if "alert" in r):
+                await _query(http, prom, rule["expr"])  # valid; quiet while all is well
+                for name in set(re.findall(r"\b(kvrouter_[a-z_]+)", rule["expr"])):
+                    assert await _query(http, prom, name), (rule["alert"], name)
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
+def _hosts(urls: list[str]) -> list[str]:
+    return [u.removeprefix("http://") for u in urls]
+
+
+async def _wait_ready(http: aiohttp.ClientSession, prom: str) -> None:
+    for _ in range(200):
+        try:
+            async with http.get(prom + "/-/ready") as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError("prometheus did not become ready")
