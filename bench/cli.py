@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import kill, peers, perf, replicas
+    from bench import dashboards, kill, peers, perf, replicas
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -19,3 +19,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     peers.register(sub)
     replicas.register(sub)
     kill.register(sub)
+    dashboards.register(sub)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,11 @@ import aiohttp
 import pytest
 import yaml
 
+from bench.dashboards import render_all
 from bench.textgen import text_for
 from router.config import HealthConfig, StateConfig
 from tests.conftest import EngineFactory, RunningEngine, _free_port, router_config, serve_router
-from tests.router_client import chat_body, conversation, engines, post, set_faults
+from tests.router_client import chat_body, conversation, engines, post, set_faults, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
@@ -78,7 +81,7 @@ async def _traffic(http: aiohttp.ClientSession, url: str, fleet: list[RunningEng
             assert result.status == 200
             messages += [{"role": "assistant", "content": result.text},
                          {"role": "user", "content": text_for(f"{key}{turn}", 400)}]
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.5)
 
 
 async def _query(http: aiohttp.ClientSession, prom: str, expr: str) -> list[Any]:
@@ -100,7 +103,12 @@ async def test_every_panel_and_rule_returns_data(engine_factory: EngineFactory,
             "kvrouter": _hosts([router.url]), "engines": _hosts([e.url for e in fleet])})
         try:
             await _wait_ready(http, prom)
-            await asyncio.sleep(2)  # a couple of scrapes before traffic: rates need two
+            started = time.time()
+
+            async def scraping() -> bool:  # rates need samples from before the traffic
+                return len(await _query(http, prom, 'up{job="kvrouter"} == 1')) == 1
+            await wait_for(scraping, timeout_s=20)
+            await asyncio.sleep(2)
             await _traffic(http, router.url, fleet)
             await asyncio.sleep(4)  # scrapes and rule evaluations after it
             empty = [name for name, expr in panel_queries()
@@ -112,6 +120,12 @@ async def test_every_panel_and_rule_returns_data(engine_factory: EngineFactory,
                 await _query(http, prom, rule["expr"])  # valid; quiet while all is well
                 for name in set(re.findall(r"\b(kvrouter_[a-z_]+)", rule["expr"])):
                     assert await _query(http, prom, name), (rule["alert"], name)
+            # What an operator would see: every dashboard drawn from this run.
+            out = Path(os.environ.get("KVROUTER_DASHBOARD_PNG_DIR") or prometheus_dir / "png")
+            end = time.time()
+            pngs = await render_all(prom, started, end, out)
+            assert len(pngs) == len(DASHBOARDS)
+            assert all(p.stat().st_size > 10_000 for p in pngs)
         finally:
             process.terminate()
             process.wait(10)
