@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from policies.registry import build_policy
 from router import __version__, discovery
@@ -181,9 +183,32 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
                     await task
 
 
+class Unauthenticated(RouterError):
+    status = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
+    """With ``api_keys`` set, /v1/ requests need ``Authorization: Bearer <one of them>``."""
+    accepted = [f"Bearer {k}".encode() for k in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not any(hmac.compare_digest(given, a) for a in accepted):
+                raise Unauthenticated("missing or invalid API key")
+        return await handler(request)
+    return check
+
+
 def create_app(config: RouterConfig) -> web.Application:
+    middlewares: list[Middleware] = [error_middleware]
+    if config.api_keys:
+        middlewares.append(api_key_middleware(config.api_keys))
     # Bodies are limited by the handler (a clear 413), not by aiohttp's default 1 MiB.
-    app = web.Application(middlewares=[error_middleware],
+    app = web.Application(middlewares=middlewares,
                           client_max_size=config.max_body_bytes + 1)
     app[CONFIG_KEY] = config
     app.cleanup_ctx.append(_state_ctx)

@@ -228,6 +228,9 @@ class RouterConfig:
     session_body_fields: tuple[str, ...] = ("session_id", "user")
     seed: int | None = None
     admin_token: str = ""  # enables the admin API (router/admin.py) when set
+    # Bearer tokens clients must present on /v1/ (empty: no client authentication).
+    # KVROUTER_API_KEYS=key1,key2 sets them without putting them in a file.
+    api_keys: tuple[str, ...] = ()
     log_requests: bool = False  # one JSON line per request on kvrouter.requests
 
     def __post_init__(self) -> None:

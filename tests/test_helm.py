@@ -25,6 +25,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         "config": {"workers": ["http://vllm-0.vllm:8000", "http://vllm-1.vllm:8000"],
                    "policy": "cache_aware", "policy_knobs": {"cache_threshold": 0.5}},
         "redis": {"bundled": True}, "adminToken": {"value": "s3cret"},
+        "clientTokens": {"values": ["team-a-key-123", "team-b-key-456"]},
     },
     "kubernetes discovery, external redis, autoscaling, monitoring": {
         "config": {"discovery": {"kubernetes": {"selector": "app=vllm", "port_name": "http"}},
@@ -77,7 +78,9 @@ def test_options_render_what_they_promise() -> None:
     assert router_yaml["state"]["url"] == "redis://demo-kvrouter-redis:6379/0"
     deployment = by_kind[("Deployment", "demo-kvrouter")]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    assert container["env"][0]["name"] == "KVROUTER_ADMIN_TOKEN"
+    assert [e["name"] for e in container["env"]] == ["KVROUTER_ADMIN_TOKEN", "KVROUTER_API_KEYS"]
+    clients = by_kind[("Secret", "demo-kvrouter-clients")]
+    assert clients["stringData"]["api-keys"] == "team-a-key-123,team-b-key-456"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
@@ -90,6 +93,7 @@ def test_options_render_what_they_promise() -> None:
     {"replicaCount": "two"}, {"config": {"policy": "fastest"}}, {"unknown": 1},
     {"redis": {"url": "http://not-redis"}}, {"service": {"type": "Magic"}},
     {"autoscaling": {"targetCPUUtilizationPercentage": 150}},
+    {"clientTokens": {"values": ["has,comma"]}},
 ])
 def test_the_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
     with pytest.raises(helm_python.HelmValuesError):

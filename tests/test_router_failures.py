@@ -334,3 +334,19 @@ async def test_no_retry_starts_after_the_retry_deadline(engine_factory: EngineFa
             # The first attempt timed out after 0.3 s, past the 0.1 s deadline: no retry.
             assert result.status == 504
             assert await metric(http, router, "kvrouter_retries_total") == 0
+
+
+async def test_api_keys_guard_the_openai_routes(engine_factory: EngineFactory) -> None:
+    async with (engines(engine_factory, 1) as fleet,
+                serve_router(router_config(fleet, api_keys=("key-one", "key-two"))) as router,
+                aiohttp.ClientSession() as http):
+        body = chat_body([{"role": "user", "content": "hi"}], max_tokens=2)
+        for headers, status in (({}, 401), ({"Authorization": "Bearer nope"}, 401),
+                                ({"Authorization": "Bearer key-two"}, 200)):
+            async with http.post(router.url + "/v1/chat/completions", json=body,
+                                 headers=headers) as response:
+                assert response.status == status
+                if status == 401:
+                    assert (await response.json())["error"]["code"] == "invalid_api_key"
+        async with http.get(router.url + "/health") as response:
+            assert response.status == 200  # probes need no key

@@ -44,3 +44,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- toYaml $config -}}
 {{- end -}}
+
+{{- define "kvrouter.clientSecret" -}}
+{{- default (printf "%s-clients" (include "kvrouter.fullname" .)) .Values.clientTokens.existingSecret -}}
+{{- end -}}
