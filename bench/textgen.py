@@ -25,7 +25,6 @@ _WORDS = (
     "we  ", "it  ", "can ", "will", "must", "may ", "next", "last", "step", "plan",
     "\n   ", ";\n  ", ".\n  ", ",   ", ":   ", "()\n ", "  # ", "    ",
 )
-TOKEN_TEXT_BYTES = 4
 
 
 @lru_cache(maxsize=4096)

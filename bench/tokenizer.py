@@ -50,11 +50,6 @@ def encode_token_ids(ids: Iterable[int]) -> bytes:
     return b"".join(i.to_bytes(TOKEN_BYTES, "little") for i in ids)
 
 
-def decode_generated(encoded: bytes) -> str:
-    """Text of generated tokens (always 4-byte ASCII, never padded)."""
-    return encoded.decode("ascii")
-
-
 def _render_message(message: Mapping[str, Any]) -> list[bytes]:
     role = str(message.get("role", "user"))
     pieces = [encode_piece(f"{IM_START}{role}\n")]

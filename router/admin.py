@@ -69,6 +69,7 @@ def _describe(state: RouterState, worker: Worker) -> dict[str, Any]:
         "outstanding_requests": worker.outstanding_requests,
         "outstanding_tokens": worker.outstanding_tokens,
         "engine_running": worker.engine_running, "engine_waiting": worker.engine_waiting,
+        "engine_kv_usage": worker.engine_kv_usage,
         "resident_tokens": index.resident_blocks(worker.name) * block_tokens,
         "capacity_tokens": worker.capacity_tokens,
     }

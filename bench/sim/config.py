@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from router.capacity import GpuSpec, ModelShape
@@ -43,7 +43,6 @@ class EngineConfig:
     stream_interval: int = 1  # tokens per streamed chunk, as vLLM's --stream-interval
     seed: int = 0
     engine_id: str = "0"
-    extra_labels: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [

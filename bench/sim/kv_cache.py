@@ -36,10 +36,6 @@ class BlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def usage(self) -> float:
         """Fraction of blocks pinned by running requests (vLLM's kv_cache_usage_perc)."""
         return 1.0 - len(self._free) / self.num_blocks

@@ -111,16 +111,23 @@ def _turn_range_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-tokens-median", type=float)
 
 
-def _chat(args: argparse.Namespace) -> list[Turn]:
-    params = _population(chat.ChatParams(), args)
-    params = replace(
+_Turned = TypeVar("_Turned", chat.ChatParams, shared_prompt.SharedPromptParams)
+
+
+def _turn_range(params: _Turned, args: argparse.Namespace) -> _Turned:
+    """``params`` with the --sessions/--rate and _turn_range_arguments given."""
+    params = _population(params, args)
+    return replace(
         params,
         min_turns=_given(args.min_turns, params.min_turns),
         max_turns=_given(args.max_turns, params.max_turns),
         user=_median(params.user, args.user_tokens_median),
         output=_median(params.output, args.output_tokens_median),
     )
-    return chat.generate(params, args.seed)
+
+
+def _chat(args: argparse.Namespace) -> list[Turn]:
+    return chat.generate(_turn_range(chat.ChatParams(), args), args.seed)
 
 
 def _shared_prompt_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,13 +137,9 @@ def _shared_prompt_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _shared_prompt(args: argparse.Namespace) -> list[Turn]:
-    params = _population(shared_prompt.SharedPromptParams(), args)
+    params = _turn_range(shared_prompt.SharedPromptParams(), args)
     params = replace(
         params,
-        min_turns=_given(args.min_turns, params.min_turns),
-        max_turns=_given(args.max_turns, params.max_turns),
-        user=_median(params.user, args.user_tokens_median),
-        output=_median(params.output, args.output_tokens_median),
         prompts=_given(args.prompts, params.prompts),
         zipf_exponent=_given(args.zipf, params.zipf_exponent),
     )
