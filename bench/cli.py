@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import dashboards, kill, peers, perf, replicas
+    from bench import dashboards, engine_cpu, kill, peers, perf, replicas
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -16,6 +16,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     workloads_cli.register(sub)
     replay_cli.register(sub)
     perf.register(sub)
+    engine_cpu.register(sub)
     peers.register(sub)
     replicas.register(sub)
     kill.register(sub)

@@ -160,10 +160,11 @@ _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
 
 
 async def test_a_stream_passes_through_byte_for_byte(engine_factory: EngineFactory) -> None:
-    # A slow engine (~20 ms a step) sends each token in a chunk of its own, so the two
-    # streams are framed alike; the sim's text is a function of the request's seed.
+    # A slow engine (~20 ms a step) told to stream every step sends each token in a
+    # chunk of its own, so the two streams are framed alike; the sim's text is a
+    # function of the request's seed.
     body = chat_body(conversation("bytes", 50, 20), 10, seed=1234)
-    async with engine_factory(time_scale=0.5) as engine, \
+    async with engine_factory(time_scale=0.5, stream_flush_wall_s=0.0) as engine, \
             serve_router(router_config([engine])) as router, aiohttp.ClientSession() as http:
         routed = await post(http, router.url, body)
         async with http.post(engine.url + "/sim/restart") as response:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import aiohttp
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.textgen import text_for
+from bench.tokenizer import encode_piece
 from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine
 
 BLOCK = 16
@@ -214,3 +217,25 @@ async def test_sglang_flavor_endpoints(engine_factory: EngineFactory) -> None:
             names = {f.name for f in text_string_to_metric_families(await response.text())}
         assert any(n.startswith("sglang:") for n in names)
         assert not any(n.startswith("vllm:") for n in names)
+
+
+async def test_engine_timings_follow_the_roofline(engine_factory: EngineFactory) -> None:
+    """Alone on an engine, a request's first token comes one prefill step after it was
+    scheduled and every later token one decode step (of a growing context) after the
+    previous, exactly as the roofline says, though decoded as spans."""
+    async with engine_factory(time_scale=20.0) as sim:
+        engine = sim.engine
+        request = engine.submit(encode_piece(text_for("roofline", 3000)), 300, True)
+        wakes = 0
+        while not request.finished:
+            await request.updated.wait()
+            request.updated.clear()
+            wakes += 1
+        assert request.scheduled_at is not None and request.first_token_at is not None
+        prefill = engine.roofline.step_seconds([(3000, 0)])
+        assert request.first_token_at - request.scheduled_at == pytest.approx(prefill, rel=1e-9)
+        gaps = [b - a for a, b in itertools.pairwise(request.token_times)]
+        assert gaps == pytest.approx(engine.roofline.decode_step_seconds(1, 3000, 299),
+                                     rel=1e-9)
+        assert request.output_tokens == 300
+        assert wakes < 100  # tokens were handed to the stream coalesced, not one by one

@@ -5,10 +5,11 @@ from __future__ import annotations
 import math
 
 import pytest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.sim.metrics import EngineMetrics, build_1_2_5_buckets
+from bench.sim.metrics import EngineMetrics, build_1_2_5_buckets, observe_many
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CACHE_CONFIG = {
@@ -306,3 +307,22 @@ def test_two_instances_do_not_share_state() -> None:
     # And neither touched the global registry.
     from prometheus_client import REGISTRY
     assert REGISTRY.get_sample_value("vllm:prompt_tokens_total", VLLM_LABELS) is None
+
+
+def test_observe_many_matches_observe_one_by_one() -> None:
+    values = [0.0, 0.01, 0.0125, 0.04, 0.04, 0.3, 7.5, 1e9, *(0.001 * i for i in range(500))]
+    bounds = (0.01, 0.025, 0.05, 0.5, 10.0)
+    one_by_one_registry, bulk_registry = CollectorRegistry(), CollectorRegistry()
+    one_by_one = Histogram("h", "h", buckets=bounds, registry=one_by_one_registry)
+    bulk = Histogram("h", "h", buckets=bounds, registry=bulk_registry)
+    for value in values:
+        one_by_one.observe(value)
+    observe_many(bulk, values)
+
+    def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
+        text = generate_latest(registry).decode()
+        return {(s.name, s.labels.get("le", "")): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples
+                if not s.name.endswith("_created")}
+
+    assert samples(bulk_registry) == pytest.approx(samples(one_by_one_registry), rel=1e-12)

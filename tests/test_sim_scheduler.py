@@ -140,3 +140,83 @@ def test_usage_counts_pinned_blocks_only() -> None:
     pool.release(blocks)
     assert pool.usage() == 0.0
     assert pool.cached_prefix([123, 456], 2) == [blocks[0]]
+
+
+def _step_by_step(scheduler: Scheduler, requests: list[SimRequest]) -> None:
+    for r in requests:
+        scheduler.add(r)
+    steps = 0
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        steps += 1
+        scheduler.complete(plan, float(steps))
+        assert steps < 10_000, "scheduler made no progress"
+
+
+def _by_spans(scheduler: Scheduler, requests: list[SimRequest], limit: int) -> int:
+    """The engine's way: one span of decode steps at a time, applied in two pieces."""
+    for r in requests:
+        scheduler.add(r)
+    steps = spans = 0
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        span = scheduler.decode_span(plan, limit)
+        times = [float(steps + i + 1) for i in range(span)]
+        steps += span
+        spans += 1
+        assert steps < 10_000, "scheduler made no progress"
+        if span == 1:
+            scheduler.complete(plan, times[0])
+            continue
+        half = span // 2
+        scheduler.complete_decode(plan, 0, times[:half])
+        scheduler.complete_decode(plan, half, times[half:])
+    return spans
+
+
+def _state(scheduler: Scheduler, requests: list[SimRequest]) -> object:
+    """What a later request can observe: the tokens, their times, the cached prefixes
+    and the LRU order of what is cached (block ids themselves may be handed out in
+    another order)."""
+    pool = scheduler.pool
+    return ([(bytes(r.tokens), r.token_times, r.cached_tokens, r.num_preemptions,
+              r.finish_reason) for r in requests],
+            sorted(pool._cached), [pool._hash[b] for b in pool._free])
+
+
+def test_decode_spans_give_the_same_result_as_single_steps() -> None:
+    """Spans must not change what the engine does: the same tokens at the same step
+    times, the same cache contents and LRU order, under block pressure (preemption)."""
+    def workload() -> list[SimRequest]:
+        return [SimRequest(f"r{i}", prompt_of(40 + 37 * i, f"p{i % 3}"), 30 + 17 * i,
+                           0.0, BLOCK, random.Random(i)) for i in range(6)]
+
+    single, spanned = make_scheduler(30, seqs=4), make_scheduler(30, seqs=4)
+    reference, candidate = workload(), workload()
+    _step_by_step(single, reference)
+    spans = _by_spans(spanned, candidate, limit=1000)
+    assert _state(spanned, candidate) == _state(single, reference)
+    assert sum(len(r.token_times) for r in candidate) > 2 * spans  # spans were used
+    assert any(r.num_preemptions for r in reference)  # the pressure case was exercised
+
+
+def test_decode_span_stops_where_blocks_run_out_and_at_the_first_finish() -> None:
+    scheduler = make_scheduler(12)
+    long, short = request(prompt_of(64, "a"), output=200, rid="l"), \
+        request(prompt_of(64, "b"), output=50, rid="s")
+    scheduler.add(long)
+    scheduler.add(short)
+    scheduler.complete(scheduler.schedule(), 1.0)  # both prefilled, first tokens out
+    plan = scheduler.schedule()
+    # 12 blocks: 5 each held (64 tokens + 1 token), 2 free -> 32 more tokens of room
+    # for the two together, so the span ends before the short request's finish.
+    span = scheduler.decode_span(plan, 1000)
+    assert scheduler._decode_blocks(plan.work, span) <= scheduler.pool.num_free
+    assert scheduler._decode_blocks(plan.work, span + 1) > scheduler.pool.num_free
+    roomy = make_scheduler(200)
+    long, short = request(prompt_of(64, "a"), output=200, rid="l"), \
+        request(prompt_of(64, "b"), output=50, rid="s")
+    roomy.add(long)
+    roomy.add(short)
+    roomy.complete(roomy.schedule(), 1.0)
+    assert roomy.decode_span(roomy.schedule(), 1000) == 49  # the short one's last token

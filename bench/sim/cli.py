@@ -12,6 +12,7 @@ from bench.sim.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_STREAM_FLUSH_WALL_S,
     DEFAULT_TIME_SCALE,
     EngineConfig,
 )
@@ -45,6 +46,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run this many times faster than real time (ratios are kept)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="tokens per streamed chunk")
+    parser.add_argument("--stream-flush-ms", type=float,
+                        default=DEFAULT_STREAM_FLUSH_WALL_S * 1e3,
+                        help="while decoding, send tokens at least this often (wall-clock "
+                             "ms) instead of every step; 0 sends every step")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -66,6 +71,7 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         max_model_len=args.max_model_len,
         time_scale=args.time_scale,
         stream_interval=args.stream_interval,
+        stream_flush_wall_s=args.stream_flush_ms / 1e3,
         seed=args.seed,
         engine_id=engine_id,
     )
@@ -78,7 +84,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
              "--gpu-memory-utilization", str(args.gpu_memory_utilization),
              "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--time-scale", str(args.time_scale), "--stream-interval", str(args.stream_interval)]
+             "--time-scale", str(args.time_scale), "--stream-interval", str(args.stream_interval),
+             "--stream-flush-ms", str(args.stream_flush_ms)]
     optional = {"--served-model-name": args.served_model_name,
                 "--kv-cache-dtype": args.kv_cache_dtype, "--kv-tokens": args.kv_tokens,
                 "--max-model-len": args.max_model_len}

@@ -20,6 +20,7 @@ DEFAULT_PREFILL_EFFICIENCY = 0.5
 DEFAULT_DECODE_EFFICIENCY = 0.7
 # Fixed per-step cost: scheduling, sampling, kernel launches (seconds, simulated).
 DEFAULT_STEP_OVERHEAD_S = 0.002
+DEFAULT_STREAM_FLUSH_WALL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,11 @@ class EngineConfig:
     decode_efficiency: float = DEFAULT_DECODE_EFFICIENCY
     step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     stream_interval: int = 1  # tokens per streamed chunk, as vLLM's --stream-interval
+    # While a batch decodes, its tokens go out at least this often (wall-clock seconds)
+    # rather than every step: at high time scales a step is far shorter than the time
+    # it takes to stream one chunk. 0 sends every step. The first token always goes
+    # out at its exact step.
+    stream_flush_wall_s: float = DEFAULT_STREAM_FLUSH_WALL_S
     seed: int = 0
     engine_id: str = "0"
 
@@ -58,6 +64,7 @@ class EngineConfig:
             (0 < self.decode_efficiency <= 1, "decode_efficiency must be in (0, 1]"),
             (self.step_overhead_s >= 0, "step_overhead_s must be >= 0"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
+            (self.stream_flush_wall_s >= 0, "stream_flush_wall_s must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import itertools
 import logging
@@ -19,7 +20,7 @@ from bench.sim.kv_cache import BlockPool
 from bench.sim.metrics import EngineMetrics
 from bench.sim.request import SimRequest
 from bench.sim.roofline import Roofline
-from bench.sim.scheduler import Scheduler, StepOutcome
+from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
 from router.capacity import plan as capacity_plan
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 # Reply length when a request does not ask for an exact one (no ignore_eos): lognormal.
 NATURAL_REPLY_MEDIAN_TOKENS = 200
 NATURAL_REPLY_SIGMA = 0.8
+# Most decode steps one span may cover (bounds the precomputed step ends).
+MAX_DECODE_SPAN = 4096
+# The loop may run this far (wall-clock seconds) behind simulated time and catch up
+# without stretching it; further behind, the lost time is taken as simulated time.
+MAX_CATCH_UP_WALL_S = 0.1
 
 
 class SimClock:
@@ -38,6 +44,7 @@ class SimClock:
 
     def now(self) -> float:
         return (time.monotonic() - self._origin) * self.scale
+
 
     async def sleep_until(self, sim_time: float) -> None:
         delay = (sim_time - self.now()) / self.scale
@@ -79,6 +86,10 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._wake = asyncio.Event()
         self._counter = 0
+        # Earliest simulated time a request arrived or left since the last schedule.
+        self._changed_at = math.inf
+        # Where the last step ended, in simulated time.
+        self._cursor = 0.0
 
     def cache_config_labels(self) -> dict[str, str]:
         """vLLM's CacheConfig fields as ``vllm:cache_config_info`` labels (``str()`` of each)."""
@@ -122,13 +133,19 @@ class Engine:
             self.block_tokens, rng, parent, reason,
         )
         self.scheduler.add(request)
-        self._wake.set()
+        self._changed(request.arrival)
         return request
 
     def abort(self, request: SimRequest) -> None:
         if not request.finished:
+            now = self.clock.now()
             self.scheduler.abort(request)
-            self._record_finished(request, self.clock.now())
+            self._record_finished(request, now)
+            self._changed(now)
+
+    def _changed(self, at: float) -> None:
+        self._changed_at = min(self._changed_at, at)
+        self._wake.set()
 
     def restart(self) -> list[SimRequest]:
         """Lose every request in flight and the whole cache, as a process restart does."""
@@ -137,39 +154,103 @@ class Engine:
         self.metrics.reset(self.start_time)
         for request in dropped:
             request.updated.set()
+        self._changed(self.clock.now())
         log.info("simulated restart: dropped %d requests, cache emptied", len(dropped))
         return dropped
 
     # -- the loop ---------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Schedule, then sleep until the step (or decode span) ends, then apply it.
+
+        Steps run back to back in simulated time: a step starts where the previous one
+        ended, not when the loop got round to it, so the loop's own Python time does
+        not stretch simulated time unless it falls behind by more than
+        ``MAX_CATCH_UP_WALL_S``. A decode span stops early at the first step boundary
+        after a request arrives or leaves, so the batch changes exactly when it would
+        have step by step.
+        """
         scheduler = self.scheduler
         while True:
             await self.faults.wait_unstalled()
             if not scheduler.has_work:
                 self._wake.clear()
+                self._changed_at = math.inf
                 await self._wake.wait()
+                self._cursor = self.clock.now()
                 continue
+            self._changed_at = math.inf
             plan = scheduler.schedule()
             for queried, hit in plan.prefix_queries:
                 self.metrics.record_prefix_query(queried, hit)
             for _ in plan.preempted:
                 self.metrics.record_preemption()
-            start = self.clock.now()
+            now = self.clock.now()
             if not plan.work:
                 # Nothing fits this instant (every block pinned); wait for a change.
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 0.01)
+                self._cursor = self.clock.now()
                 continue
+            start = max(self._cursor, now - MAX_CATCH_UP_WALL_S * self.clock.scale)
             for request, _, _ in plan.work:
                 if request.scheduled_at is None:
-                    request.scheduled_at = start
-            await self.clock.sleep_until(start + self.roofline.step_seconds(plan.shape()))
-            await self.faults.wait_unstalled()
-            now = self.clock.now()
-            self._publish(scheduler.complete(plan, now), now)
+                    request.scheduled_at = max(start, request.arrival)
+            span = scheduler.decode_span(plan, MAX_DECODE_SPAN)
+            if span == 1:
+                end = start + self.roofline.step_seconds(plan.shape())
+                end += await self._sleep_until(end)
+                self._publish(scheduler.complete(plan, end), end)
+            else:
+                end = await self._run_span(plan, start, span)
+            self._cursor = end
             self.record_gauges()
+
+    async def _run_span(self, plan: StepPlan, start: float, span: int) -> float:
+        """Run up to ``span`` decode steps of ``plan``, publishing tokens at least every
+        ``stream_flush_s``; returns the simulated time the last step run ended."""
+        contexts = [context for _, _, context in plan.work]
+        ends = list(itertools.accumulate(
+            self.roofline.decode_step_seconds(len(contexts), sum(contexts), span),
+            initial=start))[1:]
+        flush_s = self.config.stream_flush_wall_s * self.clock.scale
+        done = 0
+        while done < span:
+            if self._changed_at < ends[span - 1]:
+                # Something arrived or left: finish the step in progress, then reschedule.
+                span = max(bisect.bisect_left(ends, self._changed_at) + 1, done + 1)
+            target = ends[span - 1]
+            if flush_s > 0:
+                target = min(target, max(self.clock.now() + flush_s, ends[done]))
+            else:
+                target = ends[done]
+            stalled = await self._sleep_until(target, wake=True)
+            if stalled:
+                ends[done:] = [e + stalled for e in ends[done:]]
+            reached = min(bisect.bisect_right(ends, self.clock.now(), lo=done), span)
+            if reached > done:
+                self._publish(self.scheduler.complete_decode(plan, done, ends[done:reached]),
+                              ends[reached - 1])
+                done = reached
+        return ends[span - 1]
+
+    async def _sleep_until(self, sim_time: float, wake: bool = False) -> float:
+        """Sleep until ``sim_time`` (or, with ``wake``, until a request arrives or
+        leaves), then wait out any stall; returns the simulated seconds it stalled."""
+        delay = (sim_time - self.clock.now()) / self.clock.scale
+        if delay > 0:
+            if wake:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), delay)
+            else:
+                await asyncio.sleep(delay)
+        if not self.faults.state.stall:
+            return 0.0
+        stalled_at = self.clock.now()
+        await self.faults.wait_unstalled()
+        return self.clock.now() - stalled_at
 
     def record_gauges(self) -> None:
         self.metrics.record_step(
@@ -183,9 +264,12 @@ class Engine:
         for request in outcome.finished:
             self._record_finished(request, now)
         for request in outcome.advanced:
-            if request.finished or request.output_tokens == 1 or (
-                request.output_tokens % interval == 0
+            # Wake the handler on the first token, at the end, and whenever the output
+            # crossed a multiple of the stream interval since the last publish.
+            if request.finished or request.published_tokens == 0 or (
+                request.output_tokens // interval > request.published_tokens // interval
             ):
+                request.published_tokens = request.output_tokens
                 request.updated.set()
 
     def _record_finished(self, request: SimRequest, now: float) -> None:

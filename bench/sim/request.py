@@ -28,8 +28,8 @@ class SimRequest:
     __slots__ = (
         "arrival", "blocks", "cached_tokens", "end_reason", "finish_reason", "finished_at",
         "first_token_at", "hashes", "id", "max_output", "num_computed", "num_preemptions",
-        "output_tokens", "prompt_tokens", "rng", "scheduled_at", "status", "token_times",
-        "tokens", "updated",
+        "output_tokens", "prompt_tokens", "published_tokens", "rng", "scheduled_at", "status",
+        "token_times", "tokens", "updated",
     )
 
     def __init__(
@@ -48,6 +48,7 @@ class SimRequest:
         self.blocks: list[int] = []
         self.num_computed = 0
         self.output_tokens = 0
+        self.published_tokens = 0  # output tokens the handler was last woken for
         self.cached_tokens = 0
         self.num_preemptions = 0
         self.status = Status.WAITING
@@ -66,9 +67,10 @@ class SimRequest:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def append_generated(self, block_tokens: int) -> None:
-        self.tokens += generated_text(self.rng, 1).encode("ascii")
-        self.output_tokens += 1
+    def append_generated(self, block_tokens: int, count: int = 1) -> None:
+        """Append ``count`` sampled tokens and hash the blocks they fill."""
+        self.tokens += generated_text(self.rng, count).encode("ascii")
+        self.output_tokens += count
         full = self.num_tokens // block_tokens
         if full > len(self.hashes):
             parent = self.hashes[-1] if self.hashes else 0

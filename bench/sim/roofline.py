@@ -68,3 +68,19 @@ class Roofline:
         return self.step_overhead_s + max(
             flops / self.flops_per_second, traffic / self.bytes_per_second
         )
+
+    def decode_step_seconds(self, batch: int, context_tokens: int, steps: int) -> list[float]:
+        """Seconds of each of ``steps`` consecutive decode steps of ``batch`` requests
+        holding ``context_tokens`` in all before the first: step ``j`` (from 0) is
+        ``step_seconds`` of ``(1, context + j)`` per request."""
+        flops_fixed = 2.0 * self.active_parameters * batch
+        pair = self.attention_flops_per_pair
+        flops_per_second, bytes_per_second = self.flops_per_second, self.bytes_per_second
+        seconds: list[float] = []
+        for j in range(steps):
+            flops = flops_fixed + pair * (context_tokens + batch * (j + 0.5))
+            traffic = self.weight_bytes + self.kv_bytes_per_token * (context_tokens
+                                                                     + batch * (j + 1))
+            seconds.append(self.step_overhead_s + max(flops / flops_per_second,
+                                                      traffic / bytes_per_second))
+        return seconds

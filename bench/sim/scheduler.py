@@ -8,6 +8,12 @@ released (their cached contents stay hittable) and it goes back to the front of 
 waiting queue. Waiting requests are then admitted first-come first-served, each starting
 from the longest cached prefix of its tokens, while budget, seats and blocks last; no
 waiting request is admitted in a step that preempted.
+
+A batch of running requests that are all decoding stays the same batch from step to
+step until one of them finishes, a block runs out, or a request arrives or leaves: the
+engine then runs those steps as one span (``decode_span``, ``complete_decode``) instead
+of one Python iteration per token. The result is the same, step by step, as
+scheduling each step alone: ``tests/test_sim_scheduler.py`` checks it.
 """
 
 from __future__ import annotations
@@ -123,6 +129,63 @@ class Scheduler:
             self.running.append(request)
             plan.work.append((request, new, computed))
             budget -= new
+
+    def decode_span(self, plan: StepPlan, limit: int) -> int:
+        """Steps (at most ``limit``) that ``plan``'s batch runs unchanged if nothing
+        arrives or leaves: 1 unless every running request is decoding and was already
+        streaming; else up to the first finish and while free blocks last.
+
+        Nothing waiting could join in those steps: a waiting request was not admitted
+        into the first one for want of seats or blocks, and decoding only uses blocks.
+        """
+        work = plan.work
+        if plan.preempted or len(work) != len(self.running) or not work:
+            return 1
+        for request, new, context in work:
+            if new != 1 or request.first_token_at is None or context != request.num_tokens - 1:
+                return 1
+        span = min(limit, min(r.max_output - r.output_tokens for r, _, _ in work))
+        if span <= 1 or self._decode_blocks(work, span) <= self.pool.num_free:
+            return max(span, 1)
+        low, high = 1, span  # the blocks for step 1 are allocated; find the last that fits
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._decode_blocks(work, middle) <= self.pool.num_free:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _decode_blocks(self, work: list[tuple[SimRequest, int, int]], steps: int) -> int:
+        """Blocks to allocate beyond those held so each request can decode ``steps``."""
+        block_tokens = self.pool.block_tokens
+        return sum(max(0, _blocks_for(context + steps, block_tokens) - len(request.blocks))
+                   for request, _, context in work)
+
+    def complete_decode(self, plan: StepPlan, done: int, times: list[float]) -> StepOutcome:
+        """Apply decode steps ``done + 1 .. done + len(times)`` of a span from
+        ``decode_span``, the i-th ending at ``times[i]``; step 1 is ``complete``'s."""
+        outcome = StepOutcome()
+        pool, block_tokens = self.pool, self.pool.block_tokens
+        steps, end = len(times), done + len(times)
+        for request, _, context in plan.work:
+            if request.status is not Status.RUNNING:
+                continue  # aborted while the span ran
+            need = _blocks_for(context + end, block_tokens) - len(request.blocks)
+            if need > 0:
+                request.blocks += pool.allocate(need)
+            computed_before = request.num_computed
+            request.append_generated(block_tokens, steps)
+            request.num_computed = context + end
+            for index in range(computed_before // block_tokens,
+                               request.num_computed // block_tokens):
+                pool.register(request.blocks[index], request.hashes[index])
+            request.token_times += times
+            outcome.advanced.append(request)
+            if request.output_tokens >= request.max_output:
+                self._finish(request, times[-1])
+                outcome.finished.append(request)
+        return outcome
 
     def complete(self, plan: StepPlan, now: float) -> StepOutcome:
         """Apply a step's computation: cache full blocks, sample tokens, finish requests."""

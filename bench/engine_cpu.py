@@ -1,0 +1,126 @@
+"""``kvrouter bench engine-cpu``: the simulated engine's own CPU per million simulated tokens.
+
+One engine process, ``--clients`` closed-loop streaming clients (each a session whose
+prompt grows by its last reply and some new text, so prefix hits happen as in a real
+replay), a fixed number of requests. The engine process's CPU seconds (user + system,
+read from ``/proc/<pid>/stat``) are divided by the tokens it simulated: prompt tokens
+it was sent plus tokens it generated. Repeated ``--repeat`` times; the median and the
+range are printed. The lower the figure, the less a replay's results depend on how busy
+the host's CPU is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from bench.sim.fleet import start_engine, stop, wait_healthy
+from bench.textgen import text_for
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuRun:
+    cpu_s: float
+    prompt_tokens: int
+    generated_tokens: int
+
+    @property
+    def per_million_tokens(self) -> float:
+        return self.cpu_s / (self.prompt_tokens + self.generated_tokens) * 1e6
+
+    @property
+    def per_million_generated(self) -> float:
+        return self.cpu_s / max(self.generated_tokens, 1) * 1e6
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+async def _session(http: aiohttp.ClientSession, url: str, name: str, turns: int,
+                   new_tokens: int, max_tokens: int) -> tuple[int, int]:
+    messages: list[dict[str, str]] = []
+    prompt = generated = 0
+    for turn in range(turns):
+        messages.append({"role": "user", "content": text_for(f"{name}-{turn}", new_tokens)})
+        body = {"model": "m", "messages": messages, "stream": True, "max_tokens": max_tokens,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        reply: list[str] = []
+        async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = orjson.loads(line[6:])
+                for choice in chunk.get("choices") or ():
+                    reply.append(choice["delta"].get("content") or "")
+                if chunk.get("usage"):
+                    prompt += chunk["usage"]["prompt_tokens"]
+                    generated += chunk["usage"]["completion_tokens"]
+        messages.append({"role": "assistant", "content": "".join(reply)})
+    return prompt, generated
+
+
+async def measure(clients: int, turns: int, new_tokens: int, max_tokens: int,
+                  time_scale: float, port: int, kv_tokens: int) -> CpuRun:
+    flags = ["--time-scale", str(time_scale), "--kv-tokens", str(kv_tokens),
+             "--served-model-name", "m"]
+    engine = await start_engine("0", "127.0.0.1", port, flags)
+    try:
+        await wait_healthy([engine.url])
+        pid = engine.process.pid
+        before = process_cpu_seconds(pid)
+        async with aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=clients)) as http:
+            counts = await asyncio.gather(*(
+                _session(http, engine.url, f"c{i}", turns, new_tokens, max_tokens)
+                for i in range(clients)))
+        cpu = process_cpu_seconds(pid) - before
+    finally:
+        await stop([engine])
+    return CpuRun(cpu, sum(c[0] for c in counts), sum(c[1] for c in counts))
+
+
+def _summary(values: list[float]) -> str:
+    return f"{statistics.median(values):10.2f}  ({min(values):.2f}-{max(values):.2f})"
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    parser = sub.add_parser("engine-cpu", help="the simulated engine's CPU per million tokens",
+                            description=__doc__)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4, help="requests per client")
+    parser.add_argument("--new-tokens", type=int, default=2000, help="new prompt tokens a turn")
+    parser.add_argument("--max-tokens", type=int, default=400, help="generated tokens a turn")
+    parser.add_argument("--time-scale", type=float, default=10.0)
+    parser.add_argument("--kv-tokens", type=int, default=1_000_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--port", type=int, default=8190)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    runs = [asyncio.run(measure(args.clients, args.turns, args.new_tokens, args.max_tokens,
+                                args.time_scale, args.port, args.kv_tokens))
+            for _ in range(args.repeat)]
+    print(f"engine CPU over {args.repeat} runs, median (min-max); "
+          f"{runs[0].prompt_tokens:,} prompt + {runs[0].generated_tokens:,} generated tokens "
+          f"a run, {args.clients} clients, time scale {args.time_scale:g}")
+    print(f"CPU s per 1M simulated tokens   {_summary([r.per_million_tokens for r in runs])}")
+    print(f"CPU s per 1M generated tokens   {_summary([r.per_million_generated for r in runs])}")
+    print(f"CPU s a run                     {_summary([r.cpu_s for r in runs])}")
+    sys.stdout.flush()
+    return 0
