@@ -47,10 +47,15 @@ def _time(fn: Callable[[], object], repeat: int) -> list[float]:
 
 
 def hashing(tokens: int, workers: int, repeat: int) -> dict[str, float]:
-    body = orjson.dumps({"model": "m", "messages": [
-        {"role": "system", "content": text_for("sys", 4000)},
-        {"role": "user", "content": text_for("user", tokens - 4000)},
-    ]})
+    body = orjson.dumps(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": text_for("sys", 4000)},
+                {"role": "user", "content": text_for("user", tokens - 4000)},
+            ],
+        }
+    )
     block_bytes = 256
     index = LocalPrefixIndex()
     request = parse_request("chat", body, None, ("user",), block_bytes)
@@ -67,7 +72,9 @@ def hashing(tokens: int, workers: int, repeat: int) -> dict[str, float]:
     baseline = _time(lambda: orjson.loads(body), repeat)
     routed = _time(route, repeat)
     return {
-        "prompt_tokens": tokens, "body_bytes": len(body), "blocks": len(request.key.hashes),
+        "prompt_tokens": tokens,
+        "body_bytes": len(body),
+        "blocks": len(request.key.hashes),
         "workers": workers,
         "orjson_parse_ms_p50": statistics.median(baseline) * 1e3,
         "route_ms_p50": statistics.median(routed) * 1e3,
@@ -79,14 +86,15 @@ def hashing(tokens: int, workers: int, repeat: int) -> dict[str, float]:
 def decision(tokens: int, workers: int, repeat: int) -> dict[str, float]:
     """``Router.dispatch`` + ``Dispatch.finish`` for one long prompt, with the in-process
     index and with the shared one (whose writes also queue events for Redis)."""
-    from policies.registry import build_policy
     from router.metrics import RouterMetrics
+    from router.policy_slot import PolicySlot
     from router.routing import EngineUsage, Router
     from router.shared.index import SharedPrefixIndex
     from router.workers import Fleet, Worker
 
-    body = orjson.dumps({"model": "m", "messages": [
-        {"role": "user", "content": text_for("decision", tokens)}]})
+    body = orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": text_for("decision", tokens)}]}
+    )
     request = parse_request("chat", body, None, ("user",), 256)
 
     def run(shared: bool) -> list[float]:
@@ -95,8 +103,8 @@ def decision(tokens: int, workers: int, repeat: int) -> dict[str, float]:
         for w in range(workers):
             fleet.add(Worker(f"w{w}", f"http://w{w}", 1_000_000))
             index.add_worker(f"w{w}", 1_000_000 // 64)
-        router = Router(fleet, index, build_policy("ttft", seed=0), "ttft", 64,
-                        RouterMetrics(fleet, index, 64))
+        metrics = RouterMetrics(fleet, index, 64)
+        router = Router(fleet, index, PolicySlot("ttft", {}, 0, metrics), 64, metrics)
         route = router.route_request(request, "r")
 
         def once() -> None:
@@ -110,25 +118,31 @@ def decision(tokens: int, workers: int, repeat: int) -> dict[str, float]:
 
     local_times, shared_times = run(False), run(True)
     return {
-        "prompt_tokens": tokens, "workers": workers,
+        "prompt_tokens": tokens,
+        "workers": workers,
         "local_us_p50": statistics.median(local_times) * 1e6,
         "local_us_p99": _percentile(local_times, 0.99) * 1e6,
         "shared_us_p50": statistics.median(shared_times) * 1e6,
         "shared_us_p99": _percentile(shared_times, 0.99) * 1e6,
-        "shared_over_local_p50": statistics.median(shared_times) / statistics.median(
-            local_times),
+        "shared_over_local_p50": statistics.median(shared_times) / statistics.median(local_times),
         "redis_round_trips_per_decision": 0,
     }
 
 
-async def _load(http: aiohttp.ClientSession, url: str, requests: int, rate: float,
-                prompt_tokens: int) -> tuple[list[float], list[float]]:
+async def _load(
+    http: aiohttp.ClientSession, url: str, requests: int, rate: float, prompt_tokens: int
+) -> tuple[list[float], list[float]]:
     ttfts: list[float] = []
     totals: list[float] = []
 
     async def one(i: int) -> None:
-        body = {"model": "m", "stream": True, "max_tokens": 16, "ignore_eos": True,
-                "messages": [{"role": "user", "content": text_for(f"r{i}", prompt_tokens)}]}
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": text_for(f"r{i}", prompt_tokens)}],
+        }
         start = time.perf_counter()
         first = None
         async with http.post(url + "/v1/chat/completions", json=body) as response:
@@ -149,12 +163,15 @@ async def _load(http: aiohttp.ClientSession, url: str, requests: int, rate: floa
 async def overhead(requests: int, rate: float, prompt_tokens: int) -> dict[str, float]:
     from router.app import create_app as create_router_app
 
-    engine_config = EngineConfig(model=load_model("llama-3.1-8b"), gpu=gpu("h100"),
-                                 served_model_name="m", kv_tokens=200_000)
+    engine_config = EngineConfig(
+        model=load_model("llama-3.1-8b"), gpu=gpu("h100"), served_model_name="m", kv_tokens=200_000
+    )
     async with serve_on_loopback(create_engine_app(engine_config)) as engine_url:
         router_config = RouterConfig(workers=(WorkerConfig(engine_url),), policy="ttft")
-        async with (serve_on_loopback(create_router_app(router_config)) as router_url,
-                    aiohttp.ClientSession() as http):
+        async with (
+            serve_on_loopback(create_router_app(router_config)) as router_url,
+            aiohttp.ClientSession() as http,
+        ):
             results: dict[str, tuple[list[float], list[float]]] = {}
             # Interleave direct and routed rounds so drift hits both alike.
             for label, url in (("direct", engine_url), ("router", router_url)) * 2:

@@ -17,7 +17,13 @@ from typing import Any, ClassVar, Literal
 # Why a worker was chosen; a small fixed set, used as a metric label.
 Reason = Literal["prefix", "load", "session", "rotation", "random", "ttft", "only_choice"]
 REASONS: tuple[Reason, ...] = (
-    "prefix", "load", "session", "rotation", "random", "ttft", "only_choice",
+    "prefix",
+    "load",
+    "session",
+    "rotation",
+    "random",
+    "ttft",
+    "only_choice",
 )
 
 
@@ -98,5 +104,26 @@ def params_from(cls: type[Any], knobs: Mapping[str, Any], policy: str) -> Any:
         )
     try:
         return cls(**knobs)
-    except (TypeError, ValueError) as exc:
+    except TypeError as exc:
+        # A value of the wrong type fails a comparison in __post_init__ without naming it.
+        wrong = next(
+            (k for k in sorted(knobs) if not _same_kind(knobs[k], fields[k].default)), None
+        )
+        if wrong is None:
+            raise PolicyConfigError(f"policy {policy!r}: {exc}") from exc
+        expected = "a string" if isinstance(fields[wrong].default, str) else "a number"
+        raise PolicyConfigError(
+            f"policy {policy!r}: {wrong} must be {expected}, got {knobs[wrong]!r}"
+        ) from exc
+    except ValueError as exc:
         raise PolicyConfigError(f"policy {policy!r}: {exc}") from exc
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """``value`` has the kind of ``default``: a number (bool counts, as in Python), or a
+    string; anything else is not checked here."""
+    if isinstance(default, int | float):
+        return isinstance(value, int | float)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    return True

@@ -1,4 +1,4 @@
-"""The admin API: list, add, remove, drain and migrate workers at runtime.
+"""The admin API: list, add, remove, drain and migrate workers, change the policy, at runtime.
 
 Off unless an admin token is configured (``admin_token`` / ``--admin-token`` /
 ``KVROUTER_ADMIN_TOKEN``); every call needs ``Authorization: Bearer <token>``.
@@ -10,6 +10,15 @@ Off unless an admin token is configured (``admin_token`` / ``--admin-token`` /
     DELETE /admin/workers/{name}/drain        back in rotation
     POST   /admin/workers/{name}/migrate      {"to": "other"}: its KV state was restored on
                                               another worker; its index entries move there
+    GET    /admin/policy                      {"policy", "knobs" (all, defaults included),
+                                              "version"}
+    PUT    /admin/policy                      {"policy"?: ..., "knobs"?: {...}}: routes the
+                                              next request; in-flight ones are unaffected
+
+``PUT /admin/policy``: without ``policy`` the current one is kept; ``knobs`` are given over
+the policy's defaults (not over its current knobs), so leaving them out resets them. Names
+and knobs are checked by the policy registry, as in the config file. With shared state the
+change reaches every replica (``router/shared/policy.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from policies.base import PolicyConfigError
+from policies.registry import policy_class
 from router.config import WorkerConfig
 from router.errors import BadRequest, ConfigError, RouterError
 from router.provision import new_worker
@@ -53,6 +64,7 @@ def _authorized(handler: Handler) -> Handler:
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
             raise Unauthorized("missing or wrong admin bearer token")
         return await handler(request)
+
     return check
 
 
@@ -63,12 +75,16 @@ def _json(body: Any, status: int = 200) -> web.Response:
 def _describe(state: RouterState, worker: Worker) -> dict[str, Any]:
     index, block_tokens = state.router.index, state.router.block_tokens
     return {
-        "name": worker.name, "url": worker.url, "healthy": worker.healthy,
-        "draining": worker.draining, "circuit": worker.breaker.state.name.lower(),
+        "name": worker.name,
+        "url": worker.url,
+        "healthy": worker.healthy,
+        "draining": worker.draining,
+        "circuit": worker.breaker.state.name.lower(),
         "models": sorted(worker.models),
         "outstanding_requests": worker.outstanding_requests,
         "outstanding_tokens": worker.outstanding_tokens,
-        "engine_running": worker.engine_running, "engine_waiting": worker.engine_waiting,
+        "engine_running": worker.engine_running,
+        "engine_waiting": worker.engine_waiting,
         "engine_kv_usage": worker.engine_kv_usage,
         "resident_tokens": index.resident_blocks(worker.name) * block_tokens,
         "capacity_tokens": worker.capacity_tokens,
@@ -95,7 +111,12 @@ async def _body(request: web.Request) -> dict[str, Any]:
 @_authorized
 async def list_workers(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return _json({"workers": [_describe(state, w) for w in state.router.fleet.all()]})
+    return _json(
+        {
+            "workers": [_describe(state, w) for w in state.router.fleet.all()],
+            "policy": state.router.policies.current.describe(),
+        }
+    )
 
 
 @_authorized
@@ -144,8 +165,44 @@ async def migrate(request: web.Request) -> web.Response:
     if target is source:
         raise BadRequest("'to' must be another worker", param="to")
     moved = state.router.migrate(source.name, target.name)
-    return _json({"from": source.name, "to": target.name,
-                  "moved_tokens": moved * state.router.block_tokens})
+    return _json(
+        {"from": source.name, "to": target.name, "moved_tokens": moved * state.router.block_tokens}
+    )
+
+
+@_authorized
+async def get_policy(request: web.Request) -> web.Response:
+    return _json(request.app[STATE_KEY].router.policies.current.describe())
+
+
+POLICY_FIELDS = ("knobs", "policy")
+
+
+@_authorized
+async def put_policy(request: web.Request) -> web.Response:
+    policies = request.app[STATE_KEY].router.policies
+    body = await _body(request)
+    unknown = sorted(set(body) - set(POLICY_FIELDS))
+    if unknown:
+        raise BadRequest(
+            f"unknown field {unknown[0]!r}; known: {', '.join(POLICY_FIELDS)}", param=unknown[0]
+        )
+    if not body:
+        raise BadRequest("give 'policy', 'knobs' or both")
+    name, knobs = body.get("policy", policies.current.name), body.get("knobs", {})
+    if not isinstance(name, str):
+        raise BadRequest("'policy' must be a string", param="policy")
+    if not isinstance(knobs, dict):
+        raise BadRequest("'knobs' must be an object", param="knobs")
+    try:
+        policy_class(name)
+    except PolicyConfigError as exc:
+        raise BadRequest(str(exc), param="policy") from None
+    try:
+        active = await policies.change(name, knobs)
+    except PolicyConfigError as exc:
+        raise BadRequest(str(exc), param="knobs") from None
+    return _json(active.describe())
 
 
 def add_routes(app: web.Application) -> None:
@@ -155,3 +212,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/workers/{name}/drain", drain)
     app.router.add_delete("/admin/workers/{name}/drain", drain)
     app.router.add_post("/admin/workers/{name}/migrate", migrate)
+    app.router.add_get("/admin/policy", get_policy)
+    app.router.add_put("/admin/policy", put_policy)

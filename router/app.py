@@ -17,7 +17,6 @@ import orjson
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from policies.registry import build_policy
 from router import __version__, discovery
 from router.admin import add_routes
 from router.admission import Admission, TooManyRequests, retry_after_header
@@ -26,6 +25,7 @@ from router.errors import PayloadTooLarge, RouterError
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
+from router.policy_slot import PolicySlot
 from router.provision import new_worker
 from router.proxy import handle_chat, handle_completions
 from router.routing import Router
@@ -75,16 +75,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _json(body, exc.status)
 
 
-def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[RouterState,
-                                                                              set[str]]:
+def build_state(
+    config: RouterConfig, session: aiohttp.ClientSession
+) -> tuple[RouterState, set[str]]:
     """The router state, and the workers whose capacity must be read from the engine."""
     block_tokens = config.prefix.block_tokens
     fleet, local = Fleet(), LocalPrefixIndex()
     index: PrefixIndex = SharedPrefixIndex(local) if config.state.url else local
     metrics = RouterMetrics(fleet, index, block_tokens)
-    policy = build_policy(config.policy, config.policy_knobs, config.seed)
-    router = Router(fleet, index, policy, config.policy, block_tokens, metrics,
-                    config.health.stale_after_s)
+    policies = PolicySlot(config.policy, config.policy_knobs, config.seed, metrics)
+    router = Router(fleet, index, policies, block_tokens, metrics, config.health.stale_after_s)
     discover: set[str] = set()
     for wc in config.workers:
         worker, known = new_worker(config, wc)
@@ -92,8 +92,9 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> tuple[R
         if not known:
             discover.add(worker.name)
     limits = config.admission
-    admission = Admission(limits.max_outstanding_per_worker, limits.queue_size,
-                          limits.queue_timeout_s)
+    admission = Admission(
+        limits.max_outstanding_per_worker, limits.queue_size, limits.queue_timeout_s
+    )
     return RouterState(config, router, metrics, session, admission), discover
 
 
@@ -104,15 +105,22 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     fleet = request.app[STATE_KEY].router.fleet
     healthy = [w.name for w in fleet.all() if w.healthy]
-    return _json({"ready": bool(healthy), "healthy_workers": healthy},
-                 status=200 if healthy else 503)
+    return _json(
+        {"ready": bool(healthy), "healthy_workers": healthy}, status=200 if healthy else 503
+    )
 
 
 async def models(request: web.Request) -> web.Response:
     names = sorted(request.app[STATE_KEY].router.fleet.models())
-    return _json({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"} for name in names
-    ]})
+    return _json(
+        {
+            "object": "list",
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"}
+                for name in names
+            ],
+        }
+    )
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -122,11 +130,15 @@ async def metrics(request: web.Request) -> web.Response:
 
 def _session(config: RouterConfig) -> aiohttp.ClientSession:
     up = config.upstream
-    connector = aiohttp.TCPConnector(limit=up.max_connections,
-                                     limit_per_host=up.max_connections_per_worker)
-    timeout = aiohttp.ClientTimeout(total=None, connect=up.connect_timeout_s,
-                                    sock_connect=up.connect_timeout_s,
-                                    sock_read=up.read_timeout_s)
+    connector = aiohttp.TCPConnector(
+        limit=up.max_connections, limit_per_host=up.max_connections_per_worker
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=up.connect_timeout_s,
+        sock_connect=up.connect_timeout_s,
+        sock_read=up.read_timeout_s,
+    )
     # auto_decompress off: bodies pass through byte for byte, encoding and all.
     return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
 
@@ -139,13 +151,16 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         yield
         return
     handle = connect(state.config.state.url)
-    sync = RedisSync(handle.client, index, state.router, state.config.state,
-                     RedisMetrics(state.metrics.registry))
+    sync = RedisSync(
+        handle.client, index, state.router, state.config.state, RedisMetrics(state.metrics.registry)
+    )
     await sync.start()
     task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")
+    state.router.policies.publisher = sync.publish_policy
     try:
         yield
     finally:
+        state.router.policies.publisher = None
         sync.stop()
         try:
             await asyncio.wait_for(task, SYNC_STOP_TIMEOUT_S)
@@ -160,9 +175,15 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     async with _session(config) as session:
         state, discover = build_state(config, session)
         app[STATE_KEY] = state
-        prober = HealthProber(state.router.fleet, state.router.index, session, config.health,
-                              config.prefix.block_tokens, discover,
-                              state.router.worker_restarted)
+        prober = HealthProber(
+            state.router.fleet,
+            state.router.index,
+            session,
+            config.health,
+            config.prefix.block_tokens,
+            discover,
+            state.router.worker_restarted,
+        )
         state.prober = prober
         await prober.probe_all()
         tasks = [asyncio.create_task(prober.run(), name="kvrouter-health")]
@@ -170,8 +191,11 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
         if found:
             reconciler = discovery.Reconciler(state, found)
             await reconciler.reconcile()
-            tasks.append(asyncio.create_task(reconciler.run(config.discovery.interval_s),
-                                             name="kvrouter-discovery"))
+            tasks.append(
+                asyncio.create_task(
+                    reconciler.run(config.discovery.interval_s), name="kvrouter-discovery"
+                )
+            )
         try:
             async with _shared_state(state):
                 yield
@@ -200,6 +224,7 @@ def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
             if not any(hmac.compare_digest(given, a) for a in accepted):
                 raise Unauthenticated("missing or invalid API key")
         return await handler(request)
+
     return check
 
 
@@ -208,8 +233,7 @@ def create_app(config: RouterConfig) -> web.Application:
     if config.api_keys:
         middlewares.append(api_key_middleware(config.api_keys))
     # Bodies are limited by the handler (a clear 413), not by aiohttp's default 1 MiB.
-    app = web.Application(middlewares=middlewares,
-                          client_max_size=config.max_body_bytes + 1)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes + 1)
     app[CONFIG_KEY] = config
     app.cleanup_ctx.append(_state_ctx)
     app.router.add_post("/v1/chat/completions", handle_chat)

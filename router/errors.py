@@ -5,6 +5,7 @@
     │   └── PayloadTooLarge          413 invalid_request_error
     ├── ModelNotFound                404 invalid_request_error (code model_not_found)
     ├── NoEligibleWorker             503 server_error
+    ├── SharedStateUnavailable       503 server_error (a fleet-wide change could not be made)
     └── UpstreamError                502 server_error
         └── UpstreamTimeout          504 server_error
 
@@ -28,8 +29,14 @@ class RouterError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.error_type,
-                          "param": self.param, "code": self.code or self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
 
 
 class BadRequest(RouterError):
@@ -48,6 +55,10 @@ class ModelNotFound(RouterError):
 
 
 class NoEligibleWorker(RouterError):
+    status = 503
+
+
+class SharedStateUnavailable(RouterError):
     status = 503
 
 

@@ -18,8 +18,30 @@ from router.outcomes import CAUSES, OUTCOMES
 from router.workers import Fleet
 
 # TTFT and latency buckets: vLLM's TTFT buckets, which span cached (ms) to cold (minutes).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
@@ -34,34 +56,48 @@ class _FleetCollector(Collector):
             "outstanding_requests": GaugeMetricFamily(
                 "kvrouter_worker_outstanding_requests",
                 "Requests this router dispatched to the worker that have not finished.",
-                labels=["worker"]),
+                labels=["worker"],
+            ),
             "outstanding_tokens": GaugeMetricFamily(
                 "kvrouter_worker_outstanding_tokens",
-                "Prompt tokens of the outstanding requests.", labels=["worker"]),
+                "Prompt tokens of the outstanding requests.",
+                labels=["worker"],
+            ),
             "queued_prefill": GaugeMetricFamily(
                 "kvrouter_worker_queued_prefill_tokens",
                 "Uncached prompt tokens dispatched whose first byte has not arrived.",
-                labels=["worker"]),
+                labels=["worker"],
+            ),
             "resident": GaugeMetricFamily(
                 "kvrouter_worker_resident_tokens",
                 "Tokens the residency model says the worker holds in its KV cache.",
-                labels=["worker"]),
+                labels=["worker"],
+            ),
             "capacity": GaugeMetricFamily(
                 "kvrouter_worker_capacity_tokens",
-                "The worker's KV-cache capacity in tokens.", labels=["worker"]),
+                "The worker's KV-cache capacity in tokens.",
+                labels=["worker"],
+            ),
             "healthy": GaugeMetricFamily(
-                "kvrouter_worker_healthy", "1 if the worker passes its health probes.",
-                labels=["worker"]),
+                "kvrouter_worker_healthy",
+                "1 if the worker passes its health probes.",
+                labels=["worker"],
+            ),
             "engine_running": GaugeMetricFamily(
                 "kvrouter_worker_engine_running_requests",
-                "Requests the engine reports running (its /metrics).", labels=["worker"]),
+                "Requests the engine reports running (its /metrics).",
+                labels=["worker"],
+            ),
             "engine_waiting": GaugeMetricFamily(
                 "kvrouter_worker_engine_waiting_requests",
-                "Requests the engine reports waiting (its /metrics).", labels=["worker"]),
+                "Requests the engine reports waiting (its /metrics).",
+                labels=["worker"],
+            ),
             "circuit": GaugeMetricFamily(
                 "kvrouter_worker_circuit_state",
                 "The worker's circuit breaker: 0 closed, 1 half-open, 2 open.",
-                labels=["worker"]),
+                labels=["worker"],
+            ),
         }
         for w in self._fleet.all():
             resident = self._index.resident_blocks(w.name) * self._block_tokens
@@ -78,9 +114,11 @@ class _FleetCollector(Collector):
             ):
                 families[key].add_metric([w.name], value)
         yield from families.values()
-        yield GaugeMetricFamily("kvrouter_index_blocks",
-                                "Prefix-index entries over all workers.",
-                                value=self._index.size())
+        yield GaugeMetricFamily(
+            "kvrouter_index_blocks",
+            "Prefix-index entries over all workers.",
+            value=self._index.size(),
+        )
 
 
 class RouterMetrics:
@@ -88,71 +126,132 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "kvrouter_requests", "Requests by final outcome.",
-            ["model", "worker", "outcome"], registry=r)
+            "kvrouter_requests",
+            "Requests by final outcome.",
+            ["model", "worker", "outcome"],
+            registry=r,
+        )
         self.rejected = Counter(
-            "kvrouter_rejected_requests", "Requests answered by the router itself.",
-            ["status"], registry=r)
+            "kvrouter_rejected_requests",
+            "Requests answered by the router itself.",
+            ["status"],
+            registry=r,
+        )
         self.decisions = Counter(
-            "kvrouter_routing_decisions", "Routing decisions by policy and reason.",
-            ["policy", "reason"], registry=r)
+            "kvrouter_routing_decisions",
+            "Routing decisions by policy and reason.",
+            ["policy", "reason"],
+            registry=r,
+        )
         self.retries = Counter(
-            "kvrouter_retries", "Dispatches retried on another worker before the first byte.",
-            ["worker"], registry=r)
+            "kvrouter_retries",
+            "Dispatches retried on another worker before the first byte.",
+            ["worker"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
-            "kvrouter_prompt_tokens", "Prompt tokens routed (engine-reported when known).",
-            ["worker"], registry=r)
+            "kvrouter_prompt_tokens",
+            "Prompt tokens routed (engine-reported when known).",
+            ["worker"],
+            registry=r,
+        )
         self.best_cached_tokens = Counter(
             "kvrouter_best_cached_tokens",
             "Prompt tokens the best-placed worker in the fleet was modelled to hold.",
-            ["worker"], registry=r)
+            ["worker"],
+            registry=r,
+        )
         self.predicted_cached_tokens = Counter(
             "kvrouter_predicted_cached_tokens",
-            "Prompt tokens the chosen worker was modelled to hold.", ["worker"], registry=r)
+            "Prompt tokens the chosen worker was modelled to hold.",
+            ["worker"],
+            registry=r,
+        )
         self.engine_cached_tokens = Counter(
             "kvrouter_engine_cached_tokens",
             "Cached prompt tokens the engine reported (usage.prompt_tokens_details).",
-            ["worker"], registry=r)
+            ["worker"],
+            registry=r,
+        )
         self.usage_prompt_tokens = Counter(
             "kvrouter_usage_prompt_tokens",
             "Prompt tokens of responses that reported usage (the hit-rate denominator).",
-            ["worker"], registry=r)
+            ["worker"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "kvrouter_time_to_first_token_seconds",
             "Time from dispatch to the first response byte from the worker.",
-            ["worker"], buckets=TTFT_BUCKETS, registry=r)
+            ["worker"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.latency = Histogram(
-            "kvrouter_request_duration_seconds", "Time from arrival to the end of the response.",
-            ["worker"], buckets=TTFT_BUCKETS, registry=r)
+            "kvrouter_request_duration_seconds",
+            "Time from arrival to the end of the response.",
+            ["worker"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "kvrouter_routing_decision_seconds",
             "Time to hash the prompt, look up the index and choose a worker.",
-            buckets=DECISION_BUCKETS, registry=r)
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
         self.turns = Counter(
-            "kvrouter_turns", "Turns by what happened to their prefix (engine-reported).",
-            ["outcome"], registry=r)
+            "kvrouter_turns",
+            "Turns by what happened to their prefix (engine-reported).",
+            ["outcome"],
+            registry=r,
+        )
         self.lost_turns = Counter(
-            "kvrouter_lost_prefix_turns", "Turns that lost part of their history, by cause.",
-            ["cause"], registry=r)
+            "kvrouter_lost_prefix_turns",
+            "Turns that lost part of their history, by cause.",
+            ["cause"],
+            registry=r,
+        )
         self.lost_tokens = Counter(
-            "kvrouter_lost_prefix_tokens", "History tokens re-read because they were lost.",
-            ["cause"], registry=r)
+            "kvrouter_lost_prefix_tokens",
+            "History tokens re-read because they were lost.",
+            ["cause"],
+            registry=r,
+        )
         self.turn_ttft = Histogram(
             "kvrouter_turn_time_to_first_token_seconds",
             "TTFT of streamed turns by outcome (hit, partial, miss, first_turn).",
-            ["outcome"], buckets=TTFT_BUCKETS, registry=r)
+            ["outcome"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.worker_restarts = Counter(
             "kvrouter_worker_restarts",
             "Engine restarts seen (process_start_time_seconds changed); its entries purged.",
-            ["worker"], registry=r)
+            ["worker"],
+            registry=r,
+        )
         self.prefill_rate = Gauge(
             "kvrouter_prefill_tokens_per_second",
             "Fleet prefill speed learned from TTFTs and engine-reported uncached tokens.",
-            registry=r)
+            registry=r,
+        )
+        self.policy_info = Gauge(
+            "kvrouter_policy_info",
+            "1 for the routing policy in force and its knobs (every knob, defaults included).",
+            ["policy", "knobs"],
+            registry=r,
+        )
+        self.policy_changes = Counter(
+            "kvrouter_policy_changes",
+            "Routing policy changes applied (PUT /admin/policy here or on another replica).",
+            registry=r,
+        )
         self.residency_share = Gauge(
             "kvrouter_worker_residency_share",
             "Calibrated share of the worker's nominal KV capacity the model assumes held.",
-            ["worker"], registry=r)
+            ["worker"],
+            registry=r,
+        )
         r.register(_FleetCollector(fleet, index, block_tokens))
         # Series for every fixed label value from the start, so rates and dashboards
         # read 0 rather than "no data" before the first event.

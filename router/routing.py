@@ -21,6 +21,7 @@ from router.learning import PrefillRate, ResidencyCalibrator
 from router.metrics import RouterMetrics
 from router.outcomes import SessionMemory, SessionTracker, classify
 from router.parse import ClientRequest
+from router.policy_slot import PolicySlot
 from router.workers import Fleet, Lease, Worker
 
 
@@ -38,6 +39,9 @@ class Dispatch:
     """One attempt to serve a request on one worker."""
 
     router: Router
+    # The policy that chose the worker: it hears the outcome even if the router's current
+    # policy has changed since (an in-flight request is not the new policy's business).
+    policy: Policy
     request: ClientRequest
     route: RouteRequest
     worker: Worker
@@ -64,8 +68,12 @@ class Dispatch:
         self.router.index.forget(self.worker.name, self.added)
         self.finish(outcome, ())
 
-    def finish(self, outcome: Outcome, reply_hashes: tuple[int, ...] | list[int],
-               usage: EngineUsage | None = None) -> None:
+    def finish(
+        self,
+        outcome: Outcome,
+        reply_hashes: tuple[int, ...] | list[int],
+        usage: EngineUsage | None = None,
+    ) -> None:
         if self.done:
             return
         self.done = True
@@ -83,18 +91,23 @@ class Dispatch:
                 router.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
             if usage is not None:
                 router.learn(self, usage)
-        router.policy.on_complete(self.route, self.worker.name, outcome)
+        self.policy.on_complete(self.route, self.worker.name, outcome)
 
 
 class Router:
-    def __init__(self, fleet: Fleet, index: PrefixIndex, policy: Policy, policy_name: str,
-                 block_tokens: int, metrics: RouterMetrics,
-                 stale_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        index: PrefixIndex,
+        policies: PolicySlot,
+        block_tokens: int,
+        metrics: RouterMetrics,
+        stale_after_s: float | None = None,
+    ) -> None:
         self.fleet = fleet
         self.stale_after_s = stale_after_s
         self.index = index
-        self.policy = policy
-        self.policy_name = policy_name
+        self.policies = policies
         self.block_tokens = block_tokens
         self.metrics = metrics
         self.prefill_rate = PrefillRate()
@@ -111,28 +124,29 @@ class Router:
             prompt_tokens=max(1, -(-request.key.total_bytes // BYTES_PER_TOKEN_ESTIMATE)),
         )
 
-    def dispatch(self, request: ClientRequest, route: RouteRequest,
-                 exclude: list[str]) -> Dispatch:
+    def dispatch(self, request: ClientRequest, route: RouteRequest, exclude: list[str]) -> Dispatch:
         started = time.perf_counter()
         candidates = self.fleet.eligible(request.model, exclude, self.stale_after_s)
         if not candidates:
             raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
         views = [self._view(w, route) for w in candidates]
-        decision = self.policy.choose(route, views)
+        active = self.policies.current  # read once: one policy chooses and hears the end
+        decision = active.policy.choose(route, views)
         worker = self.fleet.workers[decision.worker]
         matched = next(v.matched_tokens for v in views if v.name == decision.worker)
         queued_before = worker.queued_prefill_tokens
         lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
         worker.breaker.on_dispatch()
         added = self.index.touch(worker.name, route.block_hashes)
-        self.policy.on_dispatch(route, worker.name)
+        active.policy.on_dispatch(route, worker.name)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.metrics.decisions.labels(self.policy_name, decision.reason).inc()
+        self.metrics.decisions.labels(active.name, decision.reason).inc()
         best = max(v.matched_tokens for v in views)
         self.metrics.best_cached_tokens.labels(worker.name).inc(best)
         self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
-        return Dispatch(self, request, route, worker, decision, lease, added, queued_before,
-                        best)
+        return Dispatch(
+            self, active.policy, request, route, worker, decision, lease, added, queued_before, best
+        )
 
     def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
         uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
@@ -148,9 +162,15 @@ class Router:
     def _report_turn(self, dispatch: Dispatch, usage: EngineUsage, predicted: int) -> None:
         key = dispatch.route.session_key
         epochs = {w.name: w.epoch for w in self.fleet.all()}
-        report = classify(self.sessions.get(key), dispatch.worker.name, epochs,
-                          usage.prompt_tokens, usage.cached_tokens, dispatch.best_match,
-                          predicted)
+        report = classify(
+            self.sessions.get(key),
+            dispatch.worker.name,
+            epochs,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            dispatch.best_match,
+            predicted,
+        )
         metrics = self.metrics
         metrics.turns.labels(report.outcome).inc()
         if report.cause is not None:
@@ -158,15 +178,22 @@ class Router:
             metrics.lost_tokens.labels(report.cause).inc(report.lost_tokens)
         if dispatch.ttft is not None:
             metrics.turn_ttft.labels(report.outcome).observe(dispatch.ttft)
-        self.sessions.remember(key, SessionMemory(
-            dispatch.worker.name, dispatch.worker.epoch,
-            usage.prompt_tokens + usage.completion_tokens))
+        self.sessions.remember(
+            key,
+            SessionMemory(
+                dispatch.worker.name,
+                dispatch.worker.epoch,
+                usage.prompt_tokens + usage.completion_tokens,
+            ),
+        )
 
     def has_room(self, model: str, limit: int) -> bool:
         """Some eligible worker has fewer than ``limit`` requests outstanding."""
-        return any(max(w.outstanding_requests + w.remote_requests,
-                       w.engine_running + w.engine_waiting) < limit
-                   for w in self.fleet.eligible(model, (), self.stale_after_s))
+        return any(
+            max(w.outstanding_requests + w.remote_requests, w.engine_running + w.engine_waiting)
+            < limit
+            for w in self.fleet.eligible(model, (), self.stale_after_s)
+        )
 
     def add_worker(self, worker: Worker) -> None:
         self.fleet.add(worker)
@@ -197,8 +224,10 @@ class Router:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         # Requests this router (and its replicas) sent, or what the engine itself reports
         # running and waiting, whichever is more: traffic from elsewhere counts too.
-        outstanding = max(worker.outstanding_requests + worker.remote_requests,
-                          worker.engine_running + worker.engine_waiting)
+        outstanding = max(
+            worker.outstanding_requests + worker.remote_requests,
+            worker.engine_running + worker.engine_waiting,
+        )
         return WorkerView(
             name=worker.name,
             outstanding_requests=outstanding,

@@ -9,17 +9,28 @@ REDIS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0
 
 class RedisMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.up = Gauge("kvrouter_redis_up", "1 while the shared state in Redis is reachable.",
-                        registry=registry)
-        self.errors = Counter("kvrouter_redis_errors", "Failed Redis operations.", ["op"],
-                              registry=registry)
-        self.seconds = Histogram("kvrouter_redis_operation_seconds",
-                                 "Redis operation latency (background, never on a request).",
-                                 ["op"], buckets=REDIS_BUCKETS, registry=registry)
-        self.events = Counter("kvrouter_redis_index_events",
-                              "Index changes sent to and received from other replicas.",
-                              ["direction"], registry=registry)
-        for op in ("publish", "subscribe", "load", "resync"):
+        self.up = Gauge(
+            "kvrouter_redis_up",
+            "1 while the shared state in Redis is reachable.",
+            registry=registry,
+        )
+        self.errors = Counter(
+            "kvrouter_redis_errors", "Failed Redis operations.", ["op"], registry=registry
+        )
+        self.seconds = Histogram(
+            "kvrouter_redis_operation_seconds",
+            "Redis operation latency (background, never on a request).",
+            ["op"],
+            buckets=REDIS_BUCKETS,
+            registry=registry,
+        )
+        self.events = Counter(
+            "kvrouter_redis_index_events",
+            "Index changes sent to and received from other replicas.",
+            ["direction"],
+            registry=registry,
+        )
+        for op in ("publish", "subscribe", "load", "resync", "policy"):
             self.errors.labels(op)
         for direction in ("in", "out"):
             self.events.labels(direction)

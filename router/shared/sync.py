@@ -6,7 +6,8 @@
 * subscriber: reads the stream and applies other replicas' changes to the local mirror;
 * load sharer: every ``load_interval_s``, this replica's outstanding load per worker and
   its learned prefill rate go to Redis with a TTL (a crashed replica's load expires), and
-  the other live replicas' figures come back into ``Worker.remote_*`` and the rate;
+  the other live replicas' figures come back into ``Worker.remote_*`` and the rate; then
+  the fleet's routing policy is read and a newer one installed (``router/shared/policy.py``);
 * at start, and whenever Redis comes back after a failure, the residency sets are read
   (a restarted router starts warm) and this replica's own state is pushed back (Redis
   restarted empty rebuilds from the replicas and from traffic).
@@ -22,7 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from redis.asyncio import Redis
@@ -30,7 +31,9 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from router.config import StateConfig
+from router.errors import SharedStateUnavailable
 from router.routing import Router
+from router.shared import policy as fleet_policy
 from router.shared.events import IndexEvent, decode, encode
 from router.shared.index import SharedPrefixIndex
 from router.shared.metrics import RedisMetrics
@@ -52,8 +55,14 @@ def _hash(member: bytes) -> int:
 
 
 class RedisSync:
-    def __init__(self, client: Redis | RedisCluster, index: SharedPrefixIndex, router: Router,
-                 config: StateConfig, metrics: RedisMetrics) -> None:
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        index: SharedPrefixIndex,
+        router: Router,
+        config: StateConfig,
+        metrics: RedisMetrics,
+    ) -> None:
         self._redis = client
         self._index = index
         self._router = router
@@ -66,6 +75,9 @@ class RedisSync:
         self._replicas = f"{ns}:replicas"
         self._load_prefix = f"{ns}:load:"
         self._rate_prefix = f"{ns}:rate:"
+        self._policy_key = fleet_policy.policy_key(config.namespace)
+        # The fleet's policy hash as last refused (not valid here), so it is warned about once.
+        self._refused_policy: dict[bytes, bytes] = {}
         self._cursor = "0-0"
         self.up = False
         self._needs_resync = True
@@ -121,7 +133,7 @@ class RedisSync:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._loop(self._publish, config.flush_interval_s))
             group.create_task(self._loop(self._subscribe, 0))
-            group.create_task(self._loop(self._share_load, config.load_interval_s))
+            group.create_task(self._loop(self._share, config.load_interval_s))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -130,8 +142,11 @@ class RedisSync:
         """Start warm from Redis if it is there; carry on cold if not."""
         try:
             await self._resync()
+            await self._follow_policy()
         except REDIS_ERRORS:
-            log.warning("redis unreachable at start; starting with an empty index")
+            log.warning(
+                "redis unreachable at start; starting with an empty index and the configured policy"
+            )
 
     async def flush(self, timeout_s: float) -> None:
         """Send what is still queued (on shutdown); give up quietly if Redis is away."""
@@ -145,8 +160,7 @@ class RedisSync:
         self._cursor = last[0][0].decode() if last else "0-0"
         local = self._index.local
         for worker in local.workers():
-            members = await self._op("resync", self._redis.zrange(
-                self._res_prefix + worker, 0, -1))
+            members = await self._op("resync", self._redis.zrange(self._res_prefix + worker, 0, -1))
             local.restore(worker, (_hash(m) for m in members))
         for worker in local.workers():
             own = local.oldest_first(worker)
@@ -188,22 +202,29 @@ class RedisSync:
             if event.op == "touch":
                 n = len(event.hashes)
                 # Head blocks get the newest scores: a prefix's tail is trimmed first.
-                pipe.zadd(key, {_member(h): now + (n - i) * 1e-3
-                                for i, h in enumerate(event.hashes)})
+                pipe.zadd(
+                    key, {_member(h): now + (n - i) * 1e-3 for i, h in enumerate(event.hashes)}
+                )
                 self._trim(pipe, event.worker, key)
             elif event.op == "forget":
                 pipe.zrem(key, *(_member(h) for h in event.hashes))
             else:
                 pipe.delete(key)
-            pipe.xadd(self._stream, encode(event, self.replica),  # type: ignore[arg-type]
-                      minid=oldest, approximate=True)
+            pipe.xadd(
+                self._stream,
+                encode(event, self.replica),  # type: ignore[arg-type]
+                minid=oldest,
+                approximate=True,
+            )
         await pipe.execute()
 
     # -- subscriber -----------------------------------------------------------------------
 
     async def _subscribe(self) -> None:
-        response = await self._op("subscribe", self._redis.xread(
-            {self._stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS))
+        response = await self._op(
+            "subscribe",
+            self._redis.xread({self._stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS),
+        )
         for _, entries in response or ():
             for entry_id, fields in entries:
                 self._cursor = entry_id.decode()
@@ -213,7 +234,11 @@ class RedisSync:
                 self._index.apply(decoded[1])
                 self._metrics.events.labels("in").inc()
 
-    # -- load and rates -------------------------------------------------------------------
+    # -- load and rates, the policy --------------------------------------------------------
+
+    async def _share(self) -> None:
+        await self._share_load()
+        await self._follow_policy()
 
     async def _share_load(self) -> None:
         fleet, rate = self._router.fleet, self._router.prefill_rate
@@ -222,14 +247,12 @@ class RedisSync:
         # Outstanding requests and tokens change slowly enough to share; queued prefill
         # lasts milliseconds, so a copy a load interval old would only mislead (another
         # replica's prefill shows up in the engine's own waiting count instead).
-        load = {w.name: f"{w.outstanding_requests},{w.outstanding_tokens}"
-                for w in fleet.all()}
+        load = {w.name: f"{w.outstanding_requests},{w.outstanding_tokens}" for w in fleet.all()}
         pipe = self._redis.pipeline(transaction=False)
         if load:
             pipe.hset(self._load_prefix + self.replica, mapping=load)  # type: ignore[arg-type]
             pipe.pexpire(self._load_prefix + self.replica, ttl)
-        pipe.set(self._rate_prefix + self.replica, f"{rate.tokens_per_s},{rate.samples}",
-                 px=ttl)
+        pipe.set(self._rate_prefix + self.replica, f"{rate.tokens_per_s},{rate.samples}", px=ttl)
         pipe.zadd(self._replicas, {self.replica: now})
         pipe.zremrangebyscore(self._replicas, 0, now - ttl / 1000)
         pipe.zrange(self._replicas, 0, -1)
@@ -253,4 +276,61 @@ class RedisSync:
         for w in self._router.fleet.all():
             w.remote_requests, w.remote_tokens = totals.get(w.name, (0, 0))
         self._router.prefill_rate.blend(
-            [(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)])
+            [(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)]
+        )
+
+    # -- the routing policy ---------------------------------------------------------------
+
+    async def publish_policy(self, name: str, knobs: Mapping[str, Any], own_version: int) -> int:
+        """Number a policy change for the whole fleet (the ``PolicySlot`` publisher)."""
+        try:
+            version = await self._op(
+                "policy",
+                self._redis.eval(
+                    fleet_policy.CHANGE,
+                    1,
+                    self._policy_key,
+                    own_version,
+                    name,
+                    fleet_policy.encode_knobs(knobs),
+                ),
+            )
+        except REDIS_ERRORS as exc:
+            raise SharedStateUnavailable(
+                f"the shared state (Redis) is unreachable, so the policy was not changed: {exc}"
+            ) from exc
+        return int(version)
+
+    async def _follow_policy(self) -> None:
+        slot = self._router.policies
+        fields = await self._op("policy", self._redis.hgetall(self._policy_key))
+        current = slot.current
+        if not fields:
+            if current.version > 0:  # Redis lost it: the fleet's policy goes back
+                await self._op(
+                    "policy",
+                    self._redis.eval(
+                        fleet_policy.RESTORE,
+                        1,
+                        self._policy_key,
+                        current.version,
+                        current.name,
+                        fleet_policy.encode_knobs(current.knobs),
+                    ),
+                )
+            return
+        try:
+            fleet = fleet_policy.decode(fields)
+            if fleet.version <= current.version:
+                return
+            candidate = slot.build(fleet.name, fleet.knobs, fleet.version)
+        except ValueError as exc:  # PolicyConfigError too: another kvrouter version's policy
+            if fields != self._refused_policy:
+                log.warning(
+                    "the fleet's routing policy is not valid here; keeping %s: %s",
+                    current.name,
+                    exc,
+                )
+            self._refused_policy = fields
+            return
+        slot.install(candidate)
