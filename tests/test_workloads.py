@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 import pytest
 
-from bench.workloads import agent, azure, chat, mix, mooncake, shared_prompt
+from bench.workloads import agent, azure, burst, chat, mix, mooncake, qa, shared_prompt
 from bench.workloads import cli as workloads_cli
 from bench.workloads.sampling import LogNormal
 from bench.workloads.stats import context_before, summarize
@@ -48,11 +48,21 @@ def _mix(seed: int) -> list[Turn]:
     return mix.generate(mix.MixParams(sessions=120), seed)
 
 
+def _qa(seed: int) -> list[Turn]:
+    return qa.generate(qa.QaParams(), seed)
+
+
+def _burst(seed: int) -> list[Turn]:
+    return burst.generate(burst.BurstParams(groups=40), seed)
+
+
 GENERATED: dict[str, Callable[[int], list[Turn]]] = {
     "agent": _agent,
     "chat": _chat,
     "shared-prompt": _shared,
     "mix": _mix,
+    "qa": _qa,
+    "burst": _burst,
 }
 
 
@@ -323,6 +333,8 @@ def _kind_args(kind: str, tmp_path: Path) -> list[str]:
     sources = {
         "mooncake": ["--source", str(_write_jsonl(tmp_path / "mc.jsonl", MOONCAKE_SAMPLE))],
         "azure": ["--source", str(_azure_csv(tmp_path))],
+        "qa": ["--users", "6", "--rounds", "3"],
+        "burst": ["--groups", "2", "--group-size", "3"],
     }
     return sources.get(kind, ["--sessions", "6", "--rate", "2"])
 

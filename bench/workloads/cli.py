@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
-from bench.workloads import agent, azure, chat, mix, mooncake, shared_prompt
+from bench.workloads import agent, azure, burst, chat, mix, mooncake, qa, shared_prompt
 from bench.workloads.sampling import LogNormal
 from bench.workloads.stats import describe, summarize
 from bench.workloads.trace import Turn, write_trace
@@ -31,7 +31,9 @@ class Generator:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     build: Callable[[argparse.Namespace], list[Turn]]
-    synthetic: bool  # takes --sessions, --rate and --arrivals-from
+    # Takes --sessions, --rate (Poisson) and --arrivals-from; qa and burst set their own
+    # arrival patterns with flags of their own.
+    synthetic: bool
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -157,6 +159,58 @@ def _mix(args: argparse.Namespace) -> list[Turn]:
     return mix.generate(params, args.seed)
 
 
+def _qa_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--users", type=int, help="one session per user")
+    parser.add_argument("--interarrival", type=float, help="seconds between users joining")
+    parser.add_argument("--rounds", type=int, help="questions per user")
+    parser.add_argument("--system-tokens", type=int, help="the system prompt all users share")
+    parser.add_argument("--history-tokens", type=int, help="each user's own context")
+    parser.add_argument("--question-tokens-median", type=float)
+    parser.add_argument("--output-tokens-median", type=float)
+    parser.add_argument("--think-time-median", type=float, help="seconds between rounds")
+
+
+def _qa(args: argparse.Namespace) -> list[Turn]:
+    d = qa.QaParams()
+    params = qa.QaParams(
+        users=_given(args.users, d.users),
+        interarrival_s=_given(args.interarrival, d.interarrival_s),
+        rounds=_given(args.rounds, d.rounds),
+        system_tokens=_given(args.system_tokens, d.system_tokens),
+        history_tokens=_given(args.history_tokens, d.history_tokens),
+        question=_median(d.question, args.question_tokens_median),
+        output=_median(d.output, args.output_tokens_median),
+        think_time=_median(d.think_time, args.think_time_median),
+    )
+    return qa.generate(params, args.seed)
+
+
+def _burst_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--groups", type=int, help="number of bursts")
+    parser.add_argument("--rate", type=float, help="group arrivals per second (Poisson)")
+    parser.add_argument("--group-size", type=int, help="requests per group (the N)")
+    parser.add_argument("--prompt-tokens-median", type=float, help="the prompt a group shares")
+    parser.add_argument("--near-fraction", type=float, help="groups whose members add a suffix")
+    parser.add_argument("--suffix-tokens-median", type=float)
+    parser.add_argument("--output-tokens-median", type=float)
+    parser.add_argument("--jitter-ms", type=float, help="spread of a group's start times")
+
+
+def _burst(args: argparse.Namespace) -> list[Turn]:
+    d = burst.BurstParams()
+    params = burst.BurstParams(
+        groups=_given(args.groups, d.groups),
+        rate=_given(args.rate, d.rate),
+        group_size=_given(args.group_size, d.group_size),
+        prompt=_median(d.prompt, args.prompt_tokens_median),
+        near_fraction=_given(args.near_fraction, d.near_fraction),
+        suffix=_median(d.suffix, args.suffix_tokens_median),
+        output=_median(d.output, args.output_tokens_median),
+        jitter_s=d.jitter_s if args.jitter_ms is None else args.jitter_ms / 1000,
+    )
+    return burst.generate(params, args.seed)
+
+
 def _mooncake_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--source", type=Path, required=True, help="a Mooncake .jsonl trace")
     parser.add_argument("--max-rows", type=int, help="only the first rows (by timestamp)")
@@ -203,6 +257,18 @@ GENERATORS: Final[Mapping[str, Generator]] = MappingProxyType(
             True,
         ),
         mix.KIND: Generator("a weighted mix of the generated kinds", _mix_arguments, _mix, True),
+        qa.KIND: Generator(
+            "multi-user QA: a shared system prompt, a long context per user, fixed rounds",
+            _qa_arguments,
+            _qa,
+            False,
+        ),
+        burst.KIND: Generator(
+            "groups of N (near-)identical single-turn prompts arriving together",
+            _burst_arguments,
+            _burst,
+            False,
+        ),
         mooncake.KIND: Generator(
             "sessions inferred from a Mooncake FAST'25 trace",
             _mooncake_arguments,

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.workloads.trace import Session, Turn, group_sessions, text_tokens
+from bench.workloads.trace import Session, TextBlock, Turn, group_sessions, text_tokens
 
 # The turn index at which agent traces are compared with published ones.
 CONTEXT_TURN = 30
@@ -26,6 +26,9 @@ class TraceStats:
     median_context_at_turn_30: float | None
     sessions_reaching_turn_30: int
     text_tokens: int  # system prompts (once per session) and user messages
+    # The same, counting each distinct text block once: what is left to prefill when
+    # every shared block (system prompts, burst prompts) is computed only once.
+    distinct_text_tokens: int
     output_tokens: int
     prompt_tokens: int  # summed over turns: what the replay prefills without any caching
     span_s: float  # last session's arrival
@@ -57,6 +60,18 @@ def _prompt_tokens(session: Session) -> int:
     return total
 
 
+def _distinct_tokens(turns: Sequence[Turn]) -> int:
+    blocks: set[TextBlock] = set()
+    literals: set[str] = set()
+    for t in turns:
+        for spec in (t.user, t.system):
+            if isinstance(spec, str):
+                literals.add(spec)
+            elif spec is not None:
+                blocks.update(spec)
+    return sum(b.tokens for b in blocks) + sum(text_tokens(text) for text in literals)
+
+
 def summarize(turns: Sequence[Turn]) -> TraceStats:
     sessions = group_sessions(turns)
     counts = [len(s.turns) for s in sessions]
@@ -73,6 +88,7 @@ def summarize(turns: Sequence[Turn]) -> TraceStats:
         median_context_at_turn_30=statistics.median(contexts) if contexts else None,
         sessions_reaching_turn_30=len(long_enough),
         text_tokens=text,
+        distinct_text_tokens=_distinct_tokens(turns),
         output_tokens=sum(t.output_tokens for t in turns),
         prompt_tokens=sum(_prompt_tokens(s) for s in sessions),
         span_s=max((s.arrival for s in sessions), default=0.0),
@@ -91,7 +107,8 @@ def describe(stats: TraceStats) -> str:
     return (
         f"{stats.sessions} sessions ({stats.multi_turn_sessions} multi-turn) arriving over "
         f"{stats.span_s:,.1f} s, {stats.turns} turns, median {stats.median_turns:g} turns "
-        f"per session; {context}; {stats.text_tokens:,} input text tokens, "
+        f"per session; {context}; {stats.text_tokens:,} input text tokens "
+        f"({stats.distinct_text_tokens:,} distinct), "
         f"{stats.output_tokens:,} output tokens, {stats.prompt_tokens:,} prompt tokens "
         "summed over turns (prefill work with no cache)."
     )
