@@ -18,8 +18,8 @@ Each peer runs with ``--policy cache_aware`` and its default knobs. Without a to
 SMG's cache_aware keeps a radix tree of request text per model (for a chat request, the
 messages' text contents joined by spaces, without roles or template). vllm-router's
 cache_aware asks every engine to tokenize each request (``POST
-/v1/chat/completions/render``, then ``POST /tokenize``); where the engine has neither, it
-routes by load alone.
+/v1/chat/completions/render``, then ``POST /tokenize``); the simulated engines answer both
+with the ids they cache on (where an engine has neither, vllm-router routes by load alone).
 """
 
 from __future__ import annotations

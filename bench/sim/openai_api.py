@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from bench.tokenizer import encode_piece, encode_token_ids, render_chat
+from bench.tokenizer import IM_END, encode_piece, encode_token_ids, render_chat
 
 Kind = Literal["chat", "completion"]
 
@@ -16,8 +16,9 @@ Kind = Literal["chat", "completion"]
 class ApiError(Exception):
     """An error answered with vLLM's error body and an HTTP status."""
 
-    def __init__(self, status: int, message: str, err_type: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, err_type: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -25,12 +26,23 @@ class ApiError(Exception):
         self.param = param
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.err_type,
-                          "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
 
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
-                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +56,17 @@ class ParsedRequest:
     include_usage: bool
     seed: int | None
     cache_salt: str | None
+    min_tokens: int
+    ignore_eos: bool
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.prompt) // 4
 
 
-def _field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...],
-           default: Any = None) -> Any:
+def _field(
+    body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = None
+) -> Any:
     value = body.get(name)
     if value is None:
         return default
@@ -62,41 +77,89 @@ def _field(body: Mapping[str, Any], name: str, types: type | tuple[type, ...],
     return value
 
 
-def _prompt(kind: Kind, body: Mapping[str, Any]) -> bytes:
-    if kind == "chat":
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        for message in messages:
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ApiError(400, "each message needs a string 'role'", param="messages")
-            content = message.get("content")
-            if content is not None and not isinstance(content, str | list):
-                raise ApiError(400, "message 'content' must be a string or a list of parts",
-                               param="messages")
-        return render_chat(messages, add_generation_prompt=True)
+# The end marker of a message, dropped from the last one by ``continue_final_message``.
+_MESSAGE_END = encode_piece(IM_END)
+
+
+def request_body(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def requested_model(body: Mapping[str, Any], served_model: str) -> str:
+    """The model a request names (the served one when it names none); any other is a
+    404, as vLLM's model check."""
+    model: str = _field(body, "model", str, served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+    return model
+
+
+def chat_prompt(body: Mapping[str, Any]) -> bytes:
+    """``messages`` through the chat template, as vLLM's chat and tokenize requests read
+    them: ``add_generation_prompt`` (default true) appends the assistant header;
+    ``continue_final_message`` (default false) leaves the last message open, without
+    its end marker; the two cannot both be on."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, "each message needs a string 'role'", param="messages")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ApiError(
+                400, "message 'content' must be a string or a list of parts", param="messages"
+            )
+    generation_prompt = _field(body, "add_generation_prompt", bool, True)
+    continue_final = _field(body, "continue_final_message", bool, False)
+    if generation_prompt and continue_final:
+        raise ApiError(
+            400,
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    if continue_final:
+        return render_chat(messages, add_generation_prompt=False)[: -len(_MESSAGE_END)]
+    return render_chat(messages, add_generation_prompt=generation_prompt)
+
+
+def completion_prompt(body: Mapping[str, Any], allow_token_ids: bool = True) -> bytes:
+    """``prompt`` tokenized: a string, or (when ``allow_token_ids``) a list of 32-bit token
+    ids taken as they are. A batch of one is unwrapped; larger batches are refused."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+    if (
+        allow_token_ids
+        and isinstance(prompt, list)
+        and len(prompt) == 1
+        and isinstance(prompt[0], str | list)
+    ):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         return encode_piece(prompt)
-    if isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
+    if not allow_token_ids:
+        raise ApiError(400, "'prompt' must be a string", param="prompt")
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
     ):
         return encode_token_ids(prompt)
-    raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids "
-                   "(batched prompts are not simulated)", param="prompt")
+    raise ApiError(
+        400,
+        "'prompt' must be a string or a non-empty list of token ids "
+        "(batched prompts are not simulated)",
+        param="prompt",
+    )
 
 
 def parse_request(kind: Kind, body: Any, served_model: str, max_model_len: int) -> ParsedRequest:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    model = _field(body, "model", str, served_model)
-    if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+    body = request_body(body)
+    model = requested_model(body, served_model)
     if _field(body, "n", int, 1) != 1:
         raise ApiError(400, "only n=1 is simulated", param="n")
-    prompt = _prompt(kind, body)
+    prompt = chat_prompt(body) if kind == "chat" else completion_prompt(body)
     prompt_tokens = len(prompt) // 4
     requested = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
     if requested is not None and requested < 1:
@@ -112,17 +175,20 @@ def parse_request(kind: Kind, body: Any, served_model: str, max_model_len: int) 
             param="messages" if kind == "chat" else "prompt",
         )
     min_tokens = _field(body, "min_tokens", int, 0)
+    ignore_eos = bool(_field(body, "ignore_eos", bool, False))
     stream_options = _field(body, "stream_options", dict, {})
     return ParsedRequest(
         kind=kind,
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
-        exact_length=bool(_field(body, "ignore_eos", bool, False)) or min_tokens >= max_tokens,
+        exact_length=ignore_eos or min_tokens >= max_tokens,
         stream=bool(_field(body, "stream", bool, False)),
         include_usage=bool(stream_options.get("include_usage", False)),
         seed=_field(body, "seed", int),
         cache_salt=_field(body, "cache_salt", str),
+        min_tokens=min_tokens,
+        ignore_eos=ignore_eos,
     )
 
 
@@ -139,8 +205,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def stream_chunk(kind: Kind, rid: str, model: str, created: int, text: str | None,
-                 finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+def stream_chunk(
+    kind: Kind,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None,
+    first: bool = False,
+) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0}
     if kind == "chat":
         delta: dict[str, Any] = {}
@@ -155,36 +228,86 @@ def stream_chunk(kind: Kind, rid: str, model: str, created: int, text: str | Non
     choice["finish_reason"] = finish_reason
     if finish_reason is not None:
         choice["stop_reason"] = None
-    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": [choice]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
-def usage_chunk(kind: Kind, rid: str, model: str, created: int,
-                usage_body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": usage_body}
+def usage_chunk(
+    kind: Kind, rid: str, model: str, created: int, usage_body: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_body,
+    }
 
 
-def full_response(kind: Kind, rid: str, model: str, created: int, text: str,
-                  finish_reason: str, usage_body: dict[str, Any]) -> dict[str, Any]:
+def full_response(
+    kind: Kind,
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage_body: dict[str, Any],
+) -> dict[str, Any]:
     if kind == "chat":
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": text, "refusal": None,
-                        "tool_calls": [], "reasoning_content": None},
-            "logprobs": None, "finish_reason": finish_reason, "stop_reason": None,
+            "message": {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "tool_calls": [],
+                "reasoning_content": None,
+            },
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None,
-                  "finish_reason": finish_reason, "stop_reason": None, "prompt_logprobs": None}
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model,
-            "choices": [choice], "usage": usage_body, "prompt_logprobs": None}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage_body,
+        "prompt_logprobs": None,
+    }
 
 
 def models_body(model: str, max_model_len: int, owned_by: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{
-        "id": model, "object": "model", "created": int(time.time()), "owned_by": owned_by,
-        "root": model, "parent": None, "max_model_len": max_model_len, "permission": [],
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": owned_by,
+                "root": model,
+                "parent": None,
+                "max_model_len": max_model_len,
+                "permission": [],
+            }
+        ],
+    }

@@ -26,6 +26,7 @@ from bench.sim.openai_api import (
     usage_chunk,
 )
 from bench.sim.request import SimRequest
+from bench.sim.tokenize import detokenize, render, tokenize
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 CONFIG_KEY = web.AppKey("config", EngineConfig)
@@ -63,12 +64,14 @@ async def _completion(http: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         if faults.fail_requests:
             raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
-        parsed = parse_request(kind, await _read_json(http), engine.config.served_model_name,
-                               engine.max_model_len)
+        parsed = parse_request(
+            kind, await _read_json(http), engine.config.served_model_name, engine.max_model_len
+        )
     except ApiError as exc:
         return _error(exc)
-    sim = engine.submit(parsed.prompt, parsed.max_tokens, parsed.exact_length, parsed.seed,
-                        parsed.cache_salt)
+    sim = engine.submit(
+        parsed.prompt, parsed.max_tokens, parsed.exact_length, parsed.seed, parsed.cache_salt
+    )
     try:
         if parsed.stream:
             return await _stream(http, parsed, sim)
@@ -93,16 +96,21 @@ async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> web.StreamRe
     if _dropped(sim):
         raise ConnectionResetError("engine restarted")
     body = full_response(
-        parsed.kind, new_id(parsed.kind), parsed.model, int(time.time()), sim.output_text(),
-        sim.finish_reason or "length", usage(sim.prompt_tokens, sim.output_tokens,
-                                             sim.cached_tokens),
+        parsed.kind,
+        new_id(parsed.kind),
+        parsed.model,
+        int(time.time()),
+        sim.output_text(),
+        sim.finish_reason or "length",
+        usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens),
     )
     return _json(body)
 
 
 async def _stream(http: web.Request, parsed: ParsedRequest, sim: SimRequest) -> web.StreamResponse:
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
     await response.prepare(http)
     rid, created, kind, model = new_id(parsed.kind), int(time.time()), parsed.kind, parsed.model
 
@@ -124,11 +132,58 @@ async def _stream(http: web.Request, parsed: ParsedRequest, sim: SimRequest) -> 
         if sim.finished:
             break
     if parsed.include_usage:
-        await send(usage_chunk(kind, rid, model, created,
-                               usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens)))
+        await send(
+            usage_chunk(
+                kind,
+                rid,
+                model,
+                created,
+                usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens),
+            )
+        )
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+async def tokenize_handler(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize``, chat or completion body (``bench/sim/tokenize.py``)."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await _read_json(request)
+        return _json(tokenize(body, engine.config.served_model_name, engine.max_model_len))
+    except ApiError as exc:
+        return _error(exc)
+
+
+async def detokenize_handler(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        return _json(detokenize(await _read_json(request), engine.config.served_model_name))
+    except ApiError as exc:
+        return _error(exc)
+
+
+async def render_chat(request: web.Request) -> web.Response:
+    return await _render(request, "chat")
+
+
+async def render_completion(request: web.Request) -> web.Response:
+    return await _render(request, "completion")
+
+
+async def _render(http: web.Request, kind: Kind) -> web.Response:
+    """vLLM's render endpoints: the request validated and tokenized exactly as its
+    completion would be, answered as a ``GenerateRequest`` (for completions a list of
+    one), with nothing submitted to the engine."""
+    engine = http.app[ENGINE_KEY]
+    try:
+        body = await _read_json(http)
+        parsed = parse_request(kind, body, engine.config.served_model_name, engine.max_model_len)
+    except ApiError as exc:
+        return _error(exc)
+    rendered = render(kind, parsed, body.get("model"))
+    return _json(rendered if kind == "chat" else [rendered])
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -180,19 +235,21 @@ async def model_info(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     config = engine.config
-    return _json({
-        "model_path": config.served_model_name,
-        "served_model_name": config.served_model_name,
-        "tp_size": config.tensor_parallel_size,
-        "page_size": config.block_tokens,
-        "chunked_prefill_size": config.max_num_batched_tokens,
-        "max_running_requests": config.max_num_seqs,
-        "context_length": engine.max_model_len,
-        "max_total_num_tokens": engine.num_blocks * engine.block_tokens,
-        "mem_fraction_static": config.gpu_memory_utilization,
-        "version": SGLANG_VERSION,
-        "internal_states": [{"last_gen_throughput": 0.0}],
-    })
+    return _json(
+        {
+            "model_path": config.served_model_name,
+            "served_model_name": config.served_model_name,
+            "tp_size": config.tensor_parallel_size,
+            "page_size": config.block_tokens,
+            "chunked_prefill_size": config.max_num_batched_tokens,
+            "max_running_requests": config.max_num_seqs,
+            "context_length": engine.max_model_len,
+            "max_total_num_tokens": engine.num_blocks * engine.block_tokens,
+            "mem_fraction_static": config.gpu_memory_utilization,
+            "version": SGLANG_VERSION,
+            "internal_states": [{"last_gen_throughput": 0.0}],
+        }
+    )
 
 
 async def get_faults(request: web.Request) -> web.Response:
@@ -217,8 +274,9 @@ async def restart(request: web.Request) -> web.Response:
     """Simulate a process restart: in-flight requests dropped, cache empty, counters reset."""
     engine = request.app[ENGINE_KEY]
     dropped = engine.restart()
-    return _json({"dropped_requests": len(dropped), "process_start_time_seconds":
-                  engine.start_time})
+    return _json(
+        {"dropped_requests": len(dropped), "process_start_time_seconds": engine.start_time}
+    )
 
 
 @web.middleware
@@ -254,6 +312,11 @@ def create_app(config: EngineConfig) -> web.Application:
     app.router.add_get("/sim/faults", get_faults)
     app.router.add_post("/sim/faults", set_faults)
     app.router.add_post("/sim/restart", restart)
+    if config.flavor == "vllm":
+        app.router.add_post("/tokenize", tokenize_handler)
+        app.router.add_post("/detokenize", detokenize_handler)
+        app.router.add_post("/v1/chat/completions/render", render_chat)
+        app.router.add_post("/v1/completions/render", render_completion)
     if config.flavor == "sglang":
         app.router.add_get("/model_info", model_info)
         app.router.add_get("/get_model_info", model_info)
