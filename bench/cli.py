@@ -7,7 +7,7 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import dashboards, engine_cpu, kill, peers, perf, replicas
+    from bench import dashboards, engine_cpu, kill, matrix, peers, perf, replicas, sweep
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -19,5 +19,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     engine_cpu.register(sub)
     peers.register(sub)
     replicas.register(sub)
+    matrix.register(sub)
+    sweep.register(sub)
     kill.register(sub)
     dashboards.register(sub)

@@ -16,22 +16,31 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from rich.console import Console
 
+from bench.inprocess import (
+    InProcessEngine,
+    ensure_hash_seed,
+    inprocess_fleet,
+    inprocess_router,
+    run_virtual,
+)
 from bench.replay.client import discover_model
-from bench.replay.compare import compare
+from bench.replay.plots import write_plots
 from bench.replay.progress import ProgressDisplay
+from bench.replay.reference import ReferenceParams, capacity_reference
 from bench.replay.result import RunResult, save_result
+from bench.replay.rounds import Rounds, ScoredRun, print_rounds, rotated
 from bench.replay.runner import ReplayConfig, replay, select_sessions
 from bench.sim.fleet import EngineProcess, fleet, wait_healthy
 from bench.workloads.agent import AgentParams, generate
-from bench.workloads.trace import group_sessions, write_trace
+from bench.workloads.trace import Turn, group_sessions, write_trace
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +52,12 @@ DEFAULT_KV_TOKENS = 150_000  # per engine: the fleet holds ~60% of the sessions'
 DEFAULT_MAX_CONTEXT = 90_000  # keeps every prompt under the engines' max_model_len
 DEFAULT_TIME_SCALE = 10.0  # low enough that the engines' own CPU time stays small
 DEFAULT_OUT = Path("results/demo")
+DEFAULT_REPEAT = 3
+Clock = Literal["virtual", "real"]
+DEFAULT_CLOCK: Clock = "virtual"
+# Generous: a cold 90K-token prefill queued behind others takes a minute simulated.
+REQUEST_TIMEOUT_S = 3600.0
+VIRTUAL_STREAM_FLUSH_MS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +73,17 @@ class DemoConfig:
     base_port: int = 8100
     router_port: int = 8000
     host: str = "127.0.0.1"
+    repeat: int = DEFAULT_REPEAT
+    clock: Clock = DEFAULT_CLOCK
+
+    @property
+    def virtual(self) -> bool:
+        return self.clock == "virtual"
+
+    @property
+    def engine_time_scale(self) -> float:
+        """Simulated seconds per second of the run's clock."""
+        return 1.0 if self.virtual else self.time_scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +135,7 @@ async def running_router(spec: RouterSpec, host: str) -> AsyncIterator[list[str]
             await _stop(process)
 
 
-async def empty_caches(engines: Sequence[EngineProcess]) -> None:
+async def empty_caches(engines: Sequence[EngineProcess | InProcessEngine]) -> None:
     async with aiohttp.ClientSession() as http:
         for engine in engines:
             async with http.post(f"{engine.url}/sim/restart") as response:
@@ -119,49 +145,109 @@ async def empty_caches(engines: Sequence[EngineProcess]) -> None:
 RouterSpecs = Callable[[Sequence[str]], Sequence[RouterSpec]]
 
 
+def demo_workload(config: DemoConfig) -> list[Turn]:
+    return generate(AgentParams(sessions=config.sessions, rate=config.rate,
+                                max_context_tokens=DEFAULT_MAX_CONTEXT), config.seed)
+
+
+def engine_flags(config: DemoConfig) -> list[str]:
+    flags = ["--kv-tokens", str(config.kv_tokens), "--time-scale",
+             str(config.engine_time_scale), "--stream-interval", "8"]
+    if config.virtual:
+        # Chunks between the first and the last are timed by nobody; fewer of them are
+        # fewer clock jumps.
+        flags += ["--stream-flush-ms", str(VIRTUAL_STREAM_FLUSH_MS)]
+    return flags
+
+
+@contextlib.asynccontextmanager
+async def engines_for(config: DemoConfig, per_engine_flags: Sequence[Sequence[str]],
+                      ) -> AsyncIterator[Sequence[EngineProcess | InProcessEngine]]:
+    if config.virtual:
+        # In this process the engines' and routers' info logs would flood the console;
+        # as processes they run at WARNING.
+        for name in ("bench.sim", "router", "policies"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+        async with inprocess_fleet(config.engines, config.base_port, engine_flags(config),
+                                   per_engine_flags) as engines:
+            yield engines
+    else:
+        async with fleet(config.engines, config.host, config.base_port, engine_flags(config),
+                         per_engine_flags) as processes:
+            yield processes
+
+
+@contextlib.asynccontextmanager
+async def router_for(config: DemoConfig, spec: RouterSpec) -> AsyncIterator[list[str]]:
+    """Every replica of ``spec`` serving: processes on the real clock, or apps in this
+    process in virtual time; yields their base URLs."""
+    if not config.virtual:
+        async with running_router(spec, config.host) as urls:
+            yield urls
+        return
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(inprocess_router(command, port))
+               for command, port in zip(spec.commands, spec.ports, strict=True)]
+
+
 async def run_comparison(config: DemoConfig, console: Console, specs_for: RouterSpecs,
                          before_each: Callable[[], Awaitable[None]] | None = None,
-                         ) -> list[RunResult]:
-    """Replay one agent workload through each router in front of the same fleet;
-    ``before_each`` runs before each router starts (e.g. to empty shared state)."""
+                         turns: Sequence[Turn] | None = None,
+                         per_engine_flags: Sequence[Sequence[str]] = (),
+                         title: str | None = None) -> Rounds:
+    """Replay one workload (default: the demo's agent sessions) through each router in
+    front of the same fleet, ``config.repeat`` rounds with the routers' order rotated
+    each round; ``before_each`` runs before each router starts (e.g. to empty shared
+    state); ``per_engine_flags[i]`` are extra flags for engine ``i`` (e.g. a slower
+    one). Prints medians and ranges; writes every run, ``rounds.json`` and the plots of
+    the last round to ``config.out``."""
     config.out.mkdir(parents=True, exist_ok=True)
     trace_path = config.out / "trace.jsonl"
-    turns = generate(AgentParams(sessions=config.sessions, rate=config.rate,
-                                 max_context_tokens=DEFAULT_MAX_CONTEXT), config.seed)
+    turns = list(turns) if turns is not None else demo_workload(config)
     write_trace(turns, trace_path)
     sessions = select_sessions(turns)
-    console.print(f"workload: {len(group_sessions(turns))} coding-agent sessions, "
-                  f"{len(turns)} turns -> {trace_path}")
-    flags = ["--kv-tokens", str(config.kv_tokens), "--time-scale", str(config.time_scale),
-             "--stream-interval", "8"]
-    results: list[RunResult] = []
-    async with fleet(config.engines, config.host, config.base_port, flags) as engines:
+    console.print(f"workload: {len(group_sessions(turns))} sessions, {len(turns)} turns -> "
+                  f"{trace_path}")
+    reference = ReferenceParams(config.engines, config.kv_tokens)
+    rounds = Rounds()
+    last_round: dict[str, RunResult] = {}
+    async with engines_for(config, per_engine_flags) as engines:
+        clock = ("virtual time" if config.virtual
+                 else f"real time, time scale {config.time_scale:g}")
         console.print(f"fleet: {config.engines} simulated engines, {config.kv_tokens:,} KV "
-                      f"tokens each, time scale {config.time_scale:g}")
+                      f"tokens each, {clock}")
         specs = specs_for([e.url for e in engines])
         async with aiohttp.ClientSession() as http:
             # From the engine: some peer routers answer /v1/models only with a tokenizer.
             model = await discover_model(http, engines[0].url)
-        for spec in specs:
-            await empty_caches(engines)
-            await wait_healthy([e.url for e in engines])
-            if before_each is not None:
-                await before_each()
-            async with running_router(spec, config.host) as urls:
-                console.print(f"{spec.label}: replaying through {', '.join(urls)}")
-                replay_config = ReplayConfig(target=urls[0], more_targets=tuple(urls[1:]),
-                                             trace=trace_path, model=model,
-                                             time_scale=config.time_scale)
-                total = sum(len(s.turns) for s in sessions)
-                async with ProgressDisplay(total) as display:
-                    result = await replay(replay_config, sessions, display.add)
-            save_result(result, config.out / f"{spec.label}.json")
-            results.append(result)
-    compare(results, [spec.label for spec in specs], console, config.out)
-    return results
+        for round_index in range(config.repeat):
+            for spec in rotated(specs, round_index):
+                await empty_caches(engines)
+                await wait_healthy([e.url for e in engines])
+                if before_each is not None:
+                    await before_each()
+                async with router_for(config, spec) as urls:
+                    console.print(f"round {round_index + 1}/{config.repeat} {spec.label}: "
+                                  f"replaying through {', '.join(urls)}")
+                    replay_config = ReplayConfig(
+                        target=urls[0], more_targets=tuple(urls[1:]), trace=trace_path,
+                        model=model, time_scale=config.engine_time_scale,
+                        request_timeout_s=REQUEST_TIMEOUT_S)
+                    total = sum(len(s.turns) for s in sessions)
+                    async with ProgressDisplay(total) as display:
+                        result = await replay(replay_config, sessions, display.add)
+                save_result(result, config.out / f"{spec.label}.r{round_index + 1}.json")
+                ref = capacity_reference(turns, result.records, reference)
+                rounds.add(spec.label, ScoredRun.of(result, ref.hit_rate))
+                last_round[spec.label] = result
+    labels = [spec.label for spec in specs]
+    print_rounds(console, rounds, title)
+    rounds.save(config.out / "rounds.json")
+    write_plots([last_round[label] for label in labels], labels, config.out)
+    return rounds
 
 
-async def run_demo(config: DemoConfig, console: Console) -> list[RunResult]:
+async def run_demo(config: DemoConfig, console: Console) -> Rounds:
     return await run_comparison(
         config, console,
         lambda urls: [kvrouter_spec(config, policy, urls) for policy in config.policies])
@@ -182,6 +268,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
                         help="directory for the trace, results and plots")
     parser.add_argument("--base-port", type=int, default=8100)
     parser.add_argument("--router-port", type=int, default=8000)
+    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
+                        help="rounds; each figure is reported as median (min-max)")
+    parser.add_argument("--clock", choices=("virtual", "real"), default=DEFAULT_CLOCK,
+                        help="virtual: engines and kvrouter in this process, simulated time "
+                             "jumps when idle (fast, exact, unaffected by CPU load); real: "
+                             "processes on the wall clock sped up by --time-scale (needed "
+                             "for peer routers)")
 
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:
@@ -189,7 +282,8 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
         engines=args.engines, sessions=args.sessions, rate=args.rate, seed=args.seed,
         kv_tokens=args.kv_tokens, time_scale=args.time_scale,
         policies=tuple(p for p in args.policies.split(",") if p), out=args.out,
-        base_port=args.base_port, router_port=args.router_port,
+        base_port=args.base_port, router_port=args.router_port, repeat=args.repeat,
+        clock=args.clock,
     )
 
 
@@ -201,6 +295,17 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     parser.set_defaults(func=run)
 
 
+def run_on_clock(config: DemoConfig, main: Coroutine[Any, Any, Any]) -> None:
+    """Run ``main`` on the event loop ``config.clock`` asks for."""
+    if config.virtual:
+        run_virtual(main)
+    else:
+        asyncio.run(main)
+
+
 def run(args: argparse.Namespace) -> int:
-    asyncio.run(run_demo(demo_config(args), Console()))
+    config = demo_config(args)
+    if config.virtual:
+        ensure_hash_seed(sys.argv[1:])
+    run_on_clock(config, run_demo(config, Console()))
     return 0

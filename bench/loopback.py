@@ -11,14 +11,15 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 
 @contextlib.asynccontextmanager
-async def serve_on_loopback(app: web.Application) -> AsyncIterator[str]:
-    """Run ``app`` on 127.0.0.1 and a free port; yields its base URL; stops it on exit."""
+async def serve_on_loopback(app: web.Application, port: int = 0) -> AsyncIterator[str]:
+    """Run ``app`` on 127.0.0.1 and ``port`` (0: a free one); yields its base URL; stops
+    it on exit."""
     # A short graceful shutdown: a test that leaves a stream open should not wait 60 s.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:

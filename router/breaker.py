@@ -15,9 +15,10 @@ or a 4xx for a bad request says nothing about the worker.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from enum import IntEnum
+
+from router.clock import monotonic
 
 DEFAULT_FAILURE_THRESHOLD = 5
 DEFAULT_COOLDOWN_S = 2.0
@@ -37,7 +38,7 @@ class CircuitBreaker:
     def __init__(self, failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
                  cooldown_s: float = DEFAULT_COOLDOWN_S,
                  max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = monotonic) -> None:
         self.failure_threshold = failure_threshold
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s

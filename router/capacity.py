@@ -52,6 +52,7 @@ class GpuSpec:
 
 
 GPUS: dict[str, GpuSpec] = {
+    "a100": GpuSpec("A100", 80 * GB, 312e12, 2.039e12),
     "h100": GpuSpec("H100", 80 * GB, 989e12, 3.35e12),
     "h200": GpuSpec("H200", 141 * GB, 989e12, 4.8e12),
     "b200": GpuSpec("B200", 180 * GB, 2250e12, 8.0e12),

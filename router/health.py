@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
-from prometheus_client.parser import text_string_to_metric_families
 
+from router.clock import monotonic
 from router.config import HealthConfig
 from router.index import PrefixIndex
 from router.workers import Fleet, Worker
@@ -50,26 +50,69 @@ class EngineFacts:
     kv_usage: float | None = None  # 0..1
 
 
+_WANTED = frozenset({*_LOAD_NAMES, "vllm:cache_config_info", "sglang:max_total_num_tokens",
+                     "process_start_time_seconds"})
+_ESCAPE = re.compile(r"\\(.)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
+
+
+def wanted_samples(text: str, names: frozenset[str]) -> Iterator[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of the samples named in ``names``, from Prometheus text.
+
+    A scan rather than a full parse: an engine's /metrics is mostly histogram buckets
+    the router never reads, and prometheus_client's parser spent most of the router's
+    CPU on them. Lines it cannot read are skipped.
+    """
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        cut = len(line)
+        for separator in ("{", " "):
+            found = line.find(separator)
+            if 0 <= found < cut:
+                cut = found
+        name, rest = line[:cut], line[cut:]
+        if name not in names:
+            continue
+        labels: dict[str, str] = {}
+        if rest.startswith("{"):
+            close = rest.rfind("}")
+            if close < 0:
+                continue
+            labels = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(rest[1:close])}
+            rest = rest[close + 1:]
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        yield name, labels, value
+
+
+def _unescape(match: re.Match[str]) -> str:
+    return "\n" if match.group(1) == "n" else match.group(1)
+
+
 def read_engine_metrics(text: str) -> EngineFacts:
     """KV capacity (vLLM's ``cache_config_info`` num_gpu_blocks x block_size, or SGLang's
     ``max_total_num_tokens``) and process start time from an engine's /metrics text."""
     capacity: int | None = None
     started: float | None = None
     load: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = _LOAD_NAMES.get(sample.name)
-            if key is not None:
-                load[key] = load.get(key, 0.0) + sample.value  # summed over engines
-                continue
-            if sample.name == "vllm:cache_config_info" and capacity is None:
-                with contextlib.suppress(KeyError, ValueError):
-                    capacity = (int(sample.labels["num_gpu_blocks"])
-                                * int(sample.labels["block_size"]))
-            elif sample.name == "sglang:max_total_num_tokens" and sample.value > 0:
-                capacity = int(sample.value)
-            elif sample.name == "process_start_time_seconds":
-                started = sample.value
+    for name, labels, value in wanted_samples(text, _WANTED):
+        key = _LOAD_NAMES.get(name)
+        if key is not None:
+            load[key] = load.get(key, 0.0) + value  # summed over engines
+            continue
+        if name == "vllm:cache_config_info" and capacity is None:
+            with contextlib.suppress(KeyError, ValueError):
+                capacity = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        elif name == "sglang:max_total_num_tokens" and value > 0:
+            capacity = int(value)
+        elif name == "process_start_time_seconds":
+            started = value
     running, waiting = load.get("running"), load.get("waiting")
     return EngineFacts(capacity, started,
                        None if running is None else int(running),
@@ -160,7 +203,7 @@ class HealthProber:
             worker.engine_running = facts.running or 0
             worker.engine_waiting = facts.waiting or 0
             worker.engine_kv_usage = facts.kv_usage or 0.0
-            worker.metrics_at = time.monotonic()
+            worker.metrics_at = monotonic()
         if worker.name in self._discover and facts.capacity_tokens:
             worker.capacity_tokens = facts.capacity_tokens
             self._index.resize_worker(worker.name,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from multidict import CIMultiDict
 from policies.base import Outcome
 from router import request_log
 from router.capture import ReplyCapture
+from router.clock import monotonic
 from router.errors import (
     ModelNotFound,
     NoEligibleWorker,
@@ -107,7 +107,7 @@ async def _read_body(http: web.Request, limit: int) -> bytes:
 async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     state = http.app[STATE_KEY]
     config = state.config
-    arrived = time.monotonic()
+    arrived = monotonic()
     raw = await _read_body(http, config.max_body_bytes)
     request = parse_request(kind, raw, http.headers.get(config.session_header),
                             config.session_body_fields, config.prefix.block_bytes)
@@ -120,7 +120,7 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     tried: list[str] = []
     failure: _Retry | None = None
     for _ in range(config.upstream.max_attempts):
-        if failure is not None and time.monotonic() - arrived > config.upstream.retry_deadline_s:
+        if failure is not None and monotonic() - arrived > config.upstream.retry_deadline_s:
             break  # too late to try again
         try:
             dispatch = state.router.dispatch(request, route, tried)
@@ -218,7 +218,7 @@ def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outco
     dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [], usage)
     state.admission.notify()  # after the lease is released: there is room now
     metrics.requests.labels(dispatch.request.model, worker, outcome).inc()
-    metrics.latency.labels(worker).observe(time.monotonic() - arrived)
+    metrics.latency.labels(worker).observe(monotonic() - arrived)
     metrics.prompt_tokens.labels(worker).inc(prompt if prompt is not None
                                              else dispatch.route.prompt_tokens)
     if usage is not None:
@@ -226,7 +226,7 @@ def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outco
         metrics.usage_prompt_tokens.labels(worker).inc(usage.prompt_tokens)
     if state.config.log_requests:
         request_log.write(request_log.request_line(
-            dispatch, outcome, usage, time.monotonic() - arrived, attempt))
+            dispatch, outcome, usage, monotonic() - arrived, attempt))
 
 
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:

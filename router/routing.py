@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from policies.base import Decision, Outcome, Policy, RouteRequest, WorkerView
+from router.clock import monotonic
 from router.config import BYTES_PER_TOKEN_ESTIMATE
 from router.errors import NoEligibleWorker
 from router.index import PrefixIndex
@@ -50,14 +51,14 @@ class Dispatch:
     added: list[int]
     queued_before: int  # prefill tokens queued on the worker ahead of this request
     best_match: int  # the most of this prompt any eligible worker was modelled to hold
-    sent_at: float = field(default_factory=time.monotonic)
+    sent_at: float = field(default_factory=monotonic)
     ttft: float | None = None
     done: bool = False
 
     def first_byte(self, observe: bool = True) -> float:
         """The worker answered: its prefill of this request is done. Returns the time
         since dispatch; ``observe`` keeps it as this request's TTFT."""
-        elapsed = time.monotonic() - self.sent_at
+        elapsed = monotonic() - self.sent_at
         self.lease.prefill_done()
         if observe:
             self.ttft = elapsed

@@ -7,11 +7,11 @@ is a no-op. Broken accounting is what makes cache-aware routers collapse onto on
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from router.breaker import CircuitBreaker
+from router.clock import monotonic
 
 
 @dataclass(slots=True)
@@ -106,7 +106,7 @@ class Fleet:
                  and w.serves(model) and w.breaker.allows()]
         if stale_after_s is None:
             return found
-        now = time.monotonic()
+        now = monotonic()
         fresh = [w for w in found if not w.saturated(now, stale_after_s)]
         return fresh or found
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import time
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
+from bench.sim.config import Flavor
 from bench.sim.metrics import EngineMetrics
 from router.config import HealthConfig
-from router.health import read_engine_metrics
+from router.health import read_engine_metrics, wanted_samples
 from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import chat_body, engines, held_stream, post, wait_for
@@ -67,3 +69,23 @@ async def test_a_worker_without_fresh_metrics_counts_as_saturated(
                 return not w0.saturated(time.monotonic(), FAST.stale_after_s)
             await wait_for(fresh, timeout_s=5)
             assert (await post(http, router.url, body)).worker == "w0"
+
+
+def test_the_metrics_scan_reads_what_the_full_parser_reads() -> None:
+    """wanted_samples skips most of the text; on what it keeps it must agree with
+    prometheus_client's parser, escaped label values included."""
+    flavors: tuple[Flavor, ...] = ("vllm", "sglang")
+    for flavor in flavors:
+        metrics = EngineMetrics(flavor, 'a "quoted"\\model\nname', "0",
+                                {"block_size": "16", "num_gpu_blocks": "100"}, 1.0e9)
+        metrics.record_step(3, 2, 0.5)
+        text = metrics.render()[0].decode()
+        names = frozenset(f.name if f.type != "counter" else f.name + "_total"
+                          for f in text_string_to_metric_families(text)) | {
+            s.name for f in text_string_to_metric_families(text) for s in f.samples}
+        expected = [(s.name, dict(s.labels), s.value)
+                    for f in text_string_to_metric_families(text) for s in f.samples]
+        assert list(wanted_samples(text, names)) == expected
+        assert list(wanted_samples(text, frozenset({"nothing"}))) == []
+    assert list(wanted_samples('m{a="x"} notanumber\nm{broken 1\nm 2 1700000000\n',
+                               frozenset({"m"}))) == [("m", {}, 2.0)]

@@ -14,6 +14,7 @@ from bench.replay.reference import (
     CapacityReference,
     ReferenceParams,
     capacity_reference,
+    hindsight_placement,
     synthetic_reply,
 )
 from bench.replay.result import RequestRecord
@@ -215,10 +216,28 @@ def test_offline_reference_matches_one_fed_the_engines_own_replies() -> None:
     online = CapacityReference(params)
     for request in _ordered_requests(turns, records, replies):
         online.observe(*request)
-    offline = capacity_reference(turns, records, params)
+    offline = capacity_reference(turns, records, params, hindsight=False)
     assert offline.hits == online.result().hits
     assert failed.isdisjoint(offline.hits)
     assert 0 < offline.hit_rate < 1
+    hindsight = capacity_reference(turns, records, params)
+    placed = CapacityReference(params, hindsight_placement(records, 2))
+    for request in _ordered_requests(turns, records, replies):
+        placed.observe(*request)
+    assert hindsight.hits == placed.result().hits
+
+
+def _peak_record(session: str, prompt: int) -> RequestRecord:
+    return RequestRecord(session=session, turn=0, start=0.0, ttft_s=0.1, latency_s=1.0,
+                         prompt_tokens=prompt, cached_tokens=0, oracle_cached_tokens=0,
+                         completion_tokens=0, worker=None, error=None, status=200)
+
+
+def test_hindsight_placement_balances_peak_contexts() -> None:
+    sizes = {"a": 90, "b": 60, "c": 50, "d": 40, "e": 30}
+    placement = hindsight_placement([_peak_record(s, n) for s, n in sizes.items()], 2)
+    loads = [sum(n for s, n in sizes.items() if placement[s] == w) for w in range(2)]
+    assert sorted(loads) == [130, 140]  # LPT: a+d = 130 / b+c+e = 140 (causal: a+c+e)
 
 
 def test_one_request_at_a_time_the_simulated_engine_hits_the_same() -> None:

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.sim.config import Flavor
 from bench.sim.metrics import EngineMetrics, build_1_2_5_buckets, observe_many
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -326,3 +327,24 @@ def test_observe_many_matches_observe_one_by_one() -> None:
                 if not s.name.endswith("_created")}
 
     assert samples(bulk_registry) == pytest.approx(samples(one_by_one_registry), rel=1e-12)
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_a_render_after_a_change_shows_it(flavor: Flavor) -> None:
+    """Histogram text is kept between renders; every change must still show."""
+    metrics = EngineMetrics(flavor, "m", "0", {"block_size": "16", "num_gpu_blocks": "8"}, 1.0)
+
+    def ttft_count() -> float:
+        text = metrics.render()[0].decode()
+        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                    if s.name.endswith("time_to_first_token_seconds_count"))
+
+    assert ttft_count() == 0
+    metrics.record_first_token(0.5)
+    assert ttft_count() == 1
+    metrics.record_step(1, 0, 0.5)
+    assert ttft_count() == 1
+    metrics.record_first_token(0.25)
+    assert ttft_count() == 2
+    metrics.reset(2.0)
+    assert ttft_count() == 0

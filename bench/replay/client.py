@@ -8,7 +8,6 @@ outcome rather than raised: the replay records it and carries on.
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ import aiohttp
 import orjson
 
 from bench.replay.sse import iter_sse
+from router.clock import monotonic
 
 WORKER_HEADER = "x-kvrouter-worker"
 SESSION_HEADER = "X-Session-Id"
@@ -137,7 +137,7 @@ async def _read_stream(
             outcome.error = f"stream error: {event.data[:MAX_ERROR_CHARS]}"
         if outcome.error is not None:
             return
-        _apply_chunk(outcome, chunk, time.perf_counter() - t0, parts)
+        _apply_chunk(outcome, chunk, monotonic() - t0, parts)
     outcome.error = "stream ended before [DONE]"
 
 
@@ -161,7 +161,7 @@ class ChatClient:
         outcome = StreamOutcome()
         parts: list[str] = []
         headers = {SESSION_HEADER: request.session, "Content-Type": "application/json"}
-        t0 = time.perf_counter()
+        t0 = monotonic()
         try:
             url = self._urls[0] if len(self._urls) == 1 else self._rng.choice(self._urls)
             async with self._http.post(
@@ -178,7 +178,7 @@ class ChatClient:
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: aiohttp's reader refuses a line longer than its buffer.
             outcome.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
-        outcome.latency_s = time.perf_counter() - t0
+        outcome.latency_s = monotonic() - t0
         outcome.reply = "".join(parts)
         return outcome
 

@@ -18,7 +18,6 @@ arrive later are not replayed and no new turn starts after it; requests in fligh
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,6 +36,7 @@ from bench.replay.oracle import PrefixOracle
 from bench.replay.result import RequestRecord, RunMeta, RunResult
 from bench.tokenizer import num_tokens
 from bench.workloads.trace import Session, Turn, group_sessions
+from router.clock import monotonic
 
 DEFAULT_CONCURRENCY = 64
 DEFAULT_TIME_SCALE = 1.0
@@ -97,12 +97,12 @@ class _Run:
         self._deadline = (
             None if config.duration_s is None else config.duration_s / config.time_scale
         )
-        self._t0 = time.perf_counter()
+        self._t0 = monotonic()
         self.records: list[RequestRecord] = []
 
     def elapsed(self) -> float:
         """Wall seconds since the run started."""
-        return time.perf_counter() - self._t0
+        return monotonic() - self._t0
 
     def _past_deadline(self) -> bool:
         return self._deadline is not None and self.elapsed() >= self._deadline

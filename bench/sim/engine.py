@@ -22,6 +22,7 @@ from bench.sim.request import SimRequest
 from bench.sim.roofline import Roofline
 from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
 from router.capacity import plan as capacity_plan
+from router.clock import monotonic
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,10 @@ MAX_DECODE_SPAN = 4096
 # The loop may run this far (wall-clock seconds) behind simulated time and catch up
 # without stretching it; further behind, the lost time is taken as simulated time.
 MAX_CATCH_UP_WALL_S = 0.1
+# A step ending closer than this (wall-clock seconds) to now has ended: event loops'
+# clocks are no finer (looptime's virtual clock counts microseconds), and waiting
+# for the remainder would spin.
+CLOCK_RESOLUTION_S = 1e-6
 
 
 class SimClock:
@@ -40,10 +45,10 @@ class SimClock:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
-        self._origin = time.monotonic()
+        self._origin = monotonic()
 
     def now(self) -> float:
-        return (time.monotonic() - self._origin) * self.scale
+        return (monotonic() - self._origin) * self.scale
 
 
     async def sleep_until(self, sim_time: float) -> None:
@@ -228,7 +233,8 @@ class Engine:
             stalled = await self._sleep_until(target, wake=True)
             if stalled:
                 ends[done:] = [e + stalled for e in ends[done:]]
-            reached = min(bisect.bisect_right(ends, self.clock.now(), lo=done), span)
+            now = self.clock.now() + CLOCK_RESOLUTION_S * self.clock.scale
+            reached = min(bisect.bisect_right(ends, now, lo=done), span)
             if reached > done:
                 self._publish(self.scheduler.complete_decode(plan, done, ends[done:reached]),
                               ends[reached - 1])
@@ -239,7 +245,7 @@ class Engine:
         """Sleep until ``sim_time`` (or, with ``wake``, until a request arrives or
         leaves), then wait out any stall; returns the simulated seconds it stalled."""
         delay = (sim_time - self.clock.now()) / self.clock.scale
-        if delay > 0:
+        if delay > CLOCK_RESOLUTION_S:
             if wake:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):

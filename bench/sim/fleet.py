@@ -67,13 +67,16 @@ async def stop(engines: Sequence[EngineProcess]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def fleet(n: int, host: str, base_port: int,
-                flags: Sequence[str]) -> AsyncIterator[list[EngineProcess]]:
-    """Start ``n`` engine processes on consecutive ports; stop them on exit."""
+async def fleet(n: int, host: str, base_port: int, flags: Sequence[str],
+                per_engine_flags: Sequence[Sequence[str]] = (),
+                ) -> AsyncIterator[list[EngineProcess]]:
+    """Start ``n`` engine processes on consecutive ports, engine ``i`` with ``flags``
+    then ``per_engine_flags[i]`` (later flags win); stop them on exit."""
     engines: list[EngineProcess] = []
     try:
         for i in range(n):
-            engines.append(await start_engine(str(i), host, base_port + i, flags))
+            extra = per_engine_flags[i] if i < len(per_engine_flags) else ()
+            engines.append(await start_engine(str(i), host, base_port + i, [*flags, *extra]))
         await wait_healthy([e.url for e in engines])
         yield engines
     finally:

@@ -129,8 +129,9 @@ class _Finished:
 class _VllmMetrics:
     """vLLM V1's PrometheusStatLogger series for one engine index."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, engine_id: str,
-                 cache_config: Mapping[str, str], max_model_len: int) -> None:
+    def __init__(self, registry: CollectorRegistry, histograms: CollectorRegistry,
+                 model_name: str, engine_id: str, cache_config: Mapping[str, str],
+                 max_model_len: int) -> None:
         names = ["model_name", "engine"]
         values = [model_name, engine_id]
 
@@ -142,7 +143,7 @@ class _VllmMetrics:
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, names, buckets=buckets,
-                             registry=registry).labels(*values)
+                             registry=histograms).labels(*values)
 
         self.running = gauge("vllm:num_requests_running",
                              "Number of requests in model execution batches.")
@@ -233,8 +234,8 @@ class _VllmMetrics:
 class _SglangMetrics:
     """SGLang's scheduler and tokenizer-manager series for one single-rank server."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str,
-                 cache_config: Mapping[str, str]) -> None:
+    def __init__(self, registry: CollectorRegistry, histograms: CollectorRegistry,
+                 model_name: str, cache_config: Mapping[str, str]) -> None:
         # SchedulerMetricsCollector labels / TokenizerMetricsCollector labels.
         sched = {"model_name": model_name, "engine_type": SGLANG_ENGINE_TYPE,
                  "tp_rank": SGLANG_RANK, "pp_rank": SGLANG_RANK, "moe_ep_rank": SGLANG_RANK}
@@ -249,7 +250,7 @@ class _SglangMetrics:
         def histogram(name: str, doc: str, buckets: Sequence[float],
                       labels: dict[str, str]) -> Histogram:
             return Histogram(name, doc, list(labels), buckets=buckets,
-                             registry=registry).labels(**labels)
+                             registry=histograms).labels(**labels)
 
         self.running = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.queued = gauge("sglang:num_queue_reqs",
@@ -344,22 +345,26 @@ class EngineMetrics:
         self._engine_id = engine_id
         self._cache_config = dict(cache_config)
         self._max_model_len = max_model_len
-        self._registry, self._metrics = self._build(start_time)
+        self._build(start_time)
 
-    def _build(self, start_time: float) -> tuple[CollectorRegistry, _FlavorMetrics]:
-        registry = CollectorRegistry()
+    def _build(self, start_time: float) -> None:
+        # Histograms change only when a request starts streaming or finishes, yet are
+        # most of the text: they live in a registry of their own whose rendering is
+        # kept until one of them changes (an engine is scraped every second).
+        registry, histograms = CollectorRegistry(), CollectorRegistry()
         metrics: _FlavorMetrics
         if self._flavor == "vllm":
-            metrics = _VllmMetrics(registry, self._model_name, self._engine_id,
+            metrics = _VllmMetrics(registry, histograms, self._model_name, self._engine_id,
                                    self._cache_config, self._max_model_len)
         else:
-            metrics = _SglangMetrics(registry, self._model_name, self._cache_config)
+            metrics = _SglangMetrics(registry, histograms, self._model_name, self._cache_config)
         # prometheus_client's ProcessCollector would give every engine in this process the
         # same value, and a simulated restart could not move it.
         Gauge("process_start_time_seconds",
               "Start time of the process since unix epoch in seconds.",
               registry=registry).set(start_time)
-        return registry, metrics
+        self._registry, self._histograms, self._metrics = registry, histograms, metrics
+        self._histogram_text: bytes | None = None
 
     @property
     def flavor(self) -> Flavor:
@@ -380,6 +385,7 @@ class EngineMetrics:
 
     def record_first_token(self, ttft_s: float) -> None:
         self._metrics.record_first_token(ttft_s)
+        self._histogram_text = None
 
     def record_finished(self, finished_reason: str, prompt_tokens: int, generation_tokens: int,
                         e2e_s: float, queue_s: float, prefill_s: float, decode_s: float,
@@ -388,11 +394,14 @@ class EngineMetrics:
         self._metrics.record_finished(_Finished(
             finished_reason, prompt_tokens, generation_tokens, e2e_s, queue_s, prefill_s,
             decode_s, inter_token_s))
+        self._histogram_text = None
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""
-        return generate_latest(self._registry), CONTENT_TYPE_LATEST
+        if self._histogram_text is None:
+            self._histogram_text = generate_latest(self._histograms)
+        return generate_latest(self._registry) + self._histogram_text, CONTENT_TYPE_LATEST
 
     def reset(self, start_time: float) -> None:
         """A simulated restart: every series starts again from zero, with a new start time."""
-        self._registry, self._metrics = self._build(start_time)
+        self._build(start_time)

@@ -1,0 +1,168 @@
+"""Repeated runs, reported as what is stable: the median of each figure and its range.
+
+A comparison runs every router once per round, in an order rotated from round to round
+so drift on a noisy machine hits each alike; ``Rounds`` collects the runs by label and
+``rounds_table`` prints, per figure, ``median (min-max)`` over the rounds. The best run
+is never reported on its own.
+
+Beside the unlimited-cache oracle each run is scored against the capacity-aware
+reference (``bench.replay.reference``): ``hit / reference`` is the share of what perfect
+affinity would have kept with the fleet's real memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.table import Table
+
+from bench.replay.result import RunResult, Summary, summarize
+
+
+@dataclass(frozen=True, slots=True)
+class ScoredRun:
+    """One run's summary and its capacity-aware reference hit rate (None: not known)."""
+
+    summary: Summary
+    reference_hit_rate: float | None = None
+
+    @classmethod
+    def of(cls, result: RunResult, reference_hit_rate: float | None = None) -> ScoredRun:
+        return cls(summarize(result.records, result.meta.duration_s), reference_hit_rate)
+
+    @property
+    def of_reference(self) -> float | None:
+        if not self.reference_hit_rate:
+            return None
+        return self.summary.hit_rate / self.reference_hit_rate
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread | None:
+        if not values:
+            return None
+        return cls(statistics.median(values), min(values), max(values))
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median": self.median, "min": self.low, "max": self.high}
+
+
+def _pct(value: float) -> str:
+    return f"{value:.1%}"
+
+
+def _secs(value: float) -> str:
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _rate(value: float) -> str:
+    return f"{value:,.2f}"
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    key: str
+    title: str
+    value: Callable[[ScoredRun], float | None]
+    show: Callable[[float], str]
+    higher_is_better: bool
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure("hit_rate", "hit rate", lambda r: r.summary.hit_rate, _pct, True),
+    Figure("of_reference", "hit / capacity reference", lambda r: r.of_reference, _pct, True),
+    Figure("reference_hit_rate", "capacity reference", lambda r: r.reference_hit_rate, _pct,
+           True),
+    Figure("oracle_hit_rate", "oracle (unlimited cache)", lambda r: r.summary.oracle_hit_rate,
+           _pct, True),
+    Figure("missed_share", "later turns missed", lambda r: r.summary.missed_share, _pct, False),
+    Figure("ttft_p50", "TTFT p50", lambda r: r.summary.ttft_p50, _secs, False),
+    Figure("ttft_p90", "TTFT p90", lambda r: r.summary.ttft_p90, _secs, False),
+    Figure("ttft_p99", "TTFT p99", lambda r: r.summary.ttft_p99, _secs, False),
+    Figure("missed_ttft_p99", "TTFT p99, missed turns", lambda r: r.summary.missed_ttft_p99,
+           _secs, False),
+    Figure("requests_per_s", "requests/s", lambda r: r.summary.requests_per_s, _rate, True),
+    Figure("output_tokens_per_s", "output tokens/s", lambda r: r.summary.output_tokens_per_s,
+           lambda v: f"{v:,.0f}", True),
+    Figure("errors", "errors", lambda r: float(r.summary.errors), lambda v: f"{v:.0f}", False),
+)
+FIGURE_BY_KEY = {figure.key: figure for figure in FIGURES}
+
+
+@dataclass(slots=True)
+class Rounds:
+    """Runs by label, in the order the labels were first seen."""
+
+    runs: dict[str, list[ScoredRun]] = field(default_factory=dict)
+
+    def add(self, label: str, run: ScoredRun) -> None:
+        self.runs.setdefault(label, []).append(run)
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.runs)
+
+    def spread(self, label: str, figure: Figure) -> Spread | None:
+        values = [v for v in map(figure.value, self.runs[label]) if v is not None]
+        return Spread.of(values)
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for label, runs in self.runs.items():
+            figures: dict[str, Any] = {"rounds": len(runs)}
+            for figure in FIGURES:
+                spread = self.spread(label, figure)
+                figures[figure.key] = None if spread is None else spread.as_dict()
+            out[label] = figures
+        return out
+
+    def save(self, path: Path) -> None:
+        path.write_bytes(orjson.dumps(self.as_dict(), option=orjson.OPT_INDENT_2))
+
+
+def show_spread(spread: Spread | None, figure: Figure) -> str:
+    if spread is None:
+        return "-"
+    low, high = figure.show(spread.low), figure.show(spread.high)
+    if low == high:
+        return figure.show(spread.median)
+    return f"{figure.show(spread.median)} ({low}-{high})"
+
+
+def rounds_table(rounds: Rounds, title: str | None = None) -> Table:
+    table = Table(title=title)
+    table.add_column("metric")
+    for label in rounds.labels:
+        table.add_column(label, justify="right")
+    for figure in FIGURES:
+        table.add_row(figure.title, *(show_spread(rounds.spread(label, figure), figure)
+                                      for label in rounds.labels))
+    return table
+
+
+def print_rounds(console: Console, rounds: Rounds, title: str | None = None) -> None:
+    count = max((len(runs) for runs in rounds.runs.values()), default=0)
+    console.print(rounds_table(rounds, title))
+    console.print(f"median (min-max) over {count} round(s), routers interleaved within each; "
+                  "times are simulated seconds. Capacity reference: every session pinned to "
+                  "one worker, each an LRU of its real KV capacity.", highlight=False)
+
+
+def rotated(items: Sequence[Any], round_index: int) -> list[Any]:
+    """``items`` starting at ``round_index`` (mod len): each router goes first in turn."""
+    if not items:
+        return []
+    shift = round_index % len(items)
+    return [*items[shift:], *items[:shift]]
