@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
@@ -190,24 +191,28 @@ async def router_for(config: DemoConfig, spec: RouterSpec) -> AsyncIterator[list
                for command, port in zip(spec.commands, spec.ports, strict=True)]
 
 
+Workload = Callable[[DemoConfig], Sequence[Turn]]
+
+
 async def run_comparison(config: DemoConfig, console: Console, specs_for: RouterSpecs,
                          before_each: Callable[[], Awaitable[None]] | None = None,
-                         turns: Sequence[Turn] | None = None,
+                         workload: Workload = demo_workload,
                          per_engine_flags: Sequence[Sequence[str]] = (),
                          title: str | None = None) -> Rounds:
-    """Replay one workload (default: the demo's agent sessions) through each router in
+    """Replay a workload (default: the demo's agent sessions) through each router in
     front of the same fleet, ``config.repeat`` rounds with the routers' order rotated
     each round; ``before_each`` runs before each router starts (e.g. to empty shared
     state); ``per_engine_flags[i]`` are extra flags for engine ``i`` (e.g. a slower
     one). Prints medians and ranges; writes every run, ``rounds.json`` and the plots of
-    the last round to ``config.out``."""
+    the last round to ``config.out``.
+
+    On the real clock every round replays the same trace, so the range is the machine's
+    noise. In virtual time the same trace gives the same figures every time, so round
+    ``r`` draws the workload with seed ``config.seed + r`` instead and the range is how
+    much the answer depends on the particular sessions; routers are still compared on
+    the same traces, round by round.
+    """
     config.out.mkdir(parents=True, exist_ok=True)
-    trace_path = config.out / "trace.jsonl"
-    turns = list(turns) if turns is not None else demo_workload(config)
-    write_trace(turns, trace_path)
-    sessions = select_sessions(turns)
-    console.print(f"workload: {len(group_sessions(turns))} sessions, {len(turns)} turns -> "
-                  f"{trace_path}")
     reference = ReferenceParams(config.engines, config.kv_tokens)
     rounds = Rounds()
     last_round: dict[str, RunResult] = {}
@@ -221,6 +226,13 @@ async def run_comparison(config: DemoConfig, console: Console, specs_for: Router
             # From the engine: some peer routers answer /v1/models only with a tokenizer.
             model = await discover_model(http, engines[0].url)
         for round_index in range(config.repeat):
+            seed = config.seed + round_index if config.virtual else config.seed
+            turns = list(workload(dataclasses.replace(config, seed=seed)))
+            trace_path = config.out / f"trace.r{round_index + 1}.jsonl"
+            write_trace(turns, trace_path)
+            sessions = select_sessions(turns)
+            console.print(f"round {round_index + 1}/{config.repeat}: workload seed {seed}, "
+                          f"{len(group_sessions(turns))} sessions, {len(turns)} turns")
             for spec in rotated(specs, round_index):
                 await empty_caches(engines)
                 await wait_healthy([e.url for e in engines])
@@ -295,17 +307,17 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     parser.set_defaults(func=run)
 
 
-def run_on_clock(config: DemoConfig, main: Coroutine[Any, Any, Any]) -> None:
-    """Run ``main`` on the event loop ``config.clock`` asks for."""
+def run_on_clock(config: DemoConfig, main: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+    """Run ``main()`` on the event loop ``config.clock`` asks for (in virtual time, with
+    the fixed hash seed it needs, re-executing this command if it must)."""
     if config.virtual:
-        run_virtual(main)
+        ensure_hash_seed(sys.argv[1:])
+        run_virtual(main())
     else:
-        asyncio.run(main)
+        asyncio.run(main())
 
 
 def run(args: argparse.Namespace) -> int:
     config = demo_config(args)
-    if config.virtual:
-        ensure_hash_seed(sys.argv[1:])
-    run_on_clock(config, run_demo(config, Console()))
+    run_on_clock(config, lambda: run_demo(config, Console()))
     return 0

@@ -16,7 +16,6 @@ go to a directory of their own below it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
@@ -36,6 +35,7 @@ from bench.demo import (
     demo_workload,
     kvrouter_spec,
     run_comparison,
+    run_on_clock,
 )
 from bench.matrix_plots import write_matrix_plots
 from bench.peers import peer_specs
@@ -83,7 +83,7 @@ def rows(traces: Path = TRACES, mooncake_rows: int = 400) -> list[Row]:
         Row("qa", "multi-user QA: a shared system prompt, long per-user history, 8 rounds",
             lambda c: qa.generate(qa.QaParams(), c.seed), kv_tokens=100_000),
         Row("mooncake-azure", "Mooncake conversation trace on Azure conversation arrivals",
-            lambda c: _mooncake_on_azure(c, traces, mooncake_rows)),
+            lambda c: _mooncake_on_azure(c, traces, mooncake_rows), kv_tokens=ROOMY_KV_TOKENS),
         Row("burst", "bursts of identical or near-identical prompts (best-of-N)",
             lambda c: burst.generate(burst.BurstParams(), c.seed)),
         Row("slow-worker", "coding-agent sessions, engine 0 an A100 among H100s",
@@ -110,7 +110,7 @@ async def run_matrix(config: DemoConfig, selected: Sequence[Row], peer_bin: Path
         results[row.name] = await run_comparison(
             row_config, console, functools.partial(specs_for, row_config, config.policies,
                                                    peer_bin),
-            turns=row.workload(row_config), per_engine_flags=row.per_engine_flags,
+            workload=row.workload, per_engine_flags=row.per_engine_flags,
             title=row.name)
         write_outputs(config.out, results, selected)
     print_matrix(console, results)
@@ -182,5 +182,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown rows: {', '.join(sorted(unknown))}; "
                          f"known: {', '.join(r.name for r in every)}")
     selected = [r for r in every if not wanted or r.name in wanted]
-    asyncio.run(run_matrix(config, selected, args.peer_bin, Console()))
+    console = Console()
+    if args.peer_bin is not None and config.virtual:
+        console.print("peer routers run as processes: using --clock real")
+        config = dataclasses.replace(config, clock="real")
+    run_on_clock(config, lambda: run_matrix(config, selected, args.peer_bin, console))
     return 0

@@ -123,7 +123,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="bin/ directory of the peers' virtualenv, holding smg and/or "
         "vllm-router (e.g. /opt/peers/bin)",
     )
-    parser.set_defaults(func=run, out=Path("results/peers"))
+    parser.set_defaults(func=run, out=Path("results/peers"), clock="real")
 
 
 def run(args: argparse.Namespace) -> int:

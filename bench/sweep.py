@@ -9,7 +9,6 @@ a plot of hit rate and TTFT p90/p99 against the knob to ``--out``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ from bench.demo import (
     demo_config,
     kvrouter_command,
     run_comparison,
+    run_on_clock,
 )
 from bench.matrix import TRACES, Row, rows
 from bench.matrix_plots import write_sweep_plot
@@ -59,7 +59,7 @@ async def run_sweep(config: DemoConfig, row: Row, policy: str, knob: str,
         config, kv_tokens=row.kv_tokens if row.kv_tokens is not None else config.kv_tokens)
     rounds = await run_comparison(
         row_config, console, lambda urls: sweep_specs(row_config, policy, knob, values, urls),
-        turns=row.workload(row_config), per_engine_flags=row.per_engine_flags,
+        workload=row.workload, per_engine_flags=row.per_engine_flags,
         title=f"{policy}: {knob} on {row.name}")
     path = write_sweep_plot(knob, values, rounds, [label_for(knob, v) for v in values],
                             config.out / f"sweep-{knob}.png")
@@ -89,5 +89,6 @@ def run(args: argparse.Namespace) -> int:
             build_policy(args.policy, {knob: value})
         except ValueError as exc:
             raise SystemExit(f"{args.policy}: {exc}") from exc
-    asyncio.run(run_sweep(config, by_name[args.row], args.policy, knob, values, Console()))
+    run_on_clock(config, lambda: run_sweep(config, by_name[args.row], args.policy, knob, values,
+                                           Console()))
     return 0

@@ -3,21 +3,40 @@
 For each candidate worker ``w``::
 
     queue_s(w) = queued_prefill_tokens(w) / rate(w)          prefill work already waiting
-    own_s(w)   = (prompt_tokens - cache_weight x matched(w)) / rate(w)
-    ttft(w)    = queue_s(w) + max(0, own_s(w))
+    new(w)     = prompt_tokens - cache_weight x matched(w)    what this request prefills
+    evict(w)   = max(0, resident(w) + new(w) - capacity(w))   cached tokens it pushes out
+    ttft(w)    = queue_s(w) + (max(0, new(w)) + eviction_weight x evict(w)) / rate(w)
 
 ``rate(w)`` is the worker's prefill speed, learned by the router from observed TTFTs;
-``matched(w)`` is how much of this prompt the worker is modelled to hold.
+``matched(w)`` is how much of this prompt the worker is modelled to hold, ``resident(w)``
+how much it holds in all and ``capacity(w)`` its KV capacity.
 
-One knob trades affinity for load in plain terms: ``cache_weight`` is how much a cached
-token is worth against a token of queued work. 1.0 takes the estimate at face value; 2.0
-waits up to twice as long in a queue to reuse a cache; 0 ignores caches (pure load).
+Two knobs trade affinity for load in plain terms: ``cache_weight`` is how much a cached
+token is worth against a token of queued work (1.0 takes the estimate at face value; 0
+ignores caches). ``eviction_weight`` is what a cached token of someone else's costs when
+this request evicts it (on a full cache every token a request stores pushes one out,
+and a session whose prefix was pushed out prefills it again on its next turn): above 0
+it keeps sessions on full caches longer, trading TTFT for hit rate. Default 0: moving a
+session off a full cache also frees its old copy, so on the agent workload the measured
+trade was poor (``docs/benchmarks.md``, the sweep).
 
 Prefixes that every worker holds (a shared system prompt) add the same saving to every
 candidate and cancel out of the comparison, so they never pin traffic to one worker:
 only the part of a prefix that distinguishes workers attracts a request. Siblings that
 share a fresh prefix land together because the router records a dispatched request's
-blocks on its worker at once (speculatively, withdrawn if the dispatch fails).
+blocks on its worker at once (speculatively, withdrawn if the dispatch fails): the
+second waits for the first's prefill on its worker or prefills alone elsewhere, the
+same estimate give or take the few tokens the first did not fill a block with.
+
+While caches have room, where a request's tokens are stored decides more than a few
+per cent of its TTFT: among workers whose estimate is within ``tie_tolerance`` (a share,
+default 20%: about what the learned rate and the queue model can tell apart) of the best
+and whose cache still has room for the request, the one left least full
+(``resident + new``) wins, then fewer requests, then at random. That one rule sends a
+sibling to the worker already computing its prompt (it stores no second copy) and
+spreads new sessions over the emptier caches even while only some workers hold a shared
+system prompt, which would otherwise draw every new session to them. Once no worker
+near the best has room, the estimate alone decides (ties as above).
 
 ``temperature`` (seconds, default 0) samples instead of taking the minimum:
 ``P(w) ~ exp(-(ttft(w) - min ttft) / temperature)``, which spreads simultaneous arrivals
@@ -35,6 +54,8 @@ from typing import Any, ClassVar, Self
 from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
 
 DEFAULT_CACHE_WEIGHT = 1.0
+DEFAULT_EVICTION_WEIGHT = 0.0
+DEFAULT_TIE_TOLERANCE = 0.2
 DEFAULT_TEMPERATURE_S = 0.0
 # Rates below this are treated as this (tokens/s); guards a worker that has reported
 # absurdly slow first tokens (e.g. after a stall) from dividing the estimate into infinity.
@@ -45,18 +66,27 @@ MIN_RATE = 1.0
 class TtftParams:
     cache_weight: float = DEFAULT_CACHE_WEIGHT
     temperature: float = DEFAULT_TEMPERATURE_S
+    eviction_weight: float = DEFAULT_EVICTION_WEIGHT
+    tie_tolerance: float = DEFAULT_TIE_TOLERANCE
 
     def __post_init__(self) -> None:
+        if not 0 <= self.tie_tolerance < 1:
+            raise ValueError(f"tie_tolerance must be in [0, 1), got {self.tie_tolerance}")
         if self.cache_weight < 0:
             raise ValueError(f"cache_weight must be >= 0, got {self.cache_weight}")
+        if self.eviction_weight < 0:
+            raise ValueError(f"eviction_weight must be >= 0, got {self.eviction_weight}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
 
-def estimate_ttft(view: WorkerView, prompt_tokens: int, cache_weight: float) -> float:
+def estimate_ttft(
+    view: WorkerView, prompt_tokens: int, cache_weight: float, eviction_weight: float = 0.0
+) -> float:
     rate = max(view.prefill_tokens_per_s, MIN_RATE)
-    own = max(0.0, prompt_tokens - cache_weight * view.matched_tokens)
-    return (view.queued_prefill_tokens + own) / rate
+    new = max(0.0, prompt_tokens - cache_weight * view.matched_tokens)
+    evicted = max(0.0, view.resident_tokens + new - view.capacity_tokens)
+    return (view.queued_prefill_tokens + new + eviction_weight * evicted) / rate
 
 
 class TtftPolicy(Policy):
@@ -72,24 +102,33 @@ class TtftPolicy(Policy):
         return cls(params_from(TtftParams, knobs, cls.name), seed)
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
-        weight = self.params.cache_weight
-        # Ties (idle fleet, nothing cached) go to the least-loaded, then at random, so
-        # equal workers share new sessions instead of all going to the first name.
-        scored = [
-            (estimate_ttft(v, request.prompt_tokens, weight), v.outstanding_requests,
-             self._rng.random(), v)
-            for v in candidates
-        ]
-        if self.params.temperature > 0 and len(scored) > 1:
+        params = self.params
+        scored = []
+        for v in candidates:
+            estimate = estimate_ttft(
+                v, request.prompt_tokens, params.cache_weight, params.eviction_weight
+            )
+            filled = v.resident_tokens + max(0, request.prompt_tokens - v.matched_tokens)
+            scored.append((estimate, filled, v.outstanding_requests, self._rng.random(), v))
+        if params.temperature > 0 and len(scored) > 1:
             chosen = self._sample(scored)
         else:
-            chosen = min(scored, key=lambda s: s[:3])[3]
+            chosen = self._best(scored)
         best_match = max(v.matched_tokens for v in candidates)
         followed_cache = best_match > 0 and chosen.matched_tokens == best_match
-        return Decision(chosen.name, "prefix" if followed_cache else "load",
-                        chosen.matched_tokens)
+        return Decision(chosen.name, "prefix" if followed_cache else "load", chosen.matched_tokens)
 
-    def _sample(self, scored: Sequence[tuple[float, int, float, WorkerView]]) -> WorkerView:
+    def _best(self, scored: Sequence[tuple[float, int, int, float, WorkerView]]) -> WorkerView:
+        near = min(s[0] for s in scored) * (1 + self.params.tie_tolerance)
+        roomy = [s for s in scored if s[0] <= near and s[1] <= s[4].capacity_tokens]
+        if roomy:
+            return min(roomy, key=lambda s: s[1:4])[4]
+        return min(scored, key=lambda s: s[:4])[4]
+
+    def _sample(
+        self,
+        scored: Sequence[tuple[float, int, int, float, WorkerView]],
+    ) -> WorkerView:
         best = min(s[0] for s in scored)
         weights = [math.exp(-(s[0] - best) / self.params.temperature) for s in scored]
-        return self._rng.choices([s[3] for s in scored], weights=weights)[0]
+        return self._rng.choices([s[4] for s in scored], weights=weights)[0]

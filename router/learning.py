@@ -5,6 +5,13 @@ engine-reported uncached tokens (prompt - cached, plus the prefill queued ahead 
 One fleet-wide moving average: fleets are usually homogeneous, and one rate fed by every
 response settles far faster and noisier workers than a rate per worker would.
 
+``WorkerSpeeds``: each worker's prefill speed as a multiple of the fleet-wide rate, from
+the same observations, moving slowly and bounded (a quarter to four times), so one worker
+on slower hardware, or one throttled, is seen as slower without per-worker noise moving
+sessions off their caches: the ratio starts at 1, a worker's own samples only tilt it,
+only requests that found no prefill queued ahead count, and ratios within a factor of
+1.5 of 1 are taken as 1.
+
 ``ResidencyCalibrator``: the residency model is sized from the engine's nominal KV
 capacity, but blocks pinned by running requests, preemptions and timing make the engine
 hold less than that. When the engine reports fewer cached tokens than the model predicted,
@@ -23,6 +30,17 @@ RATE_EWMA_ALPHA = 0.1
 # Observations below this many prefilled tokens say more about overhead than speed.
 MIN_RATE_SAMPLE_TOKENS = 512
 
+# Samples before the fleet-wide rate is a yardstick for single workers.
+SETTLED_RATE_SAMPLES = 20
+# Per-worker speed ratios: a slower average than the fleet rate's, and bounds.
+SPEED_EWMA_ALPHA = 0.05
+MIN_SPEED_RATIO = 0.25
+MAX_SPEED_RATIO = 4.0
+# Ratios closer to 1 than this factor count as 1: prefills sharing a step and decode
+# batches move a worker's observed rate by tens of percent under ordinary load, while
+# hardware differences (an A100 among H100s prefills at a third) are larger.
+SPEED_DEADBAND = 1.5
+
 # Over-prediction beyond this share of the prompt counts as the model being too generous.
 CALIBRATION_TOLERANCE = 0.1
 SHRINK_STEP = 0.03
@@ -37,6 +55,11 @@ class PrefillRate:
         self.tokens_per_s = initial
         self.samples = 0
 
+    @property
+    def settled(self) -> bool:
+        """Enough samples that the rate says something about this fleet."""
+        return self.samples >= SETTLED_RATE_SAMPLES
+
     def observe(self, tokens: int, seconds: float) -> None:
         if tokens < MIN_RATE_SAMPLE_TOKENS or seconds <= 0:
             return
@@ -47,17 +70,43 @@ class PrefillRate:
             self.tokens_per_s += RATE_EWMA_ALPHA * (sample - self.tokens_per_s)
         self.samples += 1
 
-
     def blend(self, others: list[tuple[float, int]]) -> None:
         """Fold in other replicas' rates (rate, samples), weighted by their samples."""
         weighted = [(r, n) for r, n in others if n > 0 and r > 0]
         if not weighted:
             return
         total = self.samples + sum(n for _, n in weighted)
-        self.tokens_per_s = (self.tokens_per_s * self.samples
-                             + sum(r * n for r, n in weighted)) / total
+        self.tokens_per_s = (
+            self.tokens_per_s * self.samples + sum(r * n for r, n in weighted)
+        ) / total
         if self.samples == 0:
             self.samples = 1  # a shared rate is no longer the default guess
+
+
+class WorkerSpeeds:
+    __slots__ = ("_ratio",)
+
+    def __init__(self) -> None:
+        self._ratio: dict[str, float] = {}
+
+    def ratio(self, worker: str) -> float:
+        """The learned ratio, or 1 while it is within ``SPEED_DEADBAND`` of 1."""
+        ratio = self.learned(worker)
+        return ratio if not 1 / SPEED_DEADBAND < ratio < SPEED_DEADBAND else 1.0
+
+    def learned(self, worker: str) -> float:
+        return self._ratio.get(worker, 1.0)
+
+    def observe(self, worker: str, tokens: int, seconds: float, fleet_rate: float) -> None:
+        if tokens < MIN_RATE_SAMPLE_TOKENS or seconds <= 0 or fleet_rate <= 0:
+            return
+        sample = tokens / seconds / fleet_rate
+        ratio = self.learned(worker)
+        ratio += SPEED_EWMA_ALPHA * (sample - ratio)
+        self._ratio[worker] = min(MAX_SPEED_RATIO, max(MIN_SPEED_RATIO, ratio))
+
+    def reset(self, worker: str) -> None:
+        self._ratio.pop(worker, None)
 
 
 class ResidencyCalibrator:

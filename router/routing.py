@@ -18,7 +18,7 @@ from router.clock import monotonic
 from router.config import BYTES_PER_TOKEN_ESTIMATE
 from router.errors import NoEligibleWorker
 from router.index import PrefixIndex
-from router.learning import PrefillRate, ResidencyCalibrator
+from router.learning import PrefillRate, ResidencyCalibrator, WorkerSpeeds
 from router.metrics import RouterMetrics
 from router.outcomes import SessionMemory, SessionTracker, classify
 from router.parse import ClientRequest
@@ -112,6 +112,7 @@ class Router:
         self.block_tokens = block_tokens
         self.metrics = metrics
         self.prefill_rate = PrefillRate()
+        self.speeds = WorkerSpeeds()
         self.sessions = SessionTracker()
         self.calibrator = ResidencyCalibrator(index, block_tokens)
 
@@ -152,7 +153,14 @@ class Router:
     def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
         uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
         if dispatch.ttft is not None:
-            self.prefill_rate.observe(dispatch.queued_before + uncached, dispatch.ttft)
+            prefilled = dispatch.queued_before + uncached
+            self.prefill_rate.observe(prefilled, dispatch.ttft)
+            if dispatch.queued_before == 0 and self.prefill_rate.settled:
+                # With prefill queued ahead, a TTFT measures the queue as much as the
+                # worker: only requests that found none teach how fast it is, and only
+                # against a fleet rate that is no longer the first guess.
+                self.speeds.observe(dispatch.worker.name, prefilled, dispatch.ttft,
+                                    self.prefill_rate.tokens_per_s)
             self.metrics.prefill_rate.set(self.prefill_rate.tokens_per_s)
         predicted = min(dispatch.decision.predicted_cached_tokens, usage.prompt_tokens)
         worker = dispatch.worker
@@ -205,6 +213,7 @@ class Router:
         self.fleet.remove(name)
         self.index.remove_worker(name)
         self.calibrator.reset(name)
+        self.speeds.reset(name)
 
     def migrate(self, source: str, target: str) -> int:
         """``source``'s KV state now lives on ``target`` (checkpointed and restored): its
@@ -218,6 +227,7 @@ class Router:
         """The engine restarted: its cache is gone, so is everything the index says of it."""
         self.index.purge(worker.name)
         self.calibrator.reset(worker.name)
+        self.speeds.reset(worker.name)
         worker.epoch += 1
         self.metrics.worker_restarts.labels(worker.name).inc()
 
@@ -237,5 +247,5 @@ class Router:
             matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,
-            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+            prefill_tokens_per_s=self.prefill_rate.tokens_per_s * self.speeds.ratio(worker.name),
         )

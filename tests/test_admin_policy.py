@@ -46,7 +46,12 @@ from tests.test_admin import AUTH, TOKEN, admin
 from tests.test_shared_state import fast_sync
 
 POLICY_READS = "kvrouter_redis_operation_seconds_count"
-TTFT_DEFAULTS = {"cache_weight": 1.0, "temperature": 0.0}
+TTFT_DEFAULTS = {
+    "cache_weight": 1.0,
+    "temperature": 0.0,
+    "eviction_weight": 0.0,
+    "tie_tolerance": 0.2,
+}
 
 
 async def policy_of(http: aiohttp.ClientSession, router: RunningRouter) -> dict[str, Any]:
@@ -166,18 +171,25 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         serve_router(router_config(fleet, admin_token=TOKEN)) as router,
         aiohttp.ClientSession() as http,
     ):
-        assert await info_series(http, router) == {("ttft", "cache_weight=1.0,temperature=0.0"): 1}
+        assert await info_series(http, router) == {
+            ("ttft", "cache_weight=1.0,eviction_weight=0.0,temperature=0.0,tie_tolerance=0.2"): 1
+        }
         status, body = await admin(
             http, router, "PUT", "/admin/policy", {"policy": "ttft", "knobs": {"cache_weight": 2.0}}
         )
         assert status == 200
         assert body == {
             "policy": "ttft",
-            "knobs": {"cache_weight": 2.0, "temperature": 0.0},
+            "knobs": {
+                "cache_weight": 2.0,
+                "temperature": 0.0,
+                "eviction_weight": 0.0,
+                "tie_tolerance": 0.2,
+            },
             "version": 1,
         }
         assert await info_series(http, router) == {
-            ("ttft", "cache_weight=2.0,temperature=0.0"): 1
+            ("ttft", "cache_weight=2.0,eviction_weight=0.0,temperature=0.0,tie_tolerance=0.2"): 1
         }  # the old series is gone
         assert await metric(http, router, "kvrouter_policy_changes_total") == 1
 
@@ -188,7 +200,12 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         assert status == 200
         assert body == {
             "policy": "ttft",
-            "knobs": {"cache_weight": 1.0, "temperature": 0.5},
+            "knobs": {
+                "cache_weight": 1.0,
+                "temperature": 0.5,
+                "eviction_weight": 0.0,
+                "tie_tolerance": 0.2,
+            },
             "version": 2,
         }
         status, listing = await admin(http, router, "GET", "/admin/workers")
@@ -301,7 +318,12 @@ async def test_a_change_reaches_every_replica_and_the_newest_wins(
                 return all([await policy_of(http, r) == newest for r in (a, b, c)])
 
             await wait_for(all_follow)
-            assert await info_series(http, a) == {("ttft", "cache_weight=2.0,temperature=0.0"): 1}
+            assert await info_series(http, a) == {
+                (
+                    "ttft",
+                    "cache_weight=2.0,eviction_weight=0.0,temperature=0.0,tie_tolerance=0.2",
+                ): 1
+            }
 
 
 async def test_an_emptied_redis_gets_the_fleets_policy_back(

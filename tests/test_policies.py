@@ -27,24 +27,38 @@ from policies.session import SessionPolicy
 
 # Assigning the classes to the registry's protocol makes mypy check they fit it.
 WRITTEN: tuple[PolicyClass, ...] = (
-    RoundRobinPolicy, RandomPolicy, LeastLoadPolicy, PowerOfTwoPolicy, SessionPolicy,
+    RoundRobinPolicy,
+    RandomPolicy,
+    LeastLoadPolicy,
+    PowerOfTwoPolicy,
+    SessionPolicy,
     CacheAwarePolicy,
 )
 
 
 def request(session: str | None = None, prompt_tokens: int = 1000) -> RouteRequest:
     return RouteRequest(
-        request_id="r1", model="m", session_key=session, block_hashes=(1, 2, 3),
-        block_tokens=16, prompt_tokens=prompt_tokens,
+        request_id="r1",
+        model="m",
+        session_key=session,
+        block_hashes=(1, 2, 3),
+        block_tokens=16,
+        prompt_tokens=prompt_tokens,
     )
 
 
-def worker(name: str, requests: int = 0, tokens: int = 0, matched: int = 0,
-           resident: int = 0) -> WorkerView:
+def worker(
+    name: str, requests: int = 0, tokens: int = 0, matched: int = 0, resident: int = 0
+) -> WorkerView:
     return WorkerView(
-        name=name, outstanding_requests=requests, outstanding_tokens=tokens,
-        queued_prefill_tokens=0, matched_tokens=matched, resident_tokens=resident,
-        capacity_tokens=100_000, prefill_tokens_per_s=10_000.0,
+        name=name,
+        outstanding_requests=requests,
+        outstanding_tokens=tokens,
+        queued_prefill_tokens=0,
+        matched_tokens=matched,
+        resident_tokens=resident,
+        capacity_tokens=100_000,
+        prefill_tokens_per_s=10_000.0,
     )
 
 
@@ -101,17 +115,24 @@ def test_unknown_knob_names_it_and_lists_knobs() -> None:
         build_policy("cache_aware", {"cache_treshold": 0.4})
     message = str(info.value)
     assert "'cache_treshold'" in message
-    for knob in ("balance_abs_threshold", "balance_rel_threshold", "cache_threshold",
-                 "low_match_target"):
+    for knob in (
+        "balance_abs_threshold",
+        "balance_rel_threshold",
+        "cache_threshold",
+        "low_match_target",
+    ):
         assert knob in message
 
 
-@pytest.mark.parametrize(("name", "knobs"), [
-    ("session", {"load_factor": 0.9}),
-    ("least_load", {"token_weight": -1}),
-    ("cache_aware", {"cache_threshold": 1.5}),
-    ("cache_aware", {"low_match_target": "nearest"}),
-])
+@pytest.mark.parametrize(
+    ("name", "knobs"),
+    [
+        ("session", {"load_factor": 0.9}),
+        ("least_load", {"token_weight": -1}),
+        ("cache_aware", {"cache_threshold": 1.5}),
+        ("cache_aware", {"low_match_target": "nearest"}),
+    ],
+)
 def test_bad_knob_value_is_a_config_error(name: str, knobs: dict[str, object]) -> None:
     with pytest.raises(PolicyConfigError, match=next(iter(knobs))):
         build_policy(name, knobs)
@@ -122,8 +143,10 @@ def test_knobs_are_the_documented_defaults() -> None:
     assert policy_knobs("least_load") == {"token_weight": 0}
     assert policy_knobs("round_robin") == {}
     assert policy_knobs("cache_aware") == {
-        "cache_threshold": 0.3, "balance_abs_threshold": 64,
-        "balance_rel_threshold": 1.5, "low_match_target": "smallest_cache",
+        "cache_threshold": 0.3,
+        "balance_abs_threshold": 64,
+        "balance_rel_threshold": 1.5,
+        "low_match_target": "smallest_cache",
     }
 
 
@@ -163,8 +186,7 @@ def test_random_is_seeded_and_covers_candidates() -> None:
 
 def test_least_load_picks_fewest_requests_then_tokens_then_name() -> None:
     policy = build_policy("least_load")
-    assert policy.choose(request(), [worker("a", 3), worker("b", 1), worker("c", 2)]) \
-        .worker == "b"
+    assert policy.choose(request(), [worker("a", 3), worker("b", 1), worker("c", 2)]).worker == "b"
     tied = [worker("a", 2, tokens=900), worker("b", 2, tokens=100), worker("c", 5)]
     assert policy.choose(request(), tied).worker == "b"
     assert policy.choose(request(), [worker("b", 1, 10), worker("a", 1, 10)]).worker == "a"
@@ -262,8 +284,11 @@ def test_session_without_key_is_least_load() -> None:
 
 def test_cache_aware_prefix_wins_when_balanced() -> None:
     policy = build_policy("cache_aware")
-    candidates = [worker("a", 10, matched=200), worker("b", 12, matched=800),
-                  worker("c", 0, matched=0)]
+    candidates = [
+        worker("a", 10, matched=200),
+        worker("b", 12, matched=800),
+        worker("c", 0, matched=0),
+    ]
     decision = policy.choose(request(prompt_tokens=1000), candidates)
     assert (decision.worker, decision.reason) == ("b", "prefix")
     assert decision.predicted_cached_tokens == 800
@@ -286,14 +311,18 @@ def test_cache_aware_imbalance_needs_both_thresholds() -> None:
     decision = policy.choose(request(), [hot, worker("idle", 2)])
     assert (decision.worker, decision.reason) == ("idle", "load")
     # Spread exactly 32 is not over 32: balanced, the prefix wins.
-    assert policy.choose(request(), [worker("hot", 34, matched=900), worker("idle", 2)]) \
-        .worker == "hot"
+    assert (
+        policy.choose(request(), [worker("hot", 34, matched=900), worker("idle", 2)]).worker
+        == "hot"
+    )
     # Spread 33 > 32 but 103 is not over 70 * 1.5 = 105: balanced, the prefix wins.
-    assert policy.choose(request(), [worker("hot", 103, matched=900), worker("x", 70)]) \
-        .worker == "hot"
+    assert (
+        policy.choose(request(), [worker("hot", 103, matched=900), worker("x", 70)]).worker == "hot"
+    )
     # Spread 36 > 32 and 106 > 105: imbalanced.
-    assert policy.choose(request(), [worker("hot", 106, matched=900), worker("x", 70)]) \
-        .worker == "x"
+    assert (
+        policy.choose(request(), [worker("hot", 106, matched=900), worker("x", 70)]).worker == "x"
+    )
     # Same loads, a higher abs threshold: balanced.
     lenient = build_policy("cache_aware", {**RUST_DEFAULTS, "balance_abs_threshold": 40})
     assert lenient.choose(request(), [hot, worker("idle", 2)]).worker == "hot"
@@ -306,9 +335,11 @@ def test_cache_aware_imbalance_ties_go_to_first_candidate() -> None:
 
 def test_cache_aware_low_match_goes_to_smallest_cache() -> None:
     policy = build_policy("cache_aware", RUST_DEFAULTS)
-    candidates = [worker("a", 1, matched=500, resident=9000),
-                  worker("b", 3, matched=0, resident=2000),
-                  worker("c", 0, matched=0, resident=5000)]
+    candidates = [
+        worker("a", 1, matched=500, resident=9000),
+        worker("b", 3, matched=0, resident=2000),
+        worker("c", 0, matched=0, resident=5000),
+    ]
     # 500 / 1000 is not over 0.5.
     decision = policy.choose(request(prompt_tokens=1000), candidates)
     assert (decision.worker, decision.reason) == ("b", "load")
@@ -316,15 +347,17 @@ def test_cache_aware_low_match_goes_to_smallest_cache() -> None:
 
 def test_cache_aware_low_match_least_load_variant() -> None:
     policy = build_policy("cache_aware", {"low_match_target": "least_load"})
-    candidates = [worker("a", 1, resident=9000), worker("b", 3, resident=2000),
-                  worker("c", 0, resident=5000)]
+    candidates = [
+        worker("a", 1, resident=9000),
+        worker("b", 3, resident=2000),
+        worker("c", 0, resident=5000),
+    ]
     assert policy.choose(request(), candidates).worker == "c"
 
 
 def test_cache_aware_empty_prompt_is_a_miss() -> None:
     candidates = [worker("a", 0, matched=0, resident=10), worker("b", 0, resident=5)]
-    assert build_policy("cache_aware").choose(request(prompt_tokens=0), candidates) \
-        .worker == "b"
+    assert build_policy("cache_aware").choose(request(prompt_tokens=0), candidates).worker == "b"
 
 
 def test_params_are_frozen() -> None:
@@ -332,3 +365,51 @@ def test_params_are_frozen() -> None:
     assert isinstance(policy, CacheAwarePolicy)
     with pytest.raises(dataclasses.FrozenInstanceError):
         policy.params.cache_threshold = 0.1  # type: ignore[misc]
+
+
+def _ttft_view(
+    name: str, matched: int = 0, queued: int = 0, resident: int = 0, requests: int = 0
+) -> WorkerView:
+    return WorkerView(
+        name=name,
+        outstanding_requests=requests,
+        outstanding_tokens=0,
+        queued_prefill_tokens=queued,
+        matched_tokens=matched,
+        resident_tokens=resident,
+        capacity_tokens=100_000,
+        prefill_tokens_per_s=10_000.0,
+    )
+
+
+def test_ttft_sends_a_sibling_where_its_prompt_is_being_prefilled() -> None:
+    """The second of two identical prompts: waiting for the first's prefill there, or
+    prefilling alone on an idle worker, estimate the same give or take the partial last
+    block; the worker that already holds the prompt computes it once."""
+    policy = build_policy("ttft", seed=1)
+    holder = _ttft_view("a", matched=3968, queued=4000, requests=1)
+    chosen = policy.choose(request(prompt_tokens=4000), [holder, _ttft_view("b")])
+    assert chosen.worker == "a" and chosen.reason == "prefix"
+    strict = build_policy("ttft", {"tie_tolerance": 0.0}, seed=1)
+    assert strict.choose(request(prompt_tokens=4000), [holder, _ttft_view("b")]).worker == "b"
+
+
+def test_ttft_counts_what_a_request_evicts_from_a_full_cache() -> None:
+    full = _ttft_view("full", resident=100_000)
+    roomy_but_busy = _ttft_view("roomy", resident=50_000, queued=3_000)
+    evicting = build_policy("ttft", {"eviction_weight": 1.0}, seed=1)
+    assert evicting.choose(request(prompt_tokens=10_000), [full, roomy_but_busy]).worker == (
+        "roomy"
+    )  # 10K prefill + 10K evicted against 3K queued + 10K prefill
+    blind = build_policy("ttft", seed=1)  # the default: what it evicts counts for nothing
+    assert blind.choose(request(prompt_tokens=10_000), [full, roomy_but_busy]).worker == "full"
+
+
+def test_ttft_new_sessions_fill_the_emptier_cache_first() -> None:
+    policy = build_policy("ttft", seed=1)
+    views = [
+        _ttft_view("a", resident=40_000),
+        _ttft_view("b", resident=10_000),
+        _ttft_view("c", resident=25_000),
+    ]
+    assert policy.choose(request(prompt_tokens=9_000), views).worker == "b"

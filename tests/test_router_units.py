@@ -17,6 +17,7 @@ from router.cli import main as cli_main
 from router.config import RouterConfig, load_config
 from router.errors import ConfigError
 from router.index import LocalPrefixIndex, Residency
+from router.learning import WorkerSpeeds
 from router.parse import ClientRequest, parse_request
 from router.prefix import (
     CHAT_REPLY_HEADER,
@@ -57,9 +58,13 @@ TURNS: list[dict[str, Any]] = [
     {"role": "user", "content": "Explain the roofline model in two sentences."},
     {"role": "assistant", "content": "Step time is the slower of compute and memory."},
     {"role": "user", "content": [{"type": "text", "text": "And for decode?"}]},
-    {"role": "assistant", "content": None,
-     "tool_calls": [{"id": "c1", "type": "function",
-                     "function": {"name": "lookup", "arguments": "{}"}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+        ],
+    },
     {"role": "tool", "content": "bandwidth bound", "tool_call_id": "c1"},
 ]
 
@@ -79,8 +84,9 @@ def test_model_and_cache_salt_change_every_hash() -> None:
     base = chat(TURNS[:2]).key
     salted = chat(TURNS[:2], cache_salt="tenant-a").key
     other_salt = chat(TURNS[:2], cache_salt="tenant-b").key
-    other_model = parse_request("chat", orjson.dumps({"model": "m2", "messages": TURNS[:2]}),
-                                None, (), BLOCK).key
+    other_model = parse_request(
+        "chat", orjson.dumps({"model": "m2", "messages": TURNS[:2]}), None, (), BLOCK
+    ).key
     assert base.seed == chain_seed(MODEL) == chain_seed(MODEL, "")
     keys = [base, salted, other_salt, other_model]
     assert len({k.seed for k in keys}) == 4
@@ -110,10 +116,14 @@ def test_chain_extender_matches_the_next_turn(sizes: Sequence[int]) -> None:
     assert added == list(after.hashes[len(request.key.hashes) :])
     assert len(added) >= len(reply.encode()) // BLOCK - 1
     # The turn after that (a new user message) extends the same chain.
-    later = chat([*messages, {"role": "assistant", "content": reply},
-                  {"role": "user", "content": "thanks, and prefill?"}]).key
-    assert later.hashes[: len(request.key.hashes) + len(added)] == (*request.key.hashes,
-                                                                     *added)
+    later = chat(
+        [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "thanks, and prefill?"},
+        ]
+    ).key
+    assert later.hashes[: len(request.key.hashes) + len(added)] == (*request.key.hashes, *added)
 
 
 def test_chain_extender_with_an_empty_reply_adds_only_the_header() -> None:
@@ -235,21 +245,30 @@ def test_lease_accounting_is_exact() -> None:
     worker = Worker("w", "http://w", 1000)
     first = Lease(worker, tokens=100, prefill_tokens=60)
     second = Lease(worker, tokens=50, prefill_tokens=50)
-    assert (worker.outstanding_requests, worker.outstanding_tokens,
-            worker.queued_prefill_tokens) == (2, 150, 110)
+    assert (
+        worker.outstanding_requests,
+        worker.outstanding_tokens,
+        worker.queued_prefill_tokens,
+    ) == (2, 150, 110)
     first.prefill_done()
     first.prefill_done()
     assert worker.queued_prefill_tokens == 50 and worker.outstanding_requests == 2
     first.release()
     first.release()
     assert first.released
-    assert (worker.outstanding_requests, worker.outstanding_tokens,
-            worker.queued_prefill_tokens) == (1, 50, 50)
+    assert (
+        worker.outstanding_requests,
+        worker.outstanding_tokens,
+        worker.queued_prefill_tokens,
+    ) == (1, 50, 50)
     second.release()  # release without a first byte also ends the queued prefill
     second.prefill_done()
     second.release()
-    assert (worker.outstanding_requests, worker.outstanding_tokens,
-            worker.queued_prefill_tokens) == (0, 0, 0)
+    assert (
+        worker.outstanding_requests,
+        worker.outstanding_tokens,
+        worker.queued_prefill_tokens,
+    ) == (0, 0, 0)
 
 
 # -- config ------------------------------------------------------------------------------
@@ -275,7 +294,8 @@ def test_load_config_from_a_file(tmp_path: Path) -> None:
     config = load_config(write(tmp_path, GOOD_YAML), environ={})
     assert [(w.name, w.url, w.kv_tokens) for w in config.workers] == [
         ("127.0.0.1:9001", "http://127.0.0.1:9001", None),
-        ("big", "http://127.0.0.1:9002", 200_000)]
+        ("big", "http://127.0.0.1:9002", 200_000),
+    ]
     assert config.policy == "cache_aware"
     assert config.policy_knobs == {"cache_threshold": 0.5, "balance_abs_threshold": 8}
     assert config.upstream.read_timeout_s == 30.0 and config.upstream.max_attempts == 3
@@ -286,14 +306,19 @@ def test_load_config_from_a_file(tmp_path: Path) -> None:
 
 def test_environment_overrides_the_file_and_flags_override_both(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD_YAML + "port: 7000\n")
-    environ = {"KVROUTER_PORT": "9000", "KVROUTER_UPSTREAM__MAX_ATTEMPTS": "5",
-               "KVROUTER_PREFIX__RECORD_REPLIES": "false", "OTHER_PORT": "1"}
+    environ = {
+        "KVROUTER_PORT": "9000",
+        "KVROUTER_UPSTREAM__MAX_ATTEMPTS": "5",
+        "KVROUTER_PREFIX__RECORD_REPLIES": "false",
+        "OTHER_PORT": "1",
+    }
     config = load_config(path, environ=environ)
     assert config.port == 9000 and config.upstream.max_attempts == 5
     assert config.upstream.read_timeout_s == 30.0  # the file's sibling setting survives
     assert config.prefix.record_replies is False and config.prefix.block_bytes == 128
-    flagged = load_config(path, flags={"port": 9100, "upstream": {"max_attempts": 1}},
-                          environ=environ)
+    flagged = load_config(
+        path, flags={"port": 9100, "upstream": {"max_attempts": 1}}, environ=environ
+    )
     assert flagged.port == 9100 and flagged.upstream.max_attempts == 1
     workers = load_config(None, environ={"KVROUTER_WORKERS": "http://a:1,http://b:2"})
     assert [w.name for w in workers.workers] == ["a:1", "b:2"]
@@ -301,9 +326,14 @@ def test_environment_overrides_the_file_and_flags_override_both(tmp_path: Path) 
 
 def test_policy_knobs_from_the_environment_are_typed() -> None:
     # Knobs have no types in RouterConfig; they are read as YAML, as --policy-knob does.
-    config = load_config(None, environ={"KVROUTER_POLICY": "cache_aware",
-                                        "KVROUTER_POLICY_KNOBS__CACHE_THRESHOLD": "0.5",
-                                        "KVROUTER_POLICY_KNOBS__LOW_MATCH_TARGET": "least_load"})
+    config = load_config(
+        None,
+        environ={
+            "KVROUTER_POLICY": "cache_aware",
+            "KVROUTER_POLICY_KNOBS__CACHE_THRESHOLD": "0.5",
+            "KVROUTER_POLICY_KNOBS__LOW_MATCH_TARGET": "least_load",
+        },
+    )
     assert config.policy_knobs == {"cache_threshold": 0.5, "low_match_target": "least_load"}
 
 
@@ -312,19 +342,24 @@ def test_load_config_reads_the_process_environment(monkeypatch: pytest.MonkeyPat
     assert load_config().port == 9123
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("upstream: {max_atempts: 3}\n", "upstream.max_atempts: unknown setting"),
-    ("prot: 1\n", "prot: unknown setting"),
-    ("upstream: {read_timeout_s: soon}\n", "upstream.read_timeout_s: expected a number"),
-    ("upstream: {read_timeout_s: -1}\n", "upstream.read_timeout_s: must be > 0"),
-    ("upstream: {max_attempts: 1.5}\n", "upstream.max_attempts: expected an integer"),
-    ("prefix: {record_replies: maybe}\n", "prefix.record_replies: expected true or false"),
-    ("upstream: 3\n", "upstream: expected a mapping"),
-    ("workers: [ftp://x]\n", "workers[0].url: 'ftp://x' is not an http(s) URL"),
-    ("workers: [http://a:1, http://a:1]\n", "workers: two workers are named 'a:1'"),
-    ("policy: cache_aware\npolicy_knobs: {cache_treshold: 1}\n", "policy: policy 'cache_aware'"
-     " has no knob 'cache_treshold'"),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("upstream: {max_atempts: 3}\n", "upstream.max_atempts: unknown setting"),
+        ("prot: 1\n", "prot: unknown setting"),
+        ("upstream: {read_timeout_s: soon}\n", "upstream.read_timeout_s: expected a number"),
+        ("upstream: {read_timeout_s: -1}\n", "upstream.read_timeout_s: must be > 0"),
+        ("upstream: {max_attempts: 1.5}\n", "upstream.max_attempts: expected an integer"),
+        ("prefix: {record_replies: maybe}\n", "prefix.record_replies: expected true or false"),
+        ("upstream: 3\n", "upstream: expected a mapping"),
+        ("workers: [ftp://x]\n", "workers[0].url: 'ftp://x' is not an http(s) URL"),
+        ("workers: [http://a:1, http://a:1]\n", "workers: two workers are named 'a:1'"),
+        (
+            "policy: cache_aware\npolicy_knobs: {cache_treshold: 1}\n",
+            "policy: policy 'cache_aware' has no knob 'cache_treshold'",
+        ),
+    ],
+)
 def test_config_errors_name_the_field(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, text), environ={})
@@ -366,15 +401,19 @@ def delta(text: str) -> dict[str, Any]:
     return {"id": "x", "choices": [{"index": 0, "delta": {"content": text}}]}
 
 
-USAGE = {"prompt_tokens": 40, "completion_tokens": 3,
-         "prompt_tokens_details": {"cached_tokens": 32}}
+USAGE = {
+    "prompt_tokens": 40,
+    "completion_tokens": 3,
+    "prompt_tokens_details": {"cached_tokens": 32},
+}
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 11, 64, 10_000])
 def test_capture_reads_sse_split_anywhere(cut: int) -> None:
     reply = "héllo, wörld ✓ and more"
     events: list[dict[str, Any]] = [
-        {"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+        {"id": "x", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    ]
     events += [delta(p) for p in pieces(reply, (4, 1, 6))]
     events.append({"id": "x", "choices": [], "usage": USAGE})
     body = sse(*events)
@@ -392,8 +431,10 @@ def test_capture_reads_sse_split_anywhere(cut: int) -> None:
 
 def test_capture_error_event_marks_errored() -> None:
     capture = ReplyCapture(ChainExtender(chat(TURNS[:2]).key, BLOCK), chat=True)
-    body = sse(delta("partial reply " * 4),
-               {"error": {"message": "boom", "type": "server_error", "code": 500}})
+    body = sse(
+        delta("partial reply " * 4),
+        {"error": {"message": "boom", "type": "server_error", "code": 500}},
+    )
     capture.feed_stream(body[:30])
     capture.feed_stream(body[30:])
     assert capture.errored
@@ -403,9 +444,14 @@ def test_capture_error_event_marks_errored() -> None:
 def test_capture_whole_responses_and_completions() -> None:
     key = chat(TURNS[:2]).key
     whole = ReplyCapture(ChainExtender(key, BLOCK), chat=True)
-    whole.feed_whole(orjson.dumps({"choices": [{"message": {"role": "assistant",
-                                                            "content": "a full reply"}}],
-                                   "usage": USAGE}))
+    whole.feed_whole(
+        orjson.dumps(
+            {
+                "choices": [{"message": {"role": "assistant", "content": "a full reply"}}],
+                "usage": USAGE,
+            }
+        )
+    )
     expected = ChainExtender(key, BLOCK)
     expected.feed("a full reply")
     assert whole.reply_hashes() == expected.finish()
@@ -413,8 +459,9 @@ def test_capture_whole_responses_and_completions() -> None:
 
     text = completion("Once upon a time " * 3).key
     streamed = ReplyCapture(ChainExtender(text, BLOCK, COMPLETION_REPLY_HEADER), chat=False)
-    streamed.feed_stream(sse({"choices": [{"text": "there was a "}]},
-                             {"choices": [{"text": "router."}]}))
+    streamed.feed_stream(
+        sse({"choices": [{"text": "there was a "}]}, {"choices": [{"text": "router."}]})
+    )
     done = ChainExtender(text, BLOCK, COMPLETION_REPLY_HEADER)
     done.feed("there was a router.")
     assert streamed.reply_hashes() == done.finish()
@@ -432,3 +479,24 @@ def test_capture_gives_up_on_garbage_and_tool_calls() -> None:
     no_extender = ReplyCapture(None, chat=True)
     no_extender.feed_stream(sse(delta("x" * 100)))
     assert no_extender.reply_hashes() == []
+
+
+def test_worker_speeds_learn_a_slower_worker_slowly_and_within_bounds() -> None:
+    speeds = WorkerSpeeds()
+    assert speeds.ratio("a100") == 1.0
+    for _ in range(200):  # the A100 prefills at a third of the fleet's rate
+        speeds.observe("a100", 10_000, 3.0, 10_000.0)
+        speeds.observe("h100", 10_000, 1.0, 10_000.0)
+    assert speeds.ratio("a100") == pytest.approx(1 / 3, rel=0.01)
+    assert speeds.ratio("h100") == pytest.approx(1.0)
+    speeds.observe("h100", 10_000, 0.5, 10_000.0)
+    assert speeds.learned("h100") == pytest.approx(1.05)  # one sample only tilts it
+    for _ in range(5):  # a burst of fast samples: within the deadband, still 1
+        speeds.observe("h100", 10_000, 0.5, 10_000.0)
+    assert 1.1 < speeds.learned("h100") < 1.5 and speeds.ratio("h100") == 1.0
+    for _ in range(500):
+        speeds.observe("stalled", 10_000, 1000.0, 10_000.0)
+        speeds.observe("small", 100, 1000.0, 10_000.0)  # too few tokens to say anything
+    assert speeds.ratio("stalled") == 0.25 and speeds.ratio("small") == 1.0
+    speeds.reset("a100")
+    assert speeds.ratio("a100") == 1.0
