@@ -44,46 +44,28 @@ from bench.demo import (
 PEER_BINARIES = ("smg", "vllm-router")
 
 
+def _cache_aware_flags(
+    config: DemoConfig, urls: Sequence[str], port: int, metrics_port: int
+) -> tuple[str, ...]:
+    """The flags both peers take alike: listen, workers, cache_aware, metrics."""
+    return (
+        "--host", config.host, "--port", str(port), "--worker-urls", *urls,
+        "--policy", "cache_aware",
+        "--prometheus-host", config.host, "--prometheus-port", str(metrics_port),
+    )  # fmt: skip
+
+
 def smg_command(
     binary: Path, config: DemoConfig, urls: Sequence[str], port: int, metrics_port: int
 ) -> tuple[str, ...]:
-    return (
-        str(binary),
-        "launch",
-        "--host",
-        config.host,
-        "--port",
-        str(port),
-        "--worker-urls",
-        *urls,
-        "--policy",
-        "cache_aware",
-        "--prometheus-host",
-        config.host,
-        "--prometheus-port",
-        str(metrics_port),
-        "--disable-tokenizer-autoload",
-    )
+    return (str(binary), "launch", *_cache_aware_flags(config, urls, port, metrics_port),
+            "--disable-tokenizer-autoload")  # fmt: skip
 
 
 def vllm_router_command(
     binary: Path, config: DemoConfig, urls: Sequence[str], port: int, metrics_port: int
 ) -> tuple[str, ...]:
-    return (
-        str(binary),
-        "--host",
-        config.host,
-        "--port",
-        str(port),
-        "--worker-urls",
-        *urls,
-        "--policy",
-        "cache_aware",
-        "--prometheus-host",
-        config.host,
-        "--prometheus-port",
-        str(metrics_port),
-    )
+    return (str(binary), *_cache_aware_flags(config, urls, port, metrics_port))
 
 
 def peer_specs(config: DemoConfig, peer_bin: Path, urls: Sequence[str]) -> list[RouterSpec]:
