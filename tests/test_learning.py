@@ -1,0 +1,28 @@
+"""What the router learns from responses (router.learning), on plain values."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.learning import WorkerSpeeds
+
+
+def test_worker_speeds_learn_a_slower_worker_slowly_and_within_bounds() -> None:
+    speeds = WorkerSpeeds()
+    assert speeds.ratio("a100") == 1.0
+    for _ in range(200):  # the A100 prefills at a third of the fleet's rate
+        speeds.observe("a100", 10_000, 3.0, 10_000.0)
+        speeds.observe("h100", 10_000, 1.0, 10_000.0)
+    assert speeds.ratio("a100") == pytest.approx(1 / 3, rel=0.01)
+    assert speeds.ratio("h100") == pytest.approx(1.0)
+    speeds.observe("h100", 10_000, 0.5, 10_000.0)
+    assert speeds.learned("h100") == pytest.approx(1.05)  # one sample only tilts it
+    for _ in range(5):  # a burst of fast samples: within the deadband, still 1
+        speeds.observe("h100", 10_000, 0.5, 10_000.0)
+    assert 1.1 < speeds.learned("h100") < 1.5 and speeds.ratio("h100") == 1.0
+    for _ in range(500):
+        speeds.observe("stalled", 10_000, 1000.0, 10_000.0)
+        speeds.observe("small", 100, 1000.0, 10_000.0)  # too few tokens to say anything
+    assert speeds.ratio("stalled") == 0.25 and speeds.ratio("small") == 1.0
+    speeds.reset("a100")
+    assert speeds.ratio("a100") == 1.0
