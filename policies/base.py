@@ -55,6 +55,9 @@ class WorkerView:
     resident_tokens: int  # tokens the worker is modelled to hold in all
     capacity_tokens: int  # the worker's KV capacity in tokens
     prefill_tokens_per_s: float  # learned from observed TTFTs
+    # Prompt tokens sent to the worker lately, fading with a half-life (router.demand):
+    # the live sessions' context, where resident tokens also count finished ones.
+    recent_prompt_tokens: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

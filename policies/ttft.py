@@ -36,7 +36,12 @@ and whose cache still has room for the request, the one left least full
 sibling to the worker already computing its prompt (it stores no second copy) and
 spreads new sessions over the emptier caches even while only some workers hold a shared
 system prompt, which would otherwise draw every new session to them. Once no worker
-near the best has room, the estimate alone decides (ties as above).
+near the best has room (after warm-up every cache is full of old sessions' blocks, and
+resident tokens tie), the near-tie goes to the worker with the least recent demand: the
+prompt tokens sent to it lately (``recent_prompt_tokens``, fading with a half-life of a
+few turns, ``router.demand``) plus this request's new tokens, in seconds of that worker's
+prefill. That is the live sessions' context, which will come back every turn; a slower
+worker with as much of it counts as busier. Then the estimate, fewer requests, at random.
 
 ``temperature`` (seconds, default 0) samples instead of taking the minimum:
 ``P(w) ~ exp(-(ttft(w) - min ttft) / temperature)``, which spreads simultaneous arrivals
@@ -49,7 +54,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
 
@@ -108,8 +113,18 @@ class TtftPolicy(Policy):
             estimate = estimate_ttft(
                 v, request.prompt_tokens, params.cache_weight, params.eviction_weight
             )
-            filled = v.resident_tokens + max(0, request.prompt_tokens - v.matched_tokens)
-            scored.append((estimate, filled, v.outstanding_requests, self._rng.random(), v))
+            new = max(0, request.prompt_tokens - v.matched_tokens)
+            rate = max(v.prefill_tokens_per_s, MIN_RATE)
+            scored.append(
+                _Scored(
+                    estimate=estimate,
+                    filled=v.resident_tokens + new,
+                    demand_s=(v.recent_prompt_tokens + new) / rate,
+                    outstanding=v.outstanding_requests,
+                    tiebreak=self._rng.random(),
+                    view=v,
+                )
+            )
         if params.temperature > 0 and len(scored) > 1:
             chosen = self._sample(scored)
         else:
@@ -118,17 +133,24 @@ class TtftPolicy(Policy):
         followed_cache = best_match > 0 and chosen.matched_tokens == best_match
         return Decision(chosen.name, "prefix" if followed_cache else "load", chosen.matched_tokens)
 
-    def _best(self, scored: Sequence[tuple[float, int, int, float, WorkerView]]) -> WorkerView:
-        near = min(s[0] for s in scored) * (1 + self.params.tie_tolerance)
-        roomy = [s for s in scored if s[0] <= near and s[1] <= s[4].capacity_tokens]
+    def _best(self, scored: Sequence[_Scored]) -> WorkerView:
+        near = min(s.estimate for s in scored) * (1 + self.params.tie_tolerance)
+        close = [s for s in scored if s.estimate <= near]
+        roomy = [s for s in close if s.filled <= s.view.capacity_tokens]
         if roomy:
-            return min(roomy, key=lambda s: s[1:4])[4]
-        return min(scored, key=lambda s: s[:4])[4]
+            return min(roomy, key=lambda s: (s.filled, s.outstanding, s.tiebreak)).view
+        return min(close, key=lambda s: (s.demand_s, s.estimate, s.outstanding, s.tiebreak)).view
 
-    def _sample(
-        self,
-        scored: Sequence[tuple[float, int, int, float, WorkerView]],
-    ) -> WorkerView:
-        best = min(s[0] for s in scored)
-        weights = [math.exp(-(s[0] - best) / self.params.temperature) for s in scored]
-        return self._rng.choices([s[4] for s in scored], weights=weights)[0]
+    def _sample(self, scored: Sequence[_Scored]) -> WorkerView:
+        best = min(s.estimate for s in scored)
+        weights = [math.exp(-(s.estimate - best) / self.params.temperature) for s in scored]
+        return self._rng.choices([s.view for s in scored], weights=weights)[0]
+
+
+class _Scored(NamedTuple):
+    estimate: float  # seconds to first token
+    filled: int  # tokens the worker's cache would hold with this request's
+    demand_s: float  # recent demand plus this request's new tokens, in prefill seconds
+    outstanding: int
+    tiebreak: float
+    view: WorkerView

@@ -131,7 +131,8 @@ class Router:
         candidates = self.fleet.eligible(request.model, exclude, self.stale_after_s)
         if not candidates:
             raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
-        views = [self._view(w, route) for w in candidates]
+        now = monotonic()
+        views = [self._view(w, route, now) for w in candidates]
         active = self.policies.current  # read once: one policy chooses and hears the end
         decision = active.policy.choose(route, views)
         worker = self.fleet.workers[decision.worker]
@@ -139,6 +140,7 @@ class Router:
         queued_before = worker.queued_prefill_tokens
         lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
         worker.breaker.on_dispatch()
+        worker.demand.add(route.prompt_tokens, now)
         added = self.index.touch(worker.name, route.block_hashes)
         active.policy.on_dispatch(route, worker.name)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
@@ -231,7 +233,7 @@ class Router:
         worker.epoch += 1
         self.metrics.worker_restarts.labels(worker.name).inc()
 
-    def _view(self, worker: Worker, route: RouteRequest) -> WorkerView:
+    def _view(self, worker: Worker, route: RouteRequest, now: float) -> WorkerView:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         # Requests this router (and its replicas) sent, or what the engine itself reports
         # running and waiting, whichever is more: traffic from elsewhere counts too.
@@ -248,4 +250,5 @@ class Router:
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,
             prefill_tokens_per_s=self.prefill_rate.tokens_per_s * self.speeds.ratio(worker.name),
+            recent_prompt_tokens=worker.demand.value(now),
         )

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from router.breaker import CircuitBreaker
 from router.clock import monotonic
+from router.demand import RecentDemand
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class Worker:
     engine_waiting: int = 0
     engine_kv_usage: float = 0.0
     metrics_at: float | None = None
+    demand: RecentDemand = field(default_factory=RecentDemand)  # prompt tokens sent lately
 
     def saturated(self, now: float, stale_after_s: float) -> bool:
         """Metrics missing or stale: assume the worst."""

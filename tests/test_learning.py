@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.demand import RecentDemand
 from router.learning import WorkerSpeeds
 
 
@@ -26,3 +27,16 @@ def test_worker_speeds_learn_a_slower_worker_slowly_and_within_bounds() -> None:
     assert speeds.ratio("stalled") == 0.25 and speeds.ratio("small") == 1.0
     speeds.reset("a100")
     assert speeds.ratio("a100") == 1.0
+
+
+def test_recent_demand_fades_by_half_each_half_life() -> None:
+    demand = RecentDemand(half_life_s=30.0)
+    assert demand.value(0.0) == 0.0
+    demand.add(80_000, now=100.0)
+    assert demand.value(130.0) == pytest.approx(40_000)
+    assert demand.value(160.0) == pytest.approx(20_000)
+    demand.add(5_000, now=160.0)
+    assert demand.value(160.0) == pytest.approx(25_000)
+    assert demand.value(150.0) == pytest.approx(25_000)  # a late reader sees no growth
+    with pytest.raises(ValueError, match="half_life_s"):
+        RecentDemand(half_life_s=0)

@@ -368,7 +368,13 @@ def test_params_are_frozen() -> None:
 
 
 def _ttft_view(
-    name: str, matched: int = 0, queued: int = 0, resident: int = 0, requests: int = 0
+    name: str,
+    matched: int = 0,
+    queued: int = 0,
+    resident: int = 0,
+    requests: int = 0,
+    recent: float = 0.0,
+    rate: float = 10_000.0,
 ) -> WorkerView:
     return WorkerView(
         name=name,
@@ -378,7 +384,8 @@ def _ttft_view(
         matched_tokens=matched,
         resident_tokens=resident,
         capacity_tokens=100_000,
-        prefill_tokens_per_s=10_000.0,
+        prefill_tokens_per_s=rate,
+        recent_prompt_tokens=recent,
     )
 
 
@@ -413,3 +420,27 @@ def test_ttft_new_sessions_fill_the_emptier_cache_first() -> None:
         _ttft_view("c", resident=25_000),
     ]
     assert policy.choose(request(prompt_tokens=9_000), views).worker == "b"
+
+
+def test_ttft_places_a_new_session_beside_the_least_live_context_once_caches_are_full() -> None:
+    """After warm-up every cache is full of old sessions' blocks, so resident tokens tie;
+    what was sent lately (the live sessions) tells the workers apart, in prefill seconds,
+    so a slower worker with as much live context counts as busier."""
+    policy = build_policy("ttft", seed=1)
+    views = [
+        _ttft_view("busy", resident=100_000, recent=300_000),
+        _ttft_view("quiet", resident=100_000, recent=60_000),
+        _ttft_view("fuller-but-quiet", resident=100_000, recent=90_000),
+    ]
+    assert policy.choose(request(prompt_tokens=4_000), views).worker == "quiet"
+    slow = [
+        _ttft_view("h100", resident=100_000, recent=90_000),
+        _ttft_view("a100", resident=100_000, recent=80_000, rate=8_500.0),
+    ]
+    assert policy.choose(request(prompt_tokens=4_000), slow).worker == "h100"
+    # Live context only breaks near-ties: a worker clearly faster to first token wins.
+    queued = [
+        _ttft_view("quiet-but-queued", resident=100_000, recent=0.0, queued=20_000),
+        _ttft_view("busy-idle-now", resident=100_000, recent=300_000),
+    ]
+    assert policy.choose(request(prompt_tokens=4_000), queued).worker == "busy-idle-now"
