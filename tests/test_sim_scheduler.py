@@ -179,17 +179,32 @@ def _state(scheduler: Scheduler, requests: list[SimRequest]) -> object:
     and the LRU order of what is cached (block ids themselves may be handed out in
     another order)."""
     pool = scheduler.pool
-    return ([(bytes(r.tokens), r.token_times, r.cached_tokens, r.num_preemptions,
-              r.finish_reason) for r in requests],
-            sorted(pool._cached), [pool._hash[b] for b in pool._free])
+    return (
+        [
+            (bytes(r.tokens), r.token_times, r.cached_tokens, r.num_preemptions, r.finish_reason)
+            for r in requests
+        ],
+        sorted(pool._cached),
+        [pool._hash[b] for b in pool.free_blocks()],
+    )
 
 
 def test_decode_spans_give_the_same_result_as_single_steps() -> None:
     """Spans must not change what the engine does: the same tokens at the same step
     times, the same cache contents and LRU order, under block pressure (preemption)."""
+
     def workload() -> list[SimRequest]:
-        return [SimRequest(f"r{i}", prompt_of(40 + 37 * i, f"p{i % 3}"), 30 + 17 * i,
-                           0.0, BLOCK, random.Random(i)) for i in range(6)]
+        return [
+            SimRequest(
+                f"r{i}",
+                prompt_of(40 + 37 * i, f"p{i % 3}"),
+                30 + 17 * i,
+                0.0,
+                BLOCK,
+                random.Random(i),
+            )
+            for i in range(6)
+        ]
 
     single, spanned = make_scheduler(30, seqs=4), make_scheduler(30, seqs=4)
     reference, candidate = workload(), workload()
@@ -202,8 +217,10 @@ def test_decode_spans_give_the_same_result_as_single_steps() -> None:
 
 def test_decode_span_stops_where_blocks_run_out_and_at_the_first_finish() -> None:
     scheduler = make_scheduler(12)
-    long, short = request(prompt_of(64, "a"), output=200, rid="l"), \
-        request(prompt_of(64, "b"), output=50, rid="s")
+    long, short = (
+        request(prompt_of(64, "a"), output=200, rid="l"),
+        request(prompt_of(64, "b"), output=50, rid="s"),
+    )
     scheduler.add(long)
     scheduler.add(short)
     scheduler.complete(scheduler.schedule(), 1.0)  # both prefilled, first tokens out
@@ -214,8 +231,10 @@ def test_decode_span_stops_where_blocks_run_out_and_at_the_first_finish() -> Non
     assert scheduler._decode_blocks(plan.work, span) <= scheduler.pool.num_free
     assert scheduler._decode_blocks(plan.work, span + 1) > scheduler.pool.num_free
     roomy = make_scheduler(200)
-    long, short = request(prompt_of(64, "a"), output=200, rid="l"), \
-        request(prompt_of(64, "b"), output=50, rid="s")
+    long, short = (
+        request(prompt_of(64, "a"), output=200, rid="l"),
+        request(prompt_of(64, "b"), output=50, rid="s"),
+    )
     roomy.add(long)
     roomy.add(short)
     roomy.complete(roomy.schedule(), 1.0)

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import logging
 import math
+import operator
 import random
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +19,7 @@ from bench.sim.config import EngineConfig
 from bench.sim.faults import Faults
 from bench.sim.kv_cache import BlockPool
 from bench.sim.metrics import EngineMetrics
+from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.request import SimRequest
 from bench.sim.roofline import Roofline
 from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
@@ -50,7 +52,6 @@ class SimClock:
     def now(self) -> float:
         return (monotonic() - self._origin) * self.scale
 
-
     async def sleep_until(self, sim_time: float) -> None:
         delay = (sim_time - self.now()) / self.scale
         if delay > 0:
@@ -61,8 +62,11 @@ def kv_capacity_tokens(config: EngineConfig) -> int:
     if config.kv_tokens is not None:
         return config.kv_tokens
     plan = capacity_plan(
-        config.model, config.gpu, config.tensor_parallel_size,
-        config.gpu_memory_utilization, config.kv_cache_dtype_bytes,
+        config.model,
+        config.gpu,
+        config.tensor_parallel_size,
+        config.gpu_memory_utilization,
+        config.kv_cache_dtype_bytes,
     )
     return plan.resident_tokens
 
@@ -83,10 +87,15 @@ class Engine:
         self.faults = Faults()
         self.start_time = time.time()
         self.metrics = EngineMetrics(
-            config.flavor, config.served_model_name, config.engine_id,
-            self.cache_config_labels(), self.start_time, max_model_len=self.max_model_len,
+            config.flavor,
+            config.served_model_name,
+            config.engine_id,
+            self.cache_config_labels(),
+            self.start_time,
+            max_model_len=self.max_model_len,
         )
         self.pool = BlockPool(self.num_blocks, config.block_tokens)
+        self.prefix_hashes = PrefixHashes(config.block_tokens)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self._rng = random.Random(config.seed)
         self._wake = asyncio.Event()
@@ -119,8 +128,12 @@ class Engine:
     # -- requests ---------------------------------------------------------------------
 
     def submit(
-        self, prompt: bytes, max_tokens: int, exact_length: bool,
-        seed: int | None = None, cache_salt: str | None = None,
+        self,
+        prompt: bytes,
+        max_tokens: int,
+        exact_length: bool,
+        seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> SimRequest:
         """Queue a request; it generates ``max_tokens`` tokens when ``exact_length``,
         else a natural (lognormal) length capped at ``max_tokens``."""
@@ -128,14 +141,23 @@ class Engine:
         rng = random.Random(seed if seed is not None else self._rng.getrandbits(64))
         length, reason = max_tokens, "length"
         if not exact_length:
-            natural = max(1, int(rng.lognormvariate(math.log(NATURAL_REPLY_MEDIAN_TOKENS),
-                                                    NATURAL_REPLY_SIGMA)))
+            natural = max(
+                1,
+                int(rng.lognormvariate(math.log(NATURAL_REPLY_MEDIAN_TOKENS), NATURAL_REPLY_SIGMA)),
+            )
             if natural < max_tokens:
                 length, reason = natural, "stop"
         parent = xxhash.xxh3_64_intdigest(cache_salt.encode()) if cache_salt else 0
         request = SimRequest(
-            f"{self.config.engine_id}-{self._counter}", prompt, length, self.clock.now(),
-            self.block_tokens, rng, parent, reason,
+            f"{self.config.engine_id}-{self._counter}",
+            prompt,
+            length,
+            self.clock.now(),
+            self.block_tokens,
+            rng,
+            parent,
+            reason,
+            self.prefix_hashes.hashes(prompt, parent),
         )
         self.scheduler.add(request)
         self._changed(request.arrival)
@@ -193,9 +215,7 @@ class Engine:
             now = self.clock.now()
             if not plan.work:
                 # Nothing fits this instant (every block pinned); wait for a change.
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 0.01)
+                await self._wait_for_change(0.01)
                 self._cursor = self.clock.now()
                 continue
             start = max(self._cursor, now - MAX_CATCH_UP_WALL_S * self.clock.scale)
@@ -216,9 +236,11 @@ class Engine:
         """Run up to ``span`` decode steps of ``plan``, publishing tokens at least every
         ``stream_flush_s``; returns the simulated time the last step run ended."""
         contexts = [context for _, _, context in plan.work]
-        ends = list(itertools.accumulate(
-            self.roofline.decode_step_seconds(len(contexts), sum(contexts), span),
-            initial=start))[1:]
+        ends = list(
+            itertools.accumulate(
+                self.roofline.decode_step_seconds(len(contexts), sum(contexts), span), initial=start
+            )
+        )[1:]
         flush_s = self.config.stream_flush_wall_s * self.clock.scale
         done = 0
         while done < span:
@@ -236,8 +258,10 @@ class Engine:
             now = self.clock.now() + CLOCK_RESOLUTION_S * self.clock.scale
             reached = min(bisect.bisect_right(ends, now, lo=done), span)
             if reached > done:
-                self._publish(self.scheduler.complete_decode(plan, done, ends[done:reached]),
-                              ends[reached - 1])
+                self._publish(
+                    self.scheduler.complete_decode(plan, done, ends[done:reached]),
+                    ends[reached - 1],
+                )
                 done = reached
         return ends[span - 1]
 
@@ -247,9 +271,7 @@ class Engine:
         delay = (sim_time - self.clock.now()) / self.clock.scale
         if delay > CLOCK_RESOLUTION_S:
             if wake:
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
+                await self._wait_for_change(delay)
             else:
                 await asyncio.sleep(delay)
         if not self.faults.state.stall:
@@ -257,6 +279,14 @@ class Engine:
         stalled_at = self.clock.now()
         await self.faults.wait_unstalled()
         return self.clock.now() - stalled_at
+
+    async def _wait_for_change(self, timeout_s: float) -> None:
+        """Until a request arrives or leaves, or ``timeout_s`` (wall-clock) passes.
+        ``asyncio.timeout`` rather than ``wait_for``: no task created per wait."""
+        self._wake.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._wake.wait()
 
     def record_gauges(self) -> None:
         self.metrics.record_step(
@@ -272,8 +302,10 @@ class Engine:
         for request in outcome.advanced:
             # Wake the handler on the first token, at the end, and whenever the output
             # crossed a multiple of the stream interval since the last publish.
-            if request.finished or request.published_tokens == 0 or (
-                request.output_tokens // interval > request.published_tokens // interval
+            if (
+                request.finished
+                or request.published_tokens == 0
+                or (request.output_tokens // interval > request.published_tokens // interval)
             ):
                 request.published_tokens = request.output_tokens
                 request.updated.set()
@@ -290,7 +322,7 @@ class Engine:
             queue_s=scheduled - request.arrival,
             prefill_s=first - scheduled,
             decode_s=now - first,
-            inter_token_s=[b - a for a, b in itertools.pairwise(times)],
+            inter_token_s=list(map(operator.sub, itertools.islice(times, 1, None), times)),
         )
 
 

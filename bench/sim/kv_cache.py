@@ -9,18 +9,40 @@
   can still be hit until they are reused.
 * Allocation takes the block at the head of the free queue (the least recently freed)
   and drops its hash: that is eviction.
+
+The free queue is a deque of entries, each a block id tagged with the release that
+queued it, rather than an ordered dict: a hit on a free block (``touch``) takes it out
+of the queue by forgetting its live entry, and the stale entry is skipped when it
+reaches the head (or dropped when stale entries outnumber the blocks). Every block has
+at most one live entry, in the order an ordered set would keep, so blocks are handed
+out and evicted in the same order; appending to a deque costs a fraction of inserting
+into an ordered dict, and a request frees hundreds of blocks.
+``tests/test_sim_shortcuts.py`` checks the pool against an ordered-dict model.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 
 NO_HASH = -1
+NOT_FREE = -1  # ``_entry`` of a block not in the free queue (entries are >= 0)
 
 
 class BlockPool:
-    __slots__ = ("_cached", "_free", "_hash", "_ref", "block_tokens", "num_blocks")
+    __slots__ = (
+        "_cached",
+        "_entry",
+        "_hash",
+        "_id_bits",
+        "_id_mask",
+        "_num_free",
+        "_queue",
+        "_ref",
+        "_releases",
+        "block_tokens",
+        "num_blocks",
+    )
 
     def __init__(self, num_blocks: int, block_tokens: int) -> None:
         if num_blocks < 1:
@@ -30,26 +52,45 @@ class BlockPool:
         self._ref = [0] * num_blocks
         self._hash = [NO_HASH] * num_blocks
         self._cached: dict[int, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # An entry is ``release << _id_bits | block``; it is live while ``_entry[block]``
+        # holds it. Every block starts free, queued by release 0 in id order.
+        self._id_bits = num_blocks.bit_length()
+        self._id_mask = (1 << self._id_bits) - 1
+        self._releases = 0
+        self._entry = list(range(num_blocks))
+        self._queue: deque[int] = deque(self._entry)
+        self._num_free = num_blocks
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
     def usage(self) -> float:
         """Fraction of blocks pinned by running requests (vLLM's kv_cache_usage_perc)."""
-        return 1.0 - len(self._free) / self.num_blocks
+        return 1.0 - self._num_free / self.num_blocks
+
+    def free_blocks(self) -> list[int]:
+        """The free queue, least recently freed first (the next to be handed out)."""
+        entry, mask = self._entry, self._id_mask
+        return [e & mask for e in self._queue if entry[e & mask] == e]
 
     def cached_prefix(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
         """Block ids of the longest run of leading ``hashes`` that are cached."""
+        return self.prefix_hit(hashes, max_blocks)[0]
+
+    def prefix_hit(self, hashes: Sequence[int], max_blocks: int) -> tuple[list[int], int]:
+        """``cached_prefix`` and, in the same pass, ``free_among`` of its blocks."""
         found: list[int] = []
-        cached = self._cached
+        cached, ref = self._cached, self._ref
+        free = 0
         for h in hashes[:max_blocks]:
             block = cached.get(h)
             if block is None:
                 break
             found.append(block)
-        return found
+            if ref[block] == 0:
+                free += 1
+        return found, free
 
     def free_among(self, blocks: Sequence[int]) -> int:
         """How many of ``blocks`` sit in the free queue (touching them consumes free space)."""
@@ -58,20 +99,26 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[int]) -> None:
         """Pin cached blocks for a request that hit them."""
-        ref, free = self._ref, self._free
+        ref, entry = self._ref, self._entry
         for b in blocks:
             if ref[b] == 0:
-                del free[b]
+                entry[b] = NOT_FREE
+                self._num_free -= 1
             ref[b] += 1
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` blocks from the LRU head, evicting their cached contents."""
-        if count > len(self._free):
-            raise MemoryError(f"need {count} blocks, {len(self._free)} free")
+        if count > self._num_free:
+            raise MemoryError(f"need {count} blocks, {self._num_free} free")
         blocks: list[int] = []
-        free, ref, hashes, cached = self._free, self._ref, self._hash, self._cached
-        for _ in range(count):
-            b, _ = free.popitem(last=False)
+        queue, entry, mask = self._queue, self._entry, self._id_mask
+        ref, hashes, cached = self._ref, self._hash, self._cached
+        while len(blocks) < count:
+            e = queue.popleft()
+            b = e & mask
+            if entry[b] != e:
+                continue  # taken out by a hit since it was queued
+            entry[b] = NOT_FREE
             h = hashes[b]
             if h != NO_HASH:
                 if cached.get(h) == b:
@@ -79,6 +126,7 @@ class BlockPool:
                 hashes[b] = NO_HASH
             ref[b] = 1
             blocks.append(b)
+        self._num_free -= count
         return blocks
 
     def register(self, block: int, block_hash: int) -> None:
@@ -87,13 +135,34 @@ class BlockPool:
             self._cached[block_hash] = block
             self._hash[block] = block_hash
 
+    def register_blocks(self, blocks: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """``register`` of each block with its hash, in order."""
+        cached, hashes = self._cached, self._hash
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            if block_hash not in cached:
+                cached[block_hash] = block
+                hashes[block] = block_hash
+
     def release(self, blocks: Sequence[int]) -> None:
         """Unpin a request's blocks; the unreferenced go to the free tail, last block first."""
-        ref, free = self._ref, self._free
+        ref, entry, queue = self._ref, self._entry, self._queue
+        self._releases += 1
+        tag = self._releases << self._id_bits
+        freed = 0
         for b in reversed(blocks):
             ref[b] -= 1
             if ref[b] == 0:
-                free[b] = None
+                entry[b] = e = tag | b
+                queue.append(e)
+                freed += 1
+        self._num_free += freed
+        if len(queue) > 2 * self.num_blocks:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries (hits pile them up while nothing is allocated)."""
+        entry, mask = self._entry, self._id_mask
+        self._queue = deque(e for e in self._queue if entry[e & mask] == e)
 
     def reset(self) -> None:
         """Forget everything (an engine restart). Only valid with no request running."""

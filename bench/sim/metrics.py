@@ -17,7 +17,6 @@ counter lags the real one while a request is in flight, and converges when it fi
 from __future__ import annotations
 
 import bisect
-from collections import Counter as Tally
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -35,34 +34,182 @@ DEFAULT_MAX_MODEL_LEN = 8192
 VLLM_FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 
 VLLM_TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
 )
 # Shared by vllm:inter_token_latency_seconds and vllm:request_time_per_output_token_seconds.
 VLLM_TPOT_BUCKETS: tuple[float, ...] = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-    20.0, 40.0, 80.0,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
 )
 # Shared by the e2e, queue, inference, prefill and decode time histograms.
 VLLM_REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-    240.0, 480.0, 960.0, 1920.0, 7680.0,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
 )
 
 SGLANG_TTFT_BUCKETS: tuple[float, ...] = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    2,
+    4,
+    6,
+    8,
+    10,
+    20,
+    40,
+    60,
+    80,
+    100,
+    200,
+    400,
 )
 SGLANG_ITL_BUCKETS: tuple[float, ...] = (
-    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
-    0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.000, 2.000, 4.000, 6.000, 8.000,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.010,
+    0.015,
+    0.020,
+    0.025,
+    0.030,
+    0.035,
+    0.040,
+    0.060,
+    0.080,
+    0.100,
+    0.200,
+    0.400,
+    0.600,
+    0.800,
+    1.000,
+    2.000,
+    4.000,
+    6.000,
+    8.000,
 )
 SGLANG_E2E_BUCKETS: tuple[float, ...] = (
-    0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200,
-    1800, 2400,
+    0.1,
+    0.2,
+    0.4,
+    0.6,
+    0.8,
+    1,
+    2,
+    4,
+    6,
+    8,
+    10,
+    20,
+    40,
+    60,
+    80,
+    100,
+    200,
+    400,
+    600,
+    1200,
+    1800,
+    2400,
 )
 SGLANG_QUEUE_TIME_BUCKETS: tuple[float, ...] = (
-    0.0, 0.1, 0.2, 0.5, 1, 2, 3, 4, 5, 10, 15, 20, 30, 40, 50, 60, 70, 80, 90, 100, 200,
-    300, 400, 500, 600, 700, 800, 900, 1000, 1200, 1400, 1600, 1800, 2000, 2500, 3000,
+    0.0,
+    0.1,
+    0.2,
+    0.5,
+    1,
+    2,
+    3,
+    4,
+    5,
+    10,
+    15,
+    20,
+    30,
+    40,
+    50,
+    60,
+    70,
+    80,
+    90,
+    100,
+    200,
+    300,
+    400,
+    500,
+    600,
+    700,
+    800,
+    900,
+    1000,
+    1200,
+    1400,
+    1600,
+    1800,
+    2000,
+    2500,
+    3000,
 )
 # SGLang's scheduler labels hold the parallel ranks; a simulated engine is one rank.
 SGLANG_ENGINE_TYPE = "unified"
@@ -89,13 +236,31 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     """``histogram.observe`` of every value, one lock per bucket instead of per value
     (a request's inter-token gaps are thousands of values). Reaches into
     prometheus_client's Histogram (``_upper_bounds``, ``_buckets``, ``_sum``), which has
-    no bulk call; ``tests/test_sim_metrics.py`` checks it against ``observe``."""
+    no bulk call; ``tests/test_sim_metrics.py`` checks it against ``observe``.
+
+    A value lands in the first bucket whose bound it does not exceed, so a bucket's
+    count is how many sorted values lie in ``(previous bound, bound]``: one sort and a
+    binary search per bound instead of one per value."""
     if not values:
         return
-    bounds = histogram._upper_bounds
-    for index, count in Tally(bisect.bisect_left(bounds, v) for v in values).items():
-        histogram._buckets[index].inc(count)
+    ordered = sorted(values)
+    counted, total = 0, len(ordered)
+    for index, bound in enumerate(histogram._upper_bounds):
+        upto = bisect.bisect_right(ordered, bound, counted)
+        if upto > counted:
+            histogram._buckets[index].inc(upto - counted)
+            counted = upto
+            if counted == total:
+                break
     histogram._sum.inc(sum(values))
+
+
+def observe(histogram: Histogram, value: float) -> None:
+    """``histogram.observe(value)`` with a binary search for the bucket instead of
+    prometheus_client's scan over every bound (a finished request makes ten of these);
+    ``tests/test_sim_metrics.py`` checks it against ``observe``."""
+    histogram._buckets[bisect.bisect_left(histogram._upper_bounds, value)].inc(1)
+    histogram._sum.inc(value)
 
 
 class _FlavorMetrics(Protocol):
@@ -129,9 +294,15 @@ class _Finished:
 class _VllmMetrics:
     """vLLM V1's PrometheusStatLogger series for one engine index."""
 
-    def __init__(self, registry: CollectorRegistry, histograms: CollectorRegistry,
-                 model_name: str, engine_id: str, cache_config: Mapping[str, str],
-                 max_model_len: int) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        histograms: CollectorRegistry,
+        model_name: str,
+        engine_id: str,
+        cache_config: Mapping[str, str],
+        max_model_len: int,
+    ) -> None:
         names = ["model_name", "engine"]
         values = [model_name, engine_id]
 
@@ -142,59 +313,97 @@ class _VllmMetrics:
             return Counter(name, doc, names, registry=registry).labels(*values)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets,
-                             registry=histograms).labels(*values)
+            return Histogram(name, doc, names, buckets=buckets, registry=histograms).labels(*values)
 
-        self.running = gauge("vllm:num_requests_running",
-                             "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting",
-                             "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc",
-                              "KV-cache usage. 1 means 100 percent usage.")
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed."
+        )
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
         self.prefix_queries = counter(
             "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.")
+            "Prefix cache queries, in terms of number of queried tokens.",
+        )
         self.prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
-        self.preemptions = counter("vllm:num_preemptions",
-                                   "Cumulative number of preemption from the engine.")
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens",
-                                         "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*names, "finished_reason"], registry=registry)
-        self.success = {reason: success.labels(*values, reason)
-                        for reason in VLLM_FINISH_REASONS}
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*names, "finished_reason"],
+            registry=registry,
+        )
+        self.success = {reason: success.labels(*values, reason) for reason in VLLM_FINISH_REASONS}
         token_buckets = build_1_2_5_buckets(max_model_len)
-        self.req_prompt_tokens = histogram("vllm:request_prompt_tokens",
-                                           "Number of prefill tokens processed.", token_buckets)
+        self.req_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
         self.req_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Number of generation tokens processed.",
-            token_buckets)
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", VLLM_TPOT_BUCKETS)
-        self.req_tpot = histogram("vllm:request_time_per_output_token_seconds",
-                                  "Histogram of time_per_output_token_seconds per request.",
-                                  VLLM_TPOT_BUCKETS)
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        )
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            VLLM_TTFT_BUCKETS,
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            VLLM_TPOT_BUCKETS,
+        )
+        self.req_tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            VLLM_TPOT_BUCKETS,
+        )
         latency = VLLM_REQUEST_LATENCY_BUCKETS
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", latency)
-        self.queue = histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", latency)
-        self.inference = histogram("vllm:request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.",
-                                   latency)
-        self.prefill = histogram("vllm:request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.", latency)
-        self.decode = histogram("vllm:request_decode_time_seconds",
-                                "Histogram of time spent in DECODE phase for request.", latency)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            latency,
+        )
+        self.queue = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            latency,
+        )
+        self.inference = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            latency,
+        )
+        self.prefill = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            latency,
+        )
+        self.decode = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            latency,
+        )
         # An info-style gauge: the cache config fields plus "engine" as labels, value 1, and
         # no model_name label (vLLM's log_metrics_info).
         info = {**cache_config, "engine": engine_id}
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-              list(info), registry=registry).labels(**info).set(1)
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            list(info),
+            registry=registry,
+        ).labels(**info).set(1)
 
     def record_step(self, running: int, waiting: int, kv_usage: float) -> None:
         self.running.set(running)
@@ -209,36 +418,48 @@ class _VllmMetrics:
         self.preemptions.inc()
 
     def record_first_token(self, ttft_s: float) -> None:
-        self.ttft.observe(ttft_s)
+        observe(self.ttft, ttft_s)
 
     def record_finished(self, request: _Finished) -> None:
         if request.reason not in self.success:
-            raise ValueError(f"unknown finished_reason {request.reason!r}; "
-                             f"known: {', '.join(VLLM_FINISH_REASONS)}")
+            raise ValueError(
+                f"unknown finished_reason {request.reason!r}; "
+                f"known: {', '.join(VLLM_FINISH_REASONS)}"
+            )
         self.success[request.reason].inc()
         self.prompt_tokens.inc(request.prompt_tokens)
         self.generation_tokens.inc(request.generation_tokens)
-        self.req_prompt_tokens.observe(request.prompt_tokens)
-        self.req_generation_tokens.observe(request.generation_tokens)
+        observe(self.req_prompt_tokens, request.prompt_tokens)
+        observe(self.req_generation_tokens, request.generation_tokens)
         observe_many(self.itl, request.inter_token_s)
         # vLLM leaves out the first token, which the prefill produced.
         decoded = request.generation_tokens - 1
-        self.req_tpot.observe(request.decode_s / decoded if decoded > 0 else 0.0)
-        self.e2e.observe(request.e2e_s)
-        self.queue.observe(request.queue_s)
-        self.inference.observe(request.prefill_s + request.decode_s)
-        self.prefill.observe(request.prefill_s)
-        self.decode.observe(request.decode_s)
+        observe(self.req_tpot, request.decode_s / decoded if decoded > 0 else 0.0)
+        observe(self.e2e, request.e2e_s)
+        observe(self.queue, request.queue_s)
+        observe(self.inference, request.prefill_s + request.decode_s)
+        observe(self.prefill, request.prefill_s)
+        observe(self.decode, request.decode_s)
 
 
 class _SglangMetrics:
     """SGLang's scheduler and tokenizer-manager series for one single-rank server."""
 
-    def __init__(self, registry: CollectorRegistry, histograms: CollectorRegistry,
-                 model_name: str, cache_config: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        histograms: CollectorRegistry,
+        model_name: str,
+        cache_config: Mapping[str, str],
+    ) -> None:
         # SchedulerMetricsCollector labels / TokenizerMetricsCollector labels.
-        sched = {"model_name": model_name, "engine_type": SGLANG_ENGINE_TYPE,
-                 "tp_rank": SGLANG_RANK, "pp_rank": SGLANG_RANK, "moe_ep_rank": SGLANG_RANK}
+        sched = {
+            "model_name": model_name,
+            "engine_type": SGLANG_ENGINE_TYPE,
+            "tp_rank": SGLANG_RANK,
+            "pp_rank": SGLANG_RANK,
+            "moe_ep_rank": SGLANG_RANK,
+        }
         tok = {"model_name": model_name, "engine_type": SGLANG_ENGINE_TYPE}
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -247,44 +468,63 @@ class _SglangMetrics:
         def counter(name: str, doc: str, labels: dict[str, str]) -> Counter:
             return Counter(name, doc, list(labels), registry=registry).labels(**labels)
 
-        def histogram(name: str, doc: str, buckets: Sequence[float],
-                      labels: dict[str, str]) -> Histogram:
-            return Histogram(name, doc, list(labels), buckets=buckets,
-                             registry=histograms).labels(**labels)
+        def histogram(
+            name: str, doc: str, buckets: Sequence[float], labels: dict[str, str]
+        ) -> Histogram:
+            return Histogram(name, doc, list(labels), buckets=buckets, registry=histograms).labels(
+                **labels
+            )
 
         self.running = gauge("sglang:num_running_reqs", "The number of running requests.")
-        self.queued = gauge("sglang:num_queue_reqs",
-                            "The number of requests in the waiting queue.")
+        self.queued = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
         self.token_usage = gauge("sglang:token_usage", "The token usage.")
         self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
         max_tokens = cache_config.get(SGLANG_MAX_TOTAL_TOKENS_KEY)
         if max_tokens is not None:
-            gauge("sglang:max_total_num_tokens",
-                  "Maximum total number of tokens in the KV cache pool.").set(float(max_tokens))
-        self.retracted = counter("sglang:num_retracted_requests_total",
-                                 "Total number of retracted requests.", sched)
-        self.queue_time = histogram("sglang:queue_time_seconds",
-                                    "Histogram of queueing time in seconds.",
-                                    SGLANG_QUEUE_TIME_BUCKETS, sched)
-        self.prompt_tokens = counter("sglang:prompt_tokens_total",
-                                     "Number of prefill tokens processed.", tok)
-        self.generation_tokens = counter("sglang:generation_tokens_total",
-                                         "Number of generation tokens processed.", tok)
-        self.cached_tokens = counter("sglang:cached_tokens_total",
-                                     "Number of cached prompt tokens.", tok)
-        self.requests = counter("sglang:num_requests_total", "Number of requests processed.",
-                                tok)
-        self.aborted = counter("sglang:num_aborted_requests_total", "Number of requests aborted.",
-                               tok)
-        self.ttft = histogram("sglang:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.",
-                              SGLANG_TTFT_BUCKETS, tok)
-        self.itl = histogram("sglang:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.",
-                             SGLANG_ITL_BUCKETS, tok)
-        self.e2e = histogram("sglang:e2e_request_latency_seconds",
-                             "Histogram of End-to-end request latency in seconds",
-                             SGLANG_E2E_BUCKETS, tok)
+            gauge(
+                "sglang:max_total_num_tokens",
+                "Maximum total number of tokens in the KV cache pool.",
+            ).set(float(max_tokens))
+        self.retracted = counter(
+            "sglang:num_retracted_requests_total", "Total number of retracted requests.", sched
+        )
+        self.queue_time = histogram(
+            "sglang:queue_time_seconds",
+            "Histogram of queueing time in seconds.",
+            SGLANG_QUEUE_TIME_BUCKETS,
+            sched,
+        )
+        self.prompt_tokens = counter(
+            "sglang:prompt_tokens_total", "Number of prefill tokens processed.", tok
+        )
+        self.generation_tokens = counter(
+            "sglang:generation_tokens_total", "Number of generation tokens processed.", tok
+        )
+        self.cached_tokens = counter(
+            "sglang:cached_tokens_total", "Number of cached prompt tokens.", tok
+        )
+        self.requests = counter("sglang:num_requests_total", "Number of requests processed.", tok)
+        self.aborted = counter(
+            "sglang:num_aborted_requests_total", "Number of requests aborted.", tok
+        )
+        self.ttft = histogram(
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            SGLANG_TTFT_BUCKETS,
+            tok,
+        )
+        self.itl = histogram(
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            SGLANG_ITL_BUCKETS,
+            tok,
+        )
+        self.e2e = histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            SGLANG_E2E_BUCKETS,
+            tok,
+        )
         # Tokens queried / hit by the requests scheduled since the last step: SGLang reports
         # the hit rate of its last prefill batch, not a cumulative one.
         self._batch_queries = 0
@@ -310,7 +550,7 @@ class _SglangMetrics:
         self.retracted.inc()
 
     def record_first_token(self, ttft_s: float) -> None:
-        self.ttft.observe(ttft_s)
+        observe(self.ttft, ttft_s)
 
     def record_finished(self, request: _Finished) -> None:
         if request.reason == "abort":
@@ -319,8 +559,8 @@ class _SglangMetrics:
         self.prompt_tokens.inc(request.prompt_tokens)
         self.generation_tokens.inc(request.generation_tokens)
         observe_many(self.itl, request.inter_token_s)
-        self.e2e.observe(request.e2e_s)
-        self.queue_time.observe(request.queue_s)
+        observe(self.e2e, request.e2e_s)
+        observe(self.queue_time, request.queue_s)
 
 
 class EngineMetrics:
@@ -333,9 +573,16 @@ class EngineMetrics:
     ``"0"`` on a single-engine server); SGLang has no such label.
     """
 
-    def __init__(self, flavor: Flavor, model_name: str, engine_id: str,
-                 cache_config: Mapping[str, str], start_time: float, *,
-                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+    def __init__(
+        self,
+        flavor: Flavor,
+        model_name: str,
+        engine_id: str,
+        cache_config: Mapping[str, str],
+        start_time: float,
+        *,
+        max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    ) -> None:
         if flavor not in ("vllm", "sglang"):
             raise ValueError(f"unknown flavor {flavor!r}; known: vllm, sglang")
         if max_model_len < 1:
@@ -354,15 +601,23 @@ class EngineMetrics:
         registry, histograms = CollectorRegistry(), CollectorRegistry()
         metrics: _FlavorMetrics
         if self._flavor == "vllm":
-            metrics = _VllmMetrics(registry, histograms, self._model_name, self._engine_id,
-                                   self._cache_config, self._max_model_len)
+            metrics = _VllmMetrics(
+                registry,
+                histograms,
+                self._model_name,
+                self._engine_id,
+                self._cache_config,
+                self._max_model_len,
+            )
         else:
             metrics = _SglangMetrics(registry, histograms, self._model_name, self._cache_config)
         # prometheus_client's ProcessCollector would give every engine in this process the
         # same value, and a simulated restart could not move it.
-        Gauge("process_start_time_seconds",
-              "Start time of the process since unix epoch in seconds.",
-              registry=registry).set(start_time)
+        Gauge(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            registry=registry,
+        ).set(start_time)
         self._registry, self._histograms, self._metrics = registry, histograms, metrics
         self._histogram_text: bytes | None = None
 
@@ -387,13 +642,30 @@ class EngineMetrics:
         self._metrics.record_first_token(ttft_s)
         self._histogram_text = None
 
-    def record_finished(self, finished_reason: str, prompt_tokens: int, generation_tokens: int,
-                        e2e_s: float, queue_s: float, prefill_s: float, decode_s: float,
-                        inter_token_s: Sequence[float]) -> None:
+    def record_finished(
+        self,
+        finished_reason: str,
+        prompt_tokens: int,
+        generation_tokens: int,
+        e2e_s: float,
+        queue_s: float,
+        prefill_s: float,
+        decode_s: float,
+        inter_token_s: Sequence[float],
+    ) -> None:
         """Once per request as it leaves the engine; ``finished_reason`` is stop|length|abort."""
-        self._metrics.record_finished(_Finished(
-            finished_reason, prompt_tokens, generation_tokens, e2e_s, queue_s, prefill_s,
-            decode_s, inter_token_s))
+        self._metrics.record_finished(
+            _Finished(
+                finished_reason,
+                prompt_tokens,
+                generation_tokens,
+                e2e_s,
+                queue_s,
+                prefill_s,
+                decode_s,
+                inter_token_s,
+            )
+        )
         self._histogram_text = None
 
     def render(self) -> tuple[bytes, str]:

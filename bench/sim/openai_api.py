@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import orjson
+
 from bench.tokenizer import IM_END, encode_piece, encode_token_ids, render_chat
 
 Kind = Literal["chat", "completion"]
@@ -235,6 +237,40 @@ def stream_chunk(
         "model": model,
         "choices": [choice],
     }
+
+
+def sse_event(obj: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+# A text no chunk carries, whose JSON splits a chunk's encoding around its text.
+_TEXT_MARK = "\x00"
+_TEXT_MARK_JSON = orjson.dumps(_TEXT_MARK)
+
+
+class ChunkEvents:
+    """``sse_event(stream_chunk(...))`` of one stream's text chunks without building and
+    encoding the dict each time: the bytes around the text are encoded once per finish
+    reason, from ``stream_chunk`` itself, and the text alone is encoded per chunk.
+    ``tests/test_sim_shortcuts.py`` checks the two give the same bytes."""
+
+    __slots__ = ("_created", "_frames", "_kind", "_model", "_rid")
+
+    def __init__(self, kind: Kind, rid: str, model: str, created: int) -> None:
+        self._kind, self._rid, self._model, self._created = kind, rid, model, created
+        self._frames: dict[str | None, tuple[bytes, bytes]] = {}
+
+    def text(self, text: str, finish_reason: str | None) -> bytes:
+        frame = self._frames.get(finish_reason)
+        if frame is None:
+            chunk = stream_chunk(
+                self._kind, self._rid, self._model, self._created, _TEXT_MARK, finish_reason
+            )
+            # The text follows the id and the model, which may hold anything: the last mark.
+            head, _, tail = sse_event(chunk).rpartition(_TEXT_MARK_JSON)
+            frame = self._frames[finish_reason] = (head, tail)
+        return frame[0] + orjson.dumps(text) + frame[1]
 
 
 def usage_chunk(

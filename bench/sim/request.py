@@ -10,6 +10,9 @@ from bench.block_hash import chain_hashes
 from bench.textgen import generated_text
 from bench.tokenizer import TOKEN_BYTES
 
+# Most output tokens sampled ahead of need (``SimRequest._draw_ahead``).
+DRAW_AHEAD_TOKENS = 512
+
 
 class Status(Enum):
     WAITING = "waiting"
@@ -17,65 +20,133 @@ class Status(Enum):
     FINISHED = "finished"
 
 
+# The members as plain names for the per-step checks: an attribute of an Enum class
+# takes ~15x longer to look up than a global.
+WAITING, RUNNING, FINISHED = Status.WAITING, Status.RUNNING, Status.FINISHED
+
+
 class SimRequest:
     """Token state, timing and the signal a handler waits on.
 
-    ``tokens`` is the prompt followed by every generated token (4 bytes each);
-    ``num_computed`` of them have KV in ``blocks``. ``hashes`` covers the full blocks
-    of ``tokens`` and grows as output is generated.
+    The tokens are the prompt (whole tokens, 4 bytes each) followed by every generated
+    token (``output``); they are kept apart so that generating never copies the prompt.
+    ``num_computed`` of them have KV in ``blocks``. ``hashes`` covers their full blocks
+    and grows as output is generated.
     """
 
     __slots__ = (
-        "arrival", "blocks", "cached_tokens", "end_reason", "finish_reason", "finished_at",
-        "first_token_at", "hashes", "id", "max_output", "num_computed", "num_preemptions",
-        "output_tokens", "prompt_tokens", "published_tokens", "rng", "scheduled_at", "status",
-        "token_times", "tokens", "updated",
+        "_drawn",
+        "_drawn_at",
+        "arrival",
+        "blocks",
+        "cached_tokens",
+        "end_reason",
+        "finish_reason",
+        "finished_at",
+        "first_token_at",
+        "hashes",
+        "id",
+        "max_output",
+        "num_computed",
+        "num_preemptions",
+        "output",
+        "output_tokens",
+        "prompt",
+        "prompt_tokens",
+        "published_tokens",
+        "rng",
+        "scheduled_at",
+        "status",
+        "token_times",
+        "updated",
     )
 
     def __init__(
-        self, request_id: str, prompt: bytes, max_output: int, arrival: float,
-        block_tokens: int, rng: random.Random, parent_hash: int = 0, end_reason: str = "length",
+        self,
+        request_id: str,
+        prompt: bytes,
+        max_output: int,
+        arrival: float,
+        block_tokens: int,
+        rng: random.Random,
+        parent_hash: int = 0,
+        end_reason: str = "length",
+        hashes: list[int] | None = None,
     ) -> None:
         self.id = request_id
-        self.tokens = bytearray(prompt)
+        self.prompt = prompt
+        self.output = bytearray()
         self.prompt_tokens = len(prompt) // TOKEN_BYTES
         self.max_output = max_output
         # Why generation stops at max_output: "length" (max_tokens) or "stop" (an EOS).
         self.end_reason = end_reason
         self.arrival = arrival
         self.rng = rng
-        self.hashes = chain_hashes(prompt, block_tokens, parent_hash)
+        # ``hashes``, when given, must be ``chain_hashes`` of the prompt (``PrefixHashes``).
+        self.hashes = chain_hashes(prompt, block_tokens, parent_hash) if hashes is None else hashes
         self.blocks: list[int] = []
         self.num_computed = 0
         self.output_tokens = 0
         self.published_tokens = 0  # output tokens the handler was last woken for
         self.cached_tokens = 0
         self.num_preemptions = 0
-        self.status = Status.WAITING
+        self.status = WAITING
         self.scheduled_at: float | None = None
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.finish_reason: str | None = None
         self.token_times: list[float] = []
         self.updated = asyncio.Event()
+        # Tokens sampled ahead of the output (``_draw_ahead``), from ``_drawn_at`` on.
+        self._drawn = b""
+        self._drawn_at = 0
+
+    @property
+    def tokens(self) -> bytes:
+        """The prompt and the output so far."""
+        return self.prompt + self.output
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens) // TOKEN_BYTES
+        return self.prompt_tokens + self.output_tokens
 
     @property
     def finished(self) -> bool:
-        return self.status is Status.FINISHED
+        return self.status is FINISHED
 
     def append_generated(self, block_tokens: int, count: int = 1) -> None:
         """Append ``count`` sampled tokens and hash the blocks they fill."""
-        self.tokens += generated_text(self.rng, count).encode("ascii")
+        size = count * TOKEN_BYTES
+        if len(self._drawn) - self._drawn_at < size:
+            self._draw_ahead(count)
+        at = self._drawn_at
+        self.output += self._drawn[at : at + size]
+        self._drawn_at = at + size
         self.output_tokens += count
-        full = self.num_tokens // block_tokens
-        if full > len(self.hashes):
+        step = block_tokens * TOKEN_BYTES
+        start = len(self.hashes) * step  # the first block not hashed yet
+        end = (len(self.prompt) + len(self.output)) // step * step
+        if end > start:
+            # The prompt's full blocks were hashed with it: a block still to hash starts
+            # in the prompt's last, partial block or in the output.
+            prompt_bytes = len(self.prompt)
+            fresh: bytes | bytearray
+            if start < prompt_bytes:
+                fresh = self.prompt[start:] + self.output[: end - prompt_bytes]
+            else:
+                fresh = self.output[start - prompt_bytes : end - prompt_bytes]
             parent = self.hashes[-1] if self.hashes else 0
-            self.hashes += chain_hashes(self.tokens, block_tokens, parent, len(self.hashes))
+            self.hashes += chain_hashes(fresh, block_tokens, parent)
+
+    def _draw_ahead(self, count: int) -> None:
+        """Sample at least ``count`` more tokens into ``_drawn``, up to ``DRAW_AHEAD_TOKENS``
+        of the output still to come: one ``generated_text`` call per step would cost more
+        than the tokens, and it takes one ``random()`` per token whatever the batch, so
+        the text is the same as sampling each step's tokens on their own."""
+        left = self._drawn[self._drawn_at :]
+        ahead = max(count, min(DRAW_AHEAD_TOKENS, self.max_output - self.output_tokens))
+        fresh = generated_text(self.rng, ahead - len(left) // TOKEN_BYTES).encode("ascii")
+        self._drawn, self._drawn_at = left + fresh, 0
 
     def output_text(self, start_token: int = 0) -> str:
-        begin = (self.prompt_tokens + start_token) * TOKEN_BYTES
-        return self.tokens[begin:].decode("ascii")
+        return self.output[start_token * TOKEN_BYTES :].decode("ascii")

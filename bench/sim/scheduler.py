@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from bench.sim.kv_cache import BlockPool
-from bench.sim.request import SimRequest, Status
+from bench.sim.request import FINISHED, RUNNING, WAITING, SimRequest
 
 
 @dataclass(slots=True)
@@ -69,13 +69,13 @@ class Scheduler:
 
     def abort(self, request: SimRequest) -> None:
         """Drop a request wherever it is (client gone) and free what it held."""
-        if request.status is Status.RUNNING:
+        if request.status is RUNNING:
             self.running.remove(request)
             self._free(request)
-        elif request.status is Status.WAITING:
+        elif request.status is WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
-        request.status = Status.FINISHED
+        request.status = FINISHED
         request.finish_reason = request.finish_reason or "abort"
 
     def schedule(self) -> StepPlan:
@@ -98,7 +98,7 @@ class Scheduler:
                 plan.preempted.append(victim)
                 if victim is request:
                     break
-            if request.status is not Status.RUNNING:
+            if request.status is not RUNNING:
                 break
             if need > 0:
                 request.blocks += self.pool.allocate(need)
@@ -112,11 +112,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             # A hit never covers the last token: at least one token must be computed.
-            hit = pool.cached_prefix(request.hashes, (request.num_tokens - 1) // block_tokens)
+            hit, hit_free = pool.prefix_hit(
+                request.hashes, (request.num_tokens - 1) // block_tokens
+            )
             computed = len(hit) * block_tokens
             new = min(request.num_tokens - computed, budget)
             need = _blocks_for(computed + new, block_tokens) - len(hit)
-            if need + pool.free_among(hit) > pool.num_free:
+            if need + hit_free > pool.num_free:
                 break
             self.waiting.popleft()
             pool.touch(hit)
@@ -125,7 +127,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.cached_tokens = computed
                 plan.prefix_queries.append((request.num_tokens, computed))
-            request.status = Status.RUNNING
+            request.status = RUNNING
             self.running.append(request)
             plan.work.append((request, new, computed))
             budget -= new
@@ -159,8 +161,10 @@ class Scheduler:
     def _decode_blocks(self, work: list[tuple[SimRequest, int, int]], steps: int) -> int:
         """Blocks to allocate beyond those held so each request can decode ``steps``."""
         block_tokens = self.pool.block_tokens
-        return sum(max(0, _blocks_for(context + steps, block_tokens) - len(request.blocks))
-                   for request, _, context in work)
+        return sum(
+            max(0, _blocks_for(context + steps, block_tokens) - len(request.blocks))
+            for request, _, context in work
+        )
 
     def complete_decode(self, plan: StepPlan, done: int, times: list[float]) -> StepOutcome:
         """Apply decode steps ``done + 1 .. done + len(times)`` of a span from
@@ -169,17 +173,17 @@ class Scheduler:
         pool, block_tokens = self.pool, self.pool.block_tokens
         steps, end = len(times), done + len(times)
         for request, _, context in plan.work:
-            if request.status is not Status.RUNNING:
+            if request.status is not RUNNING:
                 continue  # aborted while the span ran
             need = _blocks_for(context + end, block_tokens) - len(request.blocks)
             if need > 0:
                 request.blocks += pool.allocate(need)
-            computed_before = request.num_computed
+            first = request.num_computed // block_tokens  # the first block not yet full
             request.append_generated(block_tokens, steps)
             request.num_computed = context + end
-            for index in range(computed_before // block_tokens,
-                               request.num_computed // block_tokens):
-                pool.register(request.blocks[index], request.hashes[index])
+            full = request.num_computed // block_tokens
+            if full > first:
+                pool.register_blocks(request.blocks[first:full], request.hashes[first:full])
             request.token_times += times
             outcome.advanced.append(request)
             if request.output_tokens >= request.max_output:
@@ -192,11 +196,12 @@ class Scheduler:
         outcome = StepOutcome()
         pool, block_tokens = self.pool, self.pool.block_tokens
         for request, new, context in plan.work:
-            if request.status is not Status.RUNNING:
+            if request.status is not RUNNING:
                 continue  # aborted while the step ran
             request.num_computed = context + new
-            for index in range(context // block_tokens, request.num_computed // block_tokens):
-                pool.register(request.blocks[index], request.hashes[index])
+            first, full = context // block_tokens, request.num_computed // block_tokens
+            if full > first:  # cache the blocks this step filled
+                pool.register_blocks(request.blocks[first:full], request.hashes[first:full])
             if request.num_computed < request.num_tokens:
                 continue  # prefill chunk, no token yet
             if request.first_token_at is None:
@@ -213,7 +218,7 @@ class Scheduler:
     def _finish(self, request: SimRequest, now: float) -> None:
         self.running.remove(request)
         self._free(request)
-        request.status = Status.FINISHED
+        request.status = FINISHED
         request.finish_reason = request.end_reason
         request.finished_at = now
 
@@ -221,7 +226,7 @@ class Scheduler:
         self._free(request)
         request.num_computed = 0
         request.num_preemptions += 1
-        request.status = Status.WAITING
+        request.status = WAITING
         self.waiting.appendleft(request)
 
     def _free(self, request: SimRequest) -> None:
@@ -232,7 +237,7 @@ class Scheduler:
         """Drop every request (an engine restart); returns the ones that were dropped."""
         dropped = [*self.running, *self.waiting]
         for request in dropped:
-            request.status = Status.FINISHED
+            request.status = FINISHED
             request.finish_reason = "abort"
         self.running.clear()
         self.waiting.clear()
