@@ -78,7 +78,9 @@ def rows(traces: Path = TRACES, mooncake_rows: int = 400) -> list[Row]:
         Row("shared-prompt", "users sharing a few long system prompts",
             lambda c: shared_prompt.generate(
                 shared_prompt.SharedPromptParams(sessions=160, rate=2.0), c.seed)),
-        Row("mix", "agent, chat and shared-prompt sessions together",
+        Row("mix", "agent, chat and shared-prompt sessions together, heavy cache pressure",
+            lambda c: mix.generate(mix.MixParams(sessions=120, rate=0.15), c.seed)),
+        Row("mix-overload", "the same mix arriving at 0.5/s, past what the fleet serves",
             lambda c: mix.generate(mix.MixParams(sessions=120, rate=0.5), c.seed)),
         Row("qa", "multi-user QA: a shared system prompt, long per-user history, 8 rounds",
             lambda c: qa.generate(qa.QaParams(), c.seed), kv_tokens=100_000),

@@ -216,11 +216,11 @@ def test_offline_reference_matches_one_fed_the_engines_own_replies() -> None:
     online = CapacityReference(params)
     for request in _ordered_requests(turns, records, replies):
         online.observe(*request)
-    offline = capacity_reference(turns, records, params, hindsight=False)
+    offline = capacity_reference(turns, records, params, hindsight=False, order="run")
     assert offline.hits == online.result().hits
     assert failed.isdisjoint(offline.hits)
     assert 0 < offline.hit_rate < 1
-    hindsight = capacity_reference(turns, records, params)
+    hindsight = capacity_reference(turns, records, params, order="run")
     placed = CapacityReference(params, hindsight_placement(records, 2))
     for request in _ordered_requests(turns, records, replies):
         placed.observe(*request)
@@ -289,3 +289,21 @@ def test_a_record_outside_the_trace_is_an_error() -> None:
     records[0] = replace(records[0], session="nobody")
     with pytest.raises(ValueError, match="nobody"):
         capacity_reference(turns, records, ReferenceParams(1, 4000))
+
+
+def test_the_trace_order_reference_is_the_same_whatever_order_the_run_took() -> None:
+    """A slow router's closed-loop run interleaves sessions less; the trace's order gives
+    every router on the same trace one yardstick, the run's order does not."""
+    turns = _agent_trace()
+    records = _records(turns)
+    # The same requests, but each session's turns bunched together, one session after
+    # another (as a router that leaves sessions waiting in queues would make them).
+    bunched, clock = [], 0.0
+    for record in sorted(records, key=lambda r: (r.session, r.turn)):
+        clock += 1.0
+        bunched.append(replace(record, start=clock))
+    params = ReferenceParams(workers=1, kv_tokens=4000)
+    in_trace_order = capacity_reference(turns, records, params)
+    assert capacity_reference(turns, bunched, params).hits == in_trace_order.hits
+    as_run = capacity_reference(turns, bunched, params, order="run")
+    assert as_run.hit_rate > in_trace_order.hit_rate  # less interleaving, fewer evictions

@@ -22,17 +22,18 @@ routing perfect but the memory real:
   block first, so a prefix's tail is evicted before its head; allocation evicts from the
   LRU head. The request's KV covers its prompt and reply except the last generated
   token, which never had its KV computed (as ``PrefixOracle.observe_completion``).
-* **Order and concurrency.** Requests are replayed one at a time in the order they
-  started; each occupies its blocks only momentarily (touch the hit, allocate the rest,
-  register the full blocks, release). Requests in flight together in a real engine pin
+* **Order and concurrency.** Requests are replayed one at a time in the trace's order
+  (each turn at its nominal arrival; the same for every router on a trace); each
+  occupies its blocks only momentarily (touch the hit, allocate the rest, register the
+  full blocks, release). Requests in flight together in a real engine pin
   each other's blocks and can force extra evictions or preemptions; that is a
   second-order effect this reference leaves out. A request whose KV exceeds a worker's
   whole pool (an engine would reject it) caches only its first blocks.
 
 Two ways in. ``CapacityReference.observe`` takes the prompt and reply bytes a replay
 builds, in start order. ``capacity_reference`` needs no rerun: it rebuilds every prompt
-from the trace plus a run's records (start order, completion lengths, which turns
-failed), with synthetic replies of the recorded lengths. Hits depend only on which
+from the trace plus a run's records (completion lengths, which turns failed, and start
+order where asked), with synthetic replies of the recorded lengths. Hits depend only on which
 prefixes requests share, and replies (engine-generated, different for every request)
 are shared by no other session either way, so both give the same numbers. A failed
 turn counts as never sent: it is left out of the totals, as in ``summarize``, and out of
@@ -44,6 +45,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from bench.block_hash import DEFAULT_BLOCK_TOKENS, chain_hashes
 from bench.replay.conversation import Conversation, tokenize_prompt, tokenize_reply
@@ -187,24 +189,34 @@ def hindsight_placement(records: Iterable[RequestRecord], workers: int) -> dict[
 
 def capacity_reference(
     turns: Sequence[Turn], records: Iterable[RequestRecord], params: ReferenceParams,
-    hindsight: bool = True,
+    hindsight: bool = True, order: Literal["trace", "run"] = "trace",
 ) -> ReferenceResult:
     """The reference for a finished run, from its trace and its records (no rerun);
     sessions placed by ``hindsight_placement``, or as they arrive without ``hindsight``.
 
-    Successful records are served in start order (ties by session, turn); within a
-    session that is turn order, since a turn starts after the previous reply ended.
+    Successful records are served in the trace's order (``order="trace"``: each turn at
+    its nominal arrival, what an infinitely fast fleet would see) or in the run's
+    (``"run"``: start order); ties by session, turn. Within a session both are turn
+    order. The trace's order gives every router replaying the same trace the same
+    yardstick: on a closed-loop replay a slow router's own order interleaves sessions
+    less (a session waiting in a queue sends nothing), which raises a run-order
+    reference for the router that made it slow.
     """
     records = list(records)
     by_key = {(t.session, t.turn): t for t in turns}
+    for record in records:
+        if (record.session, record.turn) not in by_key:
+            raise ValueError(f"record {record.session!r} turn {record.turn} is not in the trace")
     conversations = {s.id: Conversation(s.turns[0].system) for s in group_sessions(turns)}
     placement = hindsight_placement(records, params.workers) if hindsight else None
     reference = CapacityReference(params, placement)
-    done = sorted((r for r in records if r.ok), key=lambda r: (r.start, r.session, r.turn))
+
+    def when(record: RequestRecord) -> float:
+        return by_key[(record.session, record.turn)].arrival if order == "trace" else record.start
+
+    done = sorted((r for r in records if r.ok), key=lambda r: (when(r), r.session, r.turn))
     for record in done:
-        turn = by_key.get((record.session, record.turn))
-        if turn is None:
-            raise ValueError(f"record {record.session!r} turn {record.turn} is not in the trace")
+        turn = by_key[(record.session, record.turn)]
         conversation = conversations[record.session]
         messages = conversation.request(turn)
         reply = synthetic_reply(record.session, record.turn, record.completion_tokens)
