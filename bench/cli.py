@@ -7,7 +7,17 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import dashboards, engine_cpu, kill, matrix, peers, perf, replicas, sweep
+    from bench import (
+        dashboards,
+        engine_cpu,
+        kill,
+        matrix,
+        peers,
+        perf,
+        replicas,
+        rescore,
+        sweep,
+    )
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
 
@@ -20,6 +30,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     peers.register(sub)
     replicas.register(sub)
     matrix.register(sub)
+    rescore.register(sub)
     sweep.register(sub)
     kill.register(sub)
     dashboards.register(sub)

@@ -1,0 +1,48 @@
+"""``kvrouter bench rescore``: a finished matrix's figures rebuilt from its saved runs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench.replay.reference import ReferenceParams, capacity_reference
+from bench.replay.result import RunMeta, RunResult, save_result
+from bench.rescore import rescore
+from bench.workloads.trace import write_trace
+from tests.test_reference import _agent_trace, _records
+
+
+def test_rescore_rebuilds_the_reference_from_each_rounds_trace_and_records(
+    tmp_path: Path,
+) -> None:
+    turns = _agent_trace()
+    records = _records(turns)
+    row = tmp_path / "agent"
+    row.mkdir()
+    write_trace(turns, row / "trace.r1.jsonl")
+    meta = RunMeta(target="http://x", trace="t", model="m", time_scale=1.0, concurrency=0,
+                   started_at="2026-12-01T00:00:00Z", duration_s=100.0)
+    # A slower router's run: the same requests, each session's turns bunched together.
+    in_session_order = sorted(records, key=lambda r: (r.session, r.turn))
+    bunched = [replace(r, start=float(i)) for i, r in enumerate(in_session_order)]
+    save_result(RunResult(meta, tuple(records)), row / "fast.r1.json")
+    save_result(RunResult(meta, tuple(bunched)), row / "slow.r1.json")
+    (row / "rounds.json").write_bytes(orjson.dumps({"slow": {}, "fast": {}}))
+    (tmp_path / "not-a-row").mkdir()
+
+    results = rescore(tmp_path, engines=1, kv_tokens=4000)
+
+    assert list(results) == ["agent"] and results["agent"].labels == ["slow", "fast"]
+    params = ReferenceParams(1, 4000)
+    expected = capacity_reference(turns, records, params)
+    own_order = capacity_reference(turns, bunched, params, order="run")
+    assert own_order.hit_rate != pytest.approx(expected.hit_rate)  # the order matters here
+    for label in ("slow", "fast"):
+        (run,) = results["agent"].runs[label]
+        assert run.reference_hit_rate == pytest.approx(expected.hit_rate)  # one yardstick
+    saved = orjson.loads((tmp_path / "matrix.json").read_bytes())
+    assert set(saved["agent"]) == {"slow", "fast"}
+    assert "| agent | slow |" in (tmp_path / "matrix.md").read_text()
