@@ -49,9 +49,8 @@ def rescore_row(directory: Path, params: ReferenceParams) -> Rounds:
 def rescore(out: Path, engines: int, kv_tokens: int = DEFAULT_KV_TOKENS) -> dict[str, Rounds]:
     """Every matrix row directory in ``out``; ``kv_tokens`` for the rows without their own
     (the matrix's ``--kv-tokens``)."""
-    known = {row.name: row for row in rows()}
-    present = [known[d.name] for d in sorted(out.iterdir()) if d.is_dir() and d.name in known]
-    order = [row for row in rows() if row in present]
+    present = {d.name for d in out.iterdir() if d.is_dir()}
+    order = [row for row in rows() if row.name in present]
     results = {
         row.name: rescore_row(out / row.name, ReferenceParams(engines, row.kv_tokens or kv_tokens))
         for row in order

@@ -216,11 +216,11 @@ def test_offline_reference_matches_one_fed_the_engines_own_replies() -> None:
     online = CapacityReference(params)
     for request in _ordered_requests(turns, records, replies):
         online.observe(*request)
-    offline = capacity_reference(turns, records, params, hindsight=False, order="run")
+    offline = capacity_reference(turns, records, params, hindsight=False)
     assert offline.hits == online.result().hits
     assert failed.isdisjoint(offline.hits)
     assert 0 < offline.hit_rate < 1
-    hindsight = capacity_reference(turns, records, params, order="run")
+    hindsight = capacity_reference(turns, records, params)
     placed = CapacityReference(params, hindsight_placement(records, 2))
     for request in _ordered_requests(turns, records, replies):
         placed.observe(*request)
@@ -293,7 +293,7 @@ def test_a_record_outside_the_trace_is_an_error() -> None:
 
 def test_the_trace_order_reference_is_the_same_whatever_order_the_run_took() -> None:
     """A slow router's closed-loop run interleaves sessions less; the trace's order gives
-    every router on the same trace one yardstick, the run's order does not."""
+    every router on the same trace one yardstick, the run's order (the default) does not."""
     turns = _agent_trace()
     records = _records(turns)
     # The same requests, but each session's turns bunched together, one session after
@@ -303,7 +303,7 @@ def test_the_trace_order_reference_is_the_same_whatever_order_the_run_took() -> 
         clock += 1.0
         bunched.append(replace(record, start=clock))
     params = ReferenceParams(workers=1, kv_tokens=4000)
-    in_trace_order = capacity_reference(turns, records, params)
-    assert capacity_reference(turns, bunched, params).hits == in_trace_order.hits
-    as_run = capacity_reference(turns, bunched, params, order="run")
+    in_trace_order = capacity_reference(turns, records, params, order="trace")
+    assert capacity_reference(turns, bunched, params, order="trace").hits == in_trace_order.hits
+    as_run = capacity_reference(turns, bunched, params)
     assert as_run.hit_rate > in_trace_order.hit_rate  # less interleaving, fewer evictions
