@@ -60,13 +60,19 @@ def rescore(out: Path, engines: int, kv_tokens: int = DEFAULT_KV_TOKENS) -> dict
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
-    parser = sub.add_parser("rescore", help="rebuild a matrix's figures from its saved runs",
-                            description=__doc__)
+    parser = sub.add_parser(
+        "rescore", help="rebuild a matrix's figures from its saved runs", description=__doc__
+    )
     parser.add_argument("out", type=Path, help="the matrix's --out directory")
-    parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES,
-                        help="engines the matrix ran with")
-    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
-                        help="KV tokens per engine the matrix ran with (rows without their own)")
+    parser.add_argument(
+        "--engines", type=int, default=DEFAULT_ENGINES, help="engines the matrix ran with"
+    )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=DEFAULT_KV_TOKENS,
+        help="KV tokens per engine the matrix ran with (rows without their own)",
+    )
     parser.set_defaults(func=run)
 
 

@@ -23,8 +23,15 @@ def test_rescore_rebuilds_the_reference_from_each_rounds_trace_and_records(
     row = tmp_path / "chat"  # a row whose workload is a lambda: rows are found by name
     row.mkdir()
     write_trace(turns, row / "trace.r1.jsonl")
-    meta = RunMeta(target="http://x", trace="t", model="m", time_scale=1.0, concurrency=0,
-                   started_at="2026-12-01T00:00:00Z", duration_s=100.0)
+    meta = RunMeta(
+        target="http://x",
+        trace="t",
+        model="m",
+        time_scale=1.0,
+        concurrency=0,
+        started_at="2026-12-01T00:00:00Z",
+        duration_s=100.0,
+    )
     # A slower router's run: the same requests, each session's turns bunched together.
     in_session_order = sorted(records, key=lambda r: (r.session, r.turn))
     bunched = [replace(r, start=float(i)) for i, r in enumerate(in_session_order)]
