@@ -10,7 +10,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim.config import Flavor
-from bench.sim.metrics import EngineMetrics, build_1_2_5_buckets, observe_many
+from bench.sim.metrics import EngineMetrics, build_1_2_5_buckets, observe, observe_many
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CACHE_CONFIG = {
@@ -310,12 +310,36 @@ def test_two_instances_do_not_share_state() -> None:
     assert REGISTRY.get_sample_value("vllm:prompt_tokens_total", VLLM_LABELS) is None
 
 
+def _twin_histograms(
+    bounds: tuple[float, ...],
+) -> tuple[tuple[Histogram, CollectorRegistry], tuple[Histogram, CollectorRegistry]]:
+    """Two identical histograms, each in a registry of its own."""
+    pair = []
+    for _ in range(2):
+        registry = CollectorRegistry()
+        pair.append((Histogram("h", "h", buckets=bounds, registry=registry), registry))
+    return pair[0], pair[1]
+
+
+def _lines(registry: CollectorRegistry) -> list[str]:
+    return [line for line in generate_latest(registry).decode().splitlines()
+            if "_created" not in line]
+
+
+def test_observe_matches_prometheus_observe() -> None:
+    values = [0.0, 0.01, 0.0100001, 0.025, 0.3, 10.0, 10.5, 1e9, 3, *(0.001 * i for i in range(60))]
+    (theirs, theirs_registry), (ours, ours_registry) = _twin_histograms(
+        (0.01, 0.025, 0.05, 0.5, 10.0))
+    for value in values:
+        theirs.observe(value)
+        observe(ours, value)
+    assert _lines(ours_registry) == _lines(theirs_registry)
+
+
 def test_observe_many_matches_observe_one_by_one() -> None:
     values = [0.0, 0.01, 0.0125, 0.04, 0.04, 0.3, 7.5, 1e9, *(0.001 * i for i in range(500))]
-    bounds = (0.01, 0.025, 0.05, 0.5, 10.0)
-    one_by_one_registry, bulk_registry = CollectorRegistry(), CollectorRegistry()
-    one_by_one = Histogram("h", "h", buckets=bounds, registry=one_by_one_registry)
-    bulk = Histogram("h", "h", buckets=bounds, registry=bulk_registry)
+    (one_by_one, one_by_one_registry), (bulk, bulk_registry) = _twin_histograms(
+        (0.01, 0.025, 0.05, 0.5, 10.0))
     for value in values:
         one_by_one.observe(value)
     observe_many(bulk, values)

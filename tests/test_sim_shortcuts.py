@@ -13,11 +13,9 @@ from collections.abc import Sequence
 import aiohttp
 import orjson
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from bench.block_hash import chain_hashes
 from bench.sim.kv_cache import NO_HASH, BlockPool
-from bench.sim.metrics import observe
 from bench.sim.openai_api import ChunkEvents, Kind, sse_event, stream_chunk
 from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.request import DRAW_AHEAD_TOKENS, SimRequest
@@ -202,26 +200,6 @@ def test_chunk_events_are_the_bytes_of_encoding_each_chunk(
         expected = sse_event(stream_chunk(kind, rid, model, 1_700_000_000, text, finish))
         assert events.text(text, finish) == expected
         assert orjson.loads(expected[len(b"data: ") :])["model"] == model
-
-
-def test_observe_matches_prometheus_observe() -> None:
-    values = [0.0, 0.01, 0.0100001, 0.025, 0.3, 10.0, 10.5, 1e9, 3, *(0.001 * i for i in range(60))]
-    bounds = (0.01, 0.025, 0.05, 0.5, 10.0)
-    theirs_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
-    theirs = Histogram("h", "h", buckets=bounds, registry=theirs_registry)
-    ours = Histogram("h", "h", buckets=bounds, registry=ours_registry)
-    for value in values:
-        theirs.observe(value)
-        observe(ours, value)
-
-    def text(registry: CollectorRegistry) -> list[str]:
-        return [
-            line
-            for line in generate_latest(registry).decode().splitlines()
-            if "_created" not in line
-        ]
-
-    assert text(ours_registry) == text(theirs_registry)
 
 
 async def test_a_stream_is_whole_events_in_vllms_order(sim: RunningEngine) -> None:

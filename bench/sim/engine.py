@@ -8,7 +8,6 @@ import contextlib
 import itertools
 import logging
 import math
-import operator
 import random
 import time
 from collections.abc import AsyncIterator
@@ -322,7 +321,7 @@ class Engine:
             queue_s=scheduled - request.arrival,
             prefill_s=first - scheduled,
             decode_s=now - first,
-            inter_token_s=list(map(operator.sub, itertools.islice(times, 1, None), times)),
+            inter_token_s=[b - a for a, b in itertools.pairwise(times)],
         )
 
 
