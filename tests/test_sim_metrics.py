@@ -10,7 +10,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim.config import Flavor
-from bench.sim.metrics import EngineMetrics, build_1_2_5_buckets, observe, observe_many
+from bench.sim.metric_buckets import build_1_2_5_buckets
+from bench.sim.metrics import EngineMetrics, observe, observe_many
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CACHE_CONFIG = {

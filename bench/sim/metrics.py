@@ -24,6 +24,17 @@ from typing import Literal, Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from bench.sim.metric_buckets import (
+    SGLANG_E2E_BUCKETS,
+    SGLANG_ITL_BUCKETS,
+    SGLANG_QUEUE_TIME_BUCKETS,
+    SGLANG_TTFT_BUCKETS,
+    VLLM_REQUEST_LATENCY_BUCKETS,
+    VLLM_TPOT_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    build_1_2_5_buckets,
+)
+
 Flavor = Literal["vllm", "sglang"]
 
 # vLLM sizes its token-count histograms by max_model_len (1-2-5 buckets up to it); the
@@ -33,203 +44,12 @@ DEFAULT_MAX_MODEL_LEN = 8192
 # vllm/v1/engine/__init__.py FINISH_REASON_STRINGS; vLLM pre-creates one series per reason.
 VLLM_FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 
-VLLM_TTFT_BUCKETS: tuple[float, ...] = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-# Shared by vllm:inter_token_latency_seconds and vllm:request_time_per_output_token_seconds.
-VLLM_TPOT_BUCKETS: tuple[float, ...] = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-# Shared by the e2e, queue, inference, prefill and decode time histograms.
-VLLM_REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
-
-SGLANG_TTFT_BUCKETS: tuple[float, ...] = (
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1,
-    2,
-    4,
-    6,
-    8,
-    10,
-    20,
-    40,
-    60,
-    80,
-    100,
-    200,
-    400,
-)
-SGLANG_ITL_BUCKETS: tuple[float, ...] = (
-    0.002,
-    0.004,
-    0.006,
-    0.008,
-    0.010,
-    0.015,
-    0.020,
-    0.025,
-    0.030,
-    0.035,
-    0.040,
-    0.060,
-    0.080,
-    0.100,
-    0.200,
-    0.400,
-    0.600,
-    0.800,
-    1.000,
-    2.000,
-    4.000,
-    6.000,
-    8.000,
-)
-SGLANG_E2E_BUCKETS: tuple[float, ...] = (
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1,
-    2,
-    4,
-    6,
-    8,
-    10,
-    20,
-    40,
-    60,
-    80,
-    100,
-    200,
-    400,
-    600,
-    1200,
-    1800,
-    2400,
-)
-SGLANG_QUEUE_TIME_BUCKETS: tuple[float, ...] = (
-    0.0,
-    0.1,
-    0.2,
-    0.5,
-    1,
-    2,
-    3,
-    4,
-    5,
-    10,
-    15,
-    20,
-    30,
-    40,
-    50,
-    60,
-    70,
-    80,
-    90,
-    100,
-    200,
-    300,
-    400,
-    500,
-    600,
-    700,
-    800,
-    900,
-    1000,
-    1200,
-    1400,
-    1600,
-    1800,
-    2000,
-    2500,
-    3000,
-)
 # SGLang's scheduler labels hold the parallel ranks; a simulated engine is one rank.
 SGLANG_ENGINE_TYPE = "unified"
 SGLANG_RANK = "0"
 # An optional cache_config key: with it, the sglang flavor also exports
 # sglang:max_total_num_tokens (the KV pool size in tokens), as SGLang does.
 SGLANG_MAX_TOTAL_TOKENS_KEY = "max_total_num_tokens"
-
-
-def build_1_2_5_buckets(max_value: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to and including ``max_value``, as vLLM builds them."""
-    buckets: list[float] = []
-    scale = 1
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * scale
-            if value > max_value:
-                return buckets
-            buckets.append(float(value))
-        scale *= 10
 
 
 def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
