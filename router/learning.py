@@ -9,8 +9,8 @@ response settles far faster and noisier workers than a rate per worker would.
 the same observations, moving slowly and bounded (a quarter to four times), so one worker
 on slower hardware, or one throttled, is seen as slower without per-worker noise moving
 sessions off their caches: the ratio starts at 1, a worker's own samples only tilt it,
-only requests that found no prefill queued ahead count, and ratios within a factor of
-1.5 of 1 are taken as 1.
+only requests whose own prefill is at least the prefill queued ahead of them count, and
+ratios within a factor of 1.5 of 1 are taken as 1.
 
 ``ResidencyCalibrator``: the residency model is sized from the engine's nominal KV
 capacity, but blocks pinned by running requests, preemptions and timing make the engine

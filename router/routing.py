@@ -157,12 +157,16 @@ class Router:
         if dispatch.ttft is not None:
             prefilled = dispatch.queued_before + uncached
             self.prefill_rate.observe(prefilled, dispatch.ttft)
-            if dispatch.queued_before == 0 and self.prefill_rate.settled:
-                # With prefill queued ahead, a TTFT measures the queue as much as the
-                # worker: only requests that found none teach how fast it is, and only
-                # against a fleet rate that is no longer the first guess.
-                self.speeds.observe(dispatch.worker.name, prefilled, dispatch.ttft,
-                                    self.prefill_rate.tokens_per_s)
+            if dispatch.queued_before <= uncached and self.prefill_rate.settled:
+                # A TTFT measures the queue ahead (counted in ``prefilled``, but part of it
+                # may have been prefilled already) as well as the request: only requests
+                # whose own prefill is at least half of it teach how fast the worker is,
+                # and only against a fleet rate that is no longer the first guess. (Only
+                # requests that found no queue at all were too few: a slower worker was
+                # still taken for an equal one after half the demo's turns.)
+                self.speeds.observe(
+                    dispatch.worker.name, prefilled, dispatch.ttft, self.prefill_rate.tokens_per_s
+                )
             self.metrics.prefill_rate.set(self.prefill_rate.tokens_per_s)
         predicted = min(dispatch.decision.predicted_cached_tokens, usage.prompt_tokens)
         worker = dispatch.worker

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from router.demand import RecentDemand
+from router.index import LocalPrefixIndex
 from router.learning import WorkerSpeeds
+from router.metrics import RouterMetrics
+from router.parse import parse_request
+from router.policy_slot import PolicySlot
+from router.routing import Dispatch, EngineUsage, Router
+from router.workers import Fleet, Worker
 
 
 def test_worker_speeds_learn_a_slower_worker_slowly_and_within_bounds() -> None:
@@ -40,3 +47,37 @@ def test_recent_demand_fades_by_half_each_half_life() -> None:
     assert demand.value(150.0) == pytest.approx(25_000)  # a late reader sees no growth
     with pytest.raises(ValueError, match="half_life_s"):
         RecentDemand(half_life_s=0)
+
+
+def _a_settled_router() -> Router:
+    fleet, index = Fleet(), LocalPrefixIndex()
+    for name in ("a100", "h100"):
+        fleet.add(Worker(name, f"http://{name}", 64_000))
+        index.add_worker(name, 1000)
+    metrics = RouterMetrics(fleet, index, 64)
+    router = Router(fleet, index, PolicySlot("round_robin", {}, 1, metrics), 64, metrics)
+    router.prefill_rate.tokens_per_s, router.prefill_rate.samples = 10_000.0, 100
+    return router
+
+
+def _dispatch_to(router: Router, worker: str, prompt_words: int) -> Dispatch:
+    body = {"model": "m", "messages": [{"role": "user", "content": "word " * prompt_words}]}
+    request = parse_request("chat", orjson.dumps(body), None, ("user",), 256)
+    others = [w.name for w in router.fleet.all() if w.name != worker]
+    return router.dispatch(request, router.route_request(request, "r"), others)
+
+
+@pytest.mark.parametrize(
+    ("queued", "own", "learns"), [(0, 4000, True), (4000, 4000, True), (4000, 3999, False)]
+)
+def test_a_worker_learns_its_speed_from_requests_mostly_its_own_prefill(
+    queued: int, own: int, learns: bool
+) -> None:
+    router = _a_settled_router()
+    ahead = _dispatch_to(router, "a100", 100)
+    slow = _dispatch_to(router, "a100", 100)
+    slow.queued_before = queued  # what the worker had queued when this request was sent
+    slow.ttft = (queued + own) / 10_000 * 3  # the worker prefills at a third of the fleet
+    router.learn(slow, EngineUsage(prompt_tokens=own + 500, cached_tokens=500))
+    ahead.fail("upstream_error")
+    assert (router.speeds.learned("a100") < 1.0) is learns

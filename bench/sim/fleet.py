@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
@@ -30,13 +32,36 @@ class EngineProcess:
             self.process.kill()
 
 
-async def start_engine(engine_id: str, host: str, port: int,
-                       flags: Sequence[str]) -> EngineProcess:
+async def start_engine(
+    engine_id: str, host: str, port: int, flags: Sequence[str], source: Path | None = None
+) -> EngineProcess:
+    """Start one engine process; ``source`` runs the engine of another checkout (its
+    ``router.cli``), as the benchmarks that compare engine versions do."""
+    env = None if source is None else _running_from(source)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "--log-level", "WARNING", "sim", "engine",
-        "--port", str(port), "--engine-id", engine_id, *flags, "--host", host,
+        sys.executable,
+        "-m",
+        "router.cli",
+        "--log-level",
+        "WARNING",
+        "sim",
+        "engine",
+        "--port",
+        str(port),
+        "--engine-id",
+        engine_id,
+        *flags,
+        "--host",
+        host,
+        env=env,
+        cwd=source,
     )
     return EngineProcess(engine_id, f"http://{host}:{port}", port, process)
+
+
+def _running_from(source: Path) -> dict[str, str]:
+    """The environment in which ``python -m router.cli`` imports ``source``'s packages."""
+    return {**os.environ, "PYTHONPATH": str(source.resolve())}
 
 
 async def wait_healthy(urls: Sequence[str], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
@@ -67,9 +92,13 @@ async def stop(engines: Sequence[EngineProcess]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def fleet(n: int, host: str, base_port: int, flags: Sequence[str],
-                per_engine_flags: Sequence[Sequence[str]] = (),
-                ) -> AsyncIterator[list[EngineProcess]]:
+async def fleet(
+    n: int,
+    host: str,
+    base_port: int,
+    flags: Sequence[str],
+    per_engine_flags: Sequence[Sequence[str]] = (),
+) -> AsyncIterator[list[EngineProcess]]:
     """Start ``n`` engine processes on consecutive ports, engine ``i`` with ``flags``
     then ``per_engine_flags[i]`` (later flags win); stop them on exit."""
     engines: list[EngineProcess] = []
