@@ -23,10 +23,11 @@ trade was poor (``docs/benchmarks.md``, the sweep).
 Prefixes that every worker holds (a shared system prompt) add the same saving to every
 candidate and cancel out of the comparison, so they never pin traffic to one worker:
 only the part of a prefix that distinguishes workers attracts a request. Siblings that
-share a fresh prefix land together because the router records a dispatched request's
-blocks on its worker at once (speculatively, withdrawn if the dispatch fails): the
-second waits for the first's prefill on its worker or prefills alone elsewhere, the
-same estimate give or take the few tokens the first did not fill a block with.
+share a fresh prefix land together because the router reserves a dispatched request's
+blocks on its worker at once (recorded when the worker has computed them, withdrawn if
+the dispatch fails or is refused): the second waits for the first's prefill on its
+worker or prefills alone elsewhere, the same estimate give or take the few tokens the
+first did not fill a block with.
 
 While caches have room, where a request's tokens are stored decides more than a few
 per cent of its TTFT: among workers whose estimate is within ``tie_tolerance`` (a share,

@@ -5,6 +5,12 @@ later. Each worker has a residency model, an LRU of block hashes sized to the wo
 capacity, so a prefix the engine must have evicted is dropped from the index instead of
 attracting traffic to a cold cache.
 
+A dispatched request's blocks are *reserved* on its worker at once: ``match`` sees them,
+so siblings arriving while its prefill runs find them, but they push nothing out of the
+LRU. They are touched (and may evict) only once the worker has computed them, at the
+first byte or at the end; a dispatch that fails or is refused releases its reservation
+and leaves the model as it was.
+
 A request's blocks are touched tail first, so its head blocks are the most recently
 used; eviction then takes a prefix's tail before its head, as vLLM frees blocks. That
 keeps each worker's set (nearly) prefix-closed — if block i is held, so are blocks < i —
@@ -13,9 +19,12 @@ and the longest match is found by binary search in O(log n) lookups.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Protocol
+
+NOTHING: Mapping[int, int] = MappingProxyType({})
 
 
 class PrefixIndex(Protocol):
@@ -39,6 +48,16 @@ class PrefixIndex(Protocol):
 
     def touch(self, worker: str, hashes: Sequence[int]) -> list[int]:
         """Record that the worker now holds ``hashes``; returns the ones it did not hold."""
+        ...
+
+    def reserve(self, worker: str, hashes: Sequence[int]) -> None:
+        """A request being computed on the worker will hold ``hashes``: ``match`` counts
+        them from now on, the LRU is not touched (local to this replica)."""
+        ...
+
+    def release(self, worker: str, hashes: Sequence[int]) -> None:
+        """Withdraw one ``reserve`` of ``hashes`` (the request was computed, failed or
+        was refused)."""
         ...
 
     def forget(self, worker: str, hashes: Iterable[int]) -> None:
@@ -70,14 +89,16 @@ class Residency:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._lru
 
-    def longest_prefix(self, hashes: Sequence[int]) -> int:
+    def longest_prefix(self, hashes: Sequence[int], reserved: Mapping[int, int] = NOTHING) -> int:
+        """Leading ``hashes`` held, or reserved (``LocalPrefixIndex.reserve``)."""
         lru = self._lru
-        if not hashes or hashes[0] not in lru:
+        if not hashes or (hashes[0] not in lru and hashes[0] not in reserved):
             return 0
         low, high = 1, len(hashes)  # hashes[:low] held; find the largest such low
         while low < high:
             mid = (low + high + 1) // 2
-            if hashes[mid - 1] in lru:
+            h = hashes[mid - 1]
+            if h in lru or h in reserved:
                 low = mid
             else:
                 high = mid - 1
@@ -133,6 +154,8 @@ class LocalPrefixIndex:
 
     def __init__(self) -> None:
         self._workers: dict[str, Residency] = {}
+        # Per worker, how many dispatched requests reserved each hash.
+        self._reserved: dict[str, Counter[int]] = {}
 
     def add_worker(self, worker: str, capacity_blocks: int) -> None:
         if worker not in self._workers:
@@ -140,6 +163,7 @@ class LocalPrefixIndex:
 
     def remove_worker(self, worker: str) -> None:
         self._workers.pop(worker, None)
+        self._reserved.pop(worker, None)
 
     def resize_worker(self, worker: str, capacity_blocks: int) -> None:
         residency = self._workers.get(worker)
@@ -150,6 +174,7 @@ class LocalPrefixIndex:
         residency = self._workers.get(worker)
         if residency is not None:
             self._workers[worker] = Residency(residency.capacity_blocks)
+        self._reserved.pop(worker, None)
 
     def migrate(self, source: str, target: str) -> int:
         held = self.oldest_first(source)
@@ -160,7 +185,9 @@ class LocalPrefixIndex:
 
     def match(self, worker: str, hashes: Sequence[int]) -> int:
         residency = self._workers.get(worker)
-        return residency.longest_prefix(hashes) if residency is not None else 0
+        if residency is None:
+            return 0
+        return residency.longest_prefix(hashes, self._reserved.get(worker, NOTHING))
 
     def touch(self, worker: str, hashes: Sequence[int]) -> list[int]:
         residency = self._workers.get(worker)
@@ -170,6 +197,27 @@ class LocalPrefixIndex:
         residency = self._workers.get(worker)
         if residency is not None:
             residency.forget(hashes)
+
+    def reserve(self, worker: str, hashes: Sequence[int]) -> None:
+        if worker in self._workers and hashes:
+            self._reserved.setdefault(worker, Counter()).update(hashes)
+
+    def release(self, worker: str, hashes: Sequence[int]) -> None:
+        reserved = self._reserved.get(worker)
+        if reserved is None:
+            return  # purged or removed since: nothing of it is left
+        for h in hashes:
+            left = reserved[h] - 1
+            if left > 0:
+                reserved[h] = left
+            else:
+                reserved.pop(h, None)
+        if not reserved:
+            del self._reserved[worker]
+
+    def reserved_blocks(self, worker: str) -> int:
+        """Distinct hashes reserved on the worker (0 when nothing is in flight)."""
+        return len(self._reserved.get(worker, ()))
 
     def resident_blocks(self, worker: str) -> int:
         residency = self._workers.get(worker)

@@ -195,7 +195,7 @@ async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         outcome = "client_disconnect"
-        sent = True  # the worker may have started; keep the speculative entries
+        sent = True  # the worker may have started; its blocks are recorded
         raise
     except TimeoutError:
         outcome = "timeout"
@@ -295,7 +295,8 @@ async def _relay_whole(http: web.Request, dispatch: Dispatch,
                        upstream: aiohttp.ClientResponse, capture: ReplyCapture,
                        request_id: str) -> tuple[web.StreamResponse, Outcome]:
     body = await _read_whole(dispatch, upstream)
-    dispatch.first_byte(observe=False)  # no TTFT: the whole body arrived at once
+    # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
+    dispatch.first_byte(observe=False, computed=upstream.status < 400)
     if upstream.status == 200:
         capture.feed_whole(body)
     response = web.Response(status=upstream.status, body=body,

@@ -1,11 +1,13 @@
 """The routing decision and its bookkeeping, free of I/O.
 
 ``Router.dispatch`` looks up every eligible worker's match in the prefix index, lets the
-policy choose, takes a load ``Lease`` and records the prompt's blocks on the chosen worker
-at once (speculatively: siblings arriving next find them; ``Dispatch.fail`` withdraws
-them). ``Dispatch.finish`` releases the lease exactly once and, on success, extends the
-worker's entries with the reply so the session's next turn matches its whole history, and
-feeds what the engine reported to the prefill rate and the residency calibration.
+policy choose, takes a load ``Lease`` and reserves the prompt's blocks on the chosen
+worker at once (siblings arriving next find them; nothing is evicted for them yet). The
+first byte means the worker computed them: they are recorded then (``first_byte``).
+``Dispatch.finish`` releases the lease exactly once and, on success, extends the worker's
+entries with the reply so the session's next turn matches its whole history, and feeds
+what the engine reported to the prefill rate and the residency calibration; a dispatch
+that failed or was refused releases its reservation and leaves the model as it was.
 """
 
 from __future__ import annotations
@@ -48,25 +50,41 @@ class Dispatch:
     worker: Worker
     decision: Decision
     lease: Lease
-    added: list[int]
     queued_before: int  # prefill tokens queued on the worker ahead of this request
     best_match: int  # the most of this prompt any eligible worker was modelled to hold
     sent_at: float = field(default_factory=monotonic)
     ttft: float | None = None
     done: bool = False
+    reserved: bool = True  # the prompt's blocks are reserved, not yet recorded
 
-    def first_byte(self, observe: bool = True) -> float:
-        """The worker answered: its prefill of this request is done. Returns the time
-        since dispatch; ``observe`` keeps it as this request's TTFT."""
+    def _record_prompt(self) -> None:
+        """The worker computed the prompt: its blocks move from reserved to recorded."""
+        if self.reserved:
+            self.reserved = False
+            index, hashes = self.router.index, self.route.block_hashes
+            index.touch(self.worker.name, hashes)
+            index.release(self.worker.name, hashes)
+
+    def _withdraw_prompt(self) -> None:
+        if self.reserved:
+            self.reserved = False
+            self.router.index.release(self.worker.name, self.route.block_hashes)
+
+    def first_byte(self, observe: bool = True, computed: bool = True) -> float:
+        """The worker answered: its prefill of this request is done (``computed``: it
+        prefilled the prompt, which a refusal does not). Returns the time since dispatch;
+        ``observe`` keeps it as this request's TTFT."""
         elapsed = monotonic() - self.sent_at
         self.lease.prefill_done()
+        if computed:
+            self._record_prompt()
         if observe:
             self.ttft = elapsed
         return elapsed
 
     def fail(self, outcome: Outcome) -> None:
-        """Nothing reached the worker's cache: withdraw the speculative entries."""
-        self.router.index.forget(self.worker.name, self.added)
+        """Nothing reached the worker's cache: withdraw the reservation."""
+        self._withdraw_prompt()
         self.finish(outcome, ())
 
     def finish(
@@ -87,11 +105,15 @@ class Dispatch:
         else:
             breaker.on_failure()
         router = self.router
+        if outcome == "client_disconnect":
+            self._record_prompt()  # the worker may have computed it before the abort
         if outcome == "success":
+            self._record_prompt()
             if reply_hashes:
                 router.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
             if usage is not None:
                 router.learn(self, usage)
+        self._withdraw_prompt()  # refused, or failed before computing it
         self.policy.on_complete(self.route, self.worker.name, outcome)
 
 
@@ -141,7 +163,7 @@ class Router:
         lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
         worker.breaker.on_dispatch()
         worker.demand.add(route.prompt_tokens, now)
-        added = self.index.touch(worker.name, route.block_hashes)
+        self.index.reserve(worker.name, route.block_hashes)
         active.policy.on_dispatch(route, worker.name)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(active.name, decision.reason).inc()
@@ -149,7 +171,7 @@ class Router:
         self.metrics.best_cached_tokens.labels(worker.name).inc(best)
         self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
         return Dispatch(
-            self, active.policy, request, route, worker, decision, lease, added, queued_before, best
+            self, active.policy, request, route, worker, decision, lease, queued_before, best
         )
 
     def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:

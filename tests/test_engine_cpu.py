@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,11 @@ def test_a_source_without_an_engine_is_refused(
     args = parser.parse_args(["engine-cpu", "--engine-source", str(tmp_path)])
     assert args.func(args) == 2
     assert f"--engine-source {tmp_path}: no router/cli.py there" in capsys.readouterr().err
+
+
+def test_cpu_seconds_are_what_the_process_ran_finer_than_clock_ticks() -> None:
+    before, kernel_before = engine_cpu.process_cpu_seconds(os.getpid()), time.process_time()
+    total = sum(i * i for i in range(200_000))  # a few ms of CPU, under one tick of /stat
+    ran = engine_cpu.process_cpu_seconds(os.getpid()) - before
+    assert total > 0 and ran > 0
+    assert ran == pytest.approx(time.process_time() - kernel_before, abs=0.02)

@@ -350,3 +350,28 @@ async def test_api_keys_guard_the_openai_routes(engine_factory: EngineFactory) -
                     assert (await response.json())["error"]["code"] == "invalid_api_key"
         async with http.get(router.url + "/health") as response:
             assert response.status == 200  # probes need no key
+
+
+async def test_a_rejected_prompt_leaves_the_cache_model_as_it_was(
+    engine_factory: EngineFactory,
+) -> None:
+    """A prompt the engine refuses (longer than its context) computed nothing: the blocks
+    recorded for it at dispatch must not push out what the worker really holds."""
+    async with (
+        engine_factory(kv_tokens=20_000, max_model_len=8_192) as sim,
+        serve_router(router_config([sim])) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        history = conversation("kept", 3_000, 200)
+        first = await post(http, router.url, chat_body(history))
+        assert first.status == 200
+        huge = chat_body(conversation("refused", 60_000, 200))
+        async with http.post(router.url + "/v1/chat/completions", json=huge) as response:
+            assert response.status == 400
+        before = await metric(http, router, "kvrouter_predicted_cached_tokens_total")
+        history += [{"role": "assistant", "content": first.text},
+                    {"role": "user", "content": "and then?"}]
+        assert (await post(http, router.url, chat_body(history))).status == 200
+        predicted = await metric(http, router, "kvrouter_predicted_cached_tokens_total")
+        assert predicted - before >= 3_000
+        await assert_idle(http, router)

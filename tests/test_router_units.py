@@ -97,9 +97,14 @@ def test_model_and_cache_salt_change_every_hash() -> None:
 
 def test_the_session_key_comes_from_the_header_then_the_body() -> None:
     raw = orjson.dumps({"model": MODEL, "messages": TURNS[:2], "user": "u1"})
-    assert parse_request("chat", raw, None, ("session_id", "user"), BLOCK).session_key == "u1"
-    assert parse_request("chat", raw, "h1", ("session_id", "user"), BLOCK).session_key == "h1"
-    assert parse_request("chat", raw, None, ("session_id",), BLOCK).session_key is None
+
+    def key(header: str | None, fields: Sequence[str]) -> str | None:
+        return parse_request("chat", raw, header, fields, BLOCK).session_key
+
+    # Keys are kept as digests: the body's "u1" is the session a header "u1" names.
+    assert key(None, ("session_id", "user")) == key("u1", ()) is not None
+    assert key("h1", ("session_id", "user")) == key("h1", ()) != key("u1", ())
+    assert key(None, ("session_id",)) is None
 
 
 @pytest.mark.parametrize("sizes", [(1,), (3, 7), (5, 16, 1, 31), (1000,)])
@@ -235,6 +240,28 @@ def test_local_index_per_worker() -> None:
     assert index.match("b", [1, 2]) == 0
     index.remove_worker("a")
     assert index.resident_blocks("a") == 0 and index.size() == 1
+
+
+def test_reserved_blocks_match_but_evict_nothing_until_recorded() -> None:
+    index = LocalPrefixIndex()
+    index.add_worker("a", 4)
+    index.touch("a", [10, 11, 12, 13])
+    index.reserve("a", [1, 2, 3, 4, 5, 6])  # a prompt larger than the worker's LRU
+    index.reserve("a", [1, 2])  # its sibling, in flight too
+    assert index.match("a", [1, 2, 3, 9]) == 3 and index.match("a", [10, 11]) == 2
+    assert index.resident_blocks("a") == 4 and index.size() == 4  # nothing pushed out
+    index.release("a", [1, 2, 3, 4, 5, 6])  # refused: what it reserved goes
+    assert index.match("a", [1, 2, 3]) == 2  # the sibling's reservation stays
+    index.release("a", [1, 2])
+    assert index.match("a", [1]) == 0 and index.reserved_blocks("a") == 0
+    assert index.oldest_first("a") == [13, 12, 11, 10]  # the LRU as it was
+    index.reserve("a", [1, 2])
+    index.purge("a")  # the worker restarted: its reservations go with its cache
+    assert index.match("a", [1]) == 0
+    index.release("a", [1, 2])  # the in-flight request ends after the purge
+    assert index.reserved_blocks("a") == 0
+    index.reserve("nobody", [1])
+    assert index.match("nobody", [1]) == 0
 
 
 # -- lease -------------------------------------------------------------------------------

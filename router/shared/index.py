@@ -65,6 +65,13 @@ class SharedPrefixIndex:
             self.outbox.append(IndexEvent("touch", worker, tuple(hashes)))
         return added
 
+    def reserve(self, worker: str, hashes: Sequence[int]) -> None:
+        # Not sent: other replicas learn the blocks when they are computed (``touch``).
+        self.local.reserve(worker, hashes)
+
+    def release(self, worker: str, hashes: Sequence[int]) -> None:
+        self.local.release(worker, hashes)
+
     def forget(self, worker: str, hashes: Iterable[int]) -> None:
         hashes = tuple(hashes)
         self.local.forget(worker, hashes)
