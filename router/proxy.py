@@ -39,15 +39,33 @@ from router.state import STATE_KEY, RouterState
 
 log = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "trailers", "transfer-encoding", "upgrade", "host", "content-length",
-})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 WORKER_HEADER = "X-Kvrouter-Worker"
 REQUEST_ID_HEADER = "X-Request-Id"
 # Non-streaming responses are read whole before they are sent on; this bounds them.
 MAX_WHOLE_RESPONSE_BYTES = 64 * 1024 * 1024
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
+# What the client reads when its worker fails mid-stream (the details go to the log; a
+# worker's address is not the client's business).
+MID_STREAM_ERROR_EVENT = (
+    b"data: "
+    + orjson.dumps(UpstreamError("the worker serving this request failed mid-stream").body())
+    + b"\n\n"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +96,10 @@ def _forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict
     return out
 
 
-def _response_headers(upstream: aiohttp.ClientResponse, worker: str,
-                      request_id: str) -> CIMultiDict[str]:
-    out = CIMultiDict((k, v) for k, v in upstream.headers.items()
-                      if k.lower() not in HOP_BY_HOP)
+def _response_headers(
+    upstream: aiohttp.ClientResponse, worker: str, request_id: str
+) -> CIMultiDict[str]:
+    out = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
     out[WORKER_HEADER] = worker
     out[REQUEST_ID_HEADER] = request_id
     return out
@@ -109,8 +127,13 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     config = state.config
     arrived = monotonic()
     raw = await _read_body(http, config.max_body_bytes)
-    request = parse_request(kind, raw, http.headers.get(config.session_header),
-                            config.session_body_fields, config.prefix.block_bytes)
+    request = parse_request(
+        kind,
+        raw,
+        http.headers.get(config.session_header),
+        config.session_body_fields,
+        config.prefix.block_bytes,
+    )
     if not state.router.fleet.serves(request.model):
         raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
     request_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
@@ -135,8 +158,12 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
         except _Retry as retry:
             failure = retry
             tried.append(dispatch.worker.name)
-            log.warning("request %s failed on %s before the first byte: %s",
-                        request_id, dispatch.worker.name, retry.error.message)
+            log.warning(
+                "request %s failed on %s before the first byte: %s",
+                request_id,
+                dispatch.worker.name,
+                retry.error.message,
+            )
     assert failure is not None
     state.metrics.requests.labels(request.model, tried[-1], failure.outcome).inc()
     if failure.fallback is not None:
@@ -145,13 +172,16 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     raise failure.error
 
 
-async def _open(state: RouterState, dispatch: Dispatch, http: web.Request,
-                request_id: str) -> aiohttp.ClientResponse:
+async def _open(
+    state: RouterState, dispatch: Dispatch, http: web.Request, request_id: str
+) -> aiohttp.ClientResponse:
     path = "/v1/chat/completions" if dispatch.request.kind == "chat" else "/v1/completions"
     try:
         return await state.session.post(
-            dispatch.worker.url + path, data=dispatch.request.body,
-            headers=_forward_headers(http.headers, request_id))
+            dispatch.worker.url + path,
+            data=dispatch.request.body,
+            headers=_forward_headers(http.headers, request_id),
+        )
     except TimeoutError as exc:
         raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} timed out")) from exc
     except (aiohttp.ClientError, ConnectionError) as exc:
@@ -159,33 +189,53 @@ async def _open(state: RouterState, dispatch: Dispatch, http: web.Request,
         # connection the engine closed while idle says nothing about its health.
         if isinstance(exc, aiohttp.ClientConnectorError):
             state.mark_unreachable(dispatch.worker)
-        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} unreachable: {exc}")
-                     ) from exc
+        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} unreachable: {exc}")) from exc
 
 
-async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
-                   request_id: str, arrived: float, attempt: int) -> web.StreamResponse:
+async def _attempt(
+    http: web.Request,
+    state: RouterState,
+    dispatch: Dispatch,
+    request_id: str,
+    arrived: float,
+    attempt: int,
+) -> web.StreamResponse:
     request = dispatch.request
     header = CHAT_REPLY_HEADER if request.kind == "chat" else COMPLETION_REPLY_HEADER
-    extender = (ChainExtender(request.key, state.config.prefix.block_bytes, header)
-                if request.record_reply and state.config.prefix.record_replies else None)
+    extender = (
+        ChainExtender(request.key, state.config.prefix.block_bytes, header)
+        if request.record_reply and state.config.prefix.record_replies
+        else None
+    )
     capture = ReplyCapture(extender, request.kind == "chat")
     outcome: Outcome = "upstream_error"
     sent = False
+    # A reply that arrives whole says nothing of when the prefill ended; past the time
+    # it should have taken, the prompt stops counting as queued prefill on the worker.
+    prefilled = (
+        None
+        if request.stream
+        else asyncio.get_running_loop().call_later(
+            dispatch.expected_prefill_s(), dispatch.lease.prefill_done
+        )
+    )
     try:
         upstream = await _open(state, dispatch, http, request_id)
         try:
             if upstream.status >= 500:
                 body = await _read_whole(dispatch, upstream)
-                raise _Retry(UpstreamError(f"worker {dispatch.worker.name} answered "
-                                           f"{upstream.status}"),
-                             _Fallback(upstream.status, body, upstream.content_type))
+                raise _Retry(
+                    UpstreamError(f"worker {dispatch.worker.name} answered {upstream.status}"),
+                    _Fallback(upstream.status, body, upstream.content_type),
+                )
             if request.stream and upstream.status == 200:
-                response, outcome = await _relay_stream(http, dispatch, upstream, capture,
-                                                        request_id)
+                response, outcome = await _relay_stream(
+                    http, dispatch, upstream, capture, request_id
+                )
             else:
-                response, outcome = await _relay_whole(http, dispatch, upstream, capture,
-                                                       request_id)
+                response, outcome = await _relay_whole(
+                    http, dispatch, upstream, capture, request_id
+                )
             sent = True
             return response
         finally:
@@ -201,11 +251,20 @@ async def _attempt(http: web.Request, state: RouterState, dispatch: Dispatch,
         outcome = "timeout"
         raise
     finally:
+        if prefilled is not None:
+            prefilled.cancel()
         _record(state, dispatch, capture, outcome, sent, arrived, attempt)
 
 
-def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outcome: Outcome,
-            sent: bool, arrived: float, attempt: int) -> None:
+def _record(
+    state: RouterState,
+    dispatch: Dispatch,
+    capture: ReplyCapture,
+    outcome: Outcome,
+    sent: bool,
+    arrived: float,
+    attempt: int,
+) -> None:
     worker = dispatch.worker.name
     metrics = state.metrics
     if not sent:
@@ -213,20 +272,25 @@ def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outco
         state.admission.notify()
         return
     prompt, cached = capture.prompt_tokens, capture.cached_tokens
-    usage = (EngineUsage(prompt, cached, capture.completion_tokens)
-             if prompt is not None and cached is not None else None)
+    usage = (
+        EngineUsage(prompt, cached, capture.completion_tokens)
+        if prompt is not None and cached is not None
+        else None
+    )
     dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [], usage)
     state.admission.notify()  # after the lease is released: there is room now
     metrics.requests.labels(dispatch.request.model, worker, outcome).inc()
     metrics.latency.labels(worker).observe(monotonic() - arrived)
-    metrics.prompt_tokens.labels(worker).inc(prompt if prompt is not None
-                                             else dispatch.route.prompt_tokens)
+    metrics.prompt_tokens.labels(worker).inc(
+        prompt if prompt is not None else dispatch.route.prompt_tokens
+    )
     if usage is not None:
         metrics.engine_cached_tokens.labels(worker).inc(usage.cached_tokens)
         metrics.usage_prompt_tokens.labels(worker).inc(usage.prompt_tokens)
     if state.config.log_requests:
-        request_log.write(request_log.request_line(
-            dispatch, outcome, usage, monotonic() - arrived, attempt))
+        request_log.write(
+            request_log.request_line(dispatch, outcome, usage, monotonic() - arrived, attempt)
+        )
 
 
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
@@ -242,8 +306,10 @@ async def _read_whole(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> b
         async for chunk in upstream.content.iter_any():
             body += chunk
             if len(body) > MAX_WHOLE_RESPONSE_BYTES:
-                raise UpstreamError(f"worker {dispatch.worker.name} answered more than "
-                                    f"{MAX_WHOLE_RESPONSE_BYTES} bytes")
+                raise UpstreamError(
+                    f"worker {dispatch.worker.name} answered more than "
+                    f"{MAX_WHOLE_RESPONSE_BYTES} bytes"
+                )
     except UPSTREAM_ERRORS as exc:
         raise _failed(dispatch, "failed", exc) from exc
     return bytes(body)
@@ -255,51 +321,94 @@ async def _first_chunk(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> 
     except UPSTREAM_ERRORS as exc:
         raise _failed(dispatch, "failed before its first byte", exc) from exc
     if not chunk:
-        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} closed the stream "
-                                   "before its first byte"))
+        raise _Retry(
+            UpstreamError(f"worker {dispatch.worker.name} closed the stream before its first byte")
+        )
     return chunk
 
 
-async def _relay_stream(http: web.Request, dispatch: Dispatch,
-                        upstream: aiohttp.ClientResponse, capture: ReplyCapture,
-                        request_id: str) -> tuple[web.StreamResponse, Outcome]:
+async def _relay_stream(
+    http: web.Request,
+    dispatch: Dispatch,
+    upstream: aiohttp.ClientResponse,
+    capture: ReplyCapture,
+    request_id: str,
+) -> tuple[web.StreamResponse, Outcome]:
     first = await _first_chunk(dispatch, upstream)
     ttft = dispatch.first_byte()
     dispatch.router.metrics.ttft.labels(dispatch.worker.name).observe(ttft)
-    response = web.StreamResponse(status=upstream.status,
-                                  headers=_response_headers(upstream, dispatch.worker.name,
-                                                            request_id))
+    response = web.StreamResponse(
+        status=upstream.status,
+        headers=_response_headers(upstream, dispatch.worker.name, request_id),
+    )
     await response.prepare(http)
+    events = WholeEvents()
     capture.feed_stream(first)
-    await response.write(first)
+    if whole := events.cut(first):
+        await response.write(whole)
     outcome: Outcome = "success"
     while True:
         try:
             chunk = await upstream.content.readany()
         except UPSTREAM_ERRORS as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else "upstream_error"
-            error = UpstreamError(f"worker {dispatch.worker.name} failed mid-stream: {exc!r}")
-            await response.write(b"data: " + orjson.dumps(error.body()) + b"\n\n")
+            log.warning(
+                "request %s: worker %s failed mid-stream: %r", request_id, dispatch.worker.name, exc
+            )
+            # The half event it sent is dropped: the client reads only whole events.
+            await response.write(MID_STREAM_ERROR_EVENT)
             break
         if not chunk:
+            if rest := events.rest():
+                await response.write(rest)
             break
         capture.feed_stream(chunk)
-        await response.write(chunk)  # a client that went away raises here
+        if whole := events.cut(chunk):
+            await response.write(whole)  # a client that went away raises here
     if capture.errored:
         outcome = "upstream_error"
     await response.write_eof()
     return response, outcome
 
 
-async def _relay_whole(http: web.Request, dispatch: Dispatch,
-                       upstream: aiohttp.ClientResponse, capture: ReplyCapture,
-                       request_id: str) -> tuple[web.StreamResponse, Outcome]:
+class WholeEvents:
+    """Cuts a relayed SSE stream at event boundaries, so that a worker failing in the
+    middle of an event never leaves the client half of one."""
+
+    __slots__ = ("_partial",)
+
+    def __init__(self) -> None:
+        self._partial = b""
+
+    def cut(self, chunk: bytes) -> bytes:
+        """The whole events ``chunk`` completes; the rest is held for the next chunk."""
+        data = self._partial + chunk if self._partial else chunk
+        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        self._partial = data[end:]
+        return data[:end] if self._partial else data
+
+    def rest(self) -> bytes:
+        """What the worker sent after its last whole event (it closed the stream there)."""
+        rest, self._partial = self._partial, b""
+        return rest
+
+
+async def _relay_whole(
+    http: web.Request,
+    dispatch: Dispatch,
+    upstream: aiohttp.ClientResponse,
+    capture: ReplyCapture,
+    request_id: str,
+) -> tuple[web.StreamResponse, Outcome]:
     body = await _read_whole(dispatch, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
     dispatch.first_byte(observe=False, computed=upstream.status < 400)
     if upstream.status == 200:
         capture.feed_whole(body)
-    response = web.Response(status=upstream.status, body=body,
-                            headers=_response_headers(upstream, dispatch.worker.name,
-                                                      request_id))
+    response = web.Response(
+        status=upstream.status,
+        body=body,
+        headers=_response_headers(upstream, dispatch.worker.name, request_id),
+    )
     return response, "success" if upstream.status < 400 else "rejected"

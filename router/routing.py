@@ -57,6 +57,13 @@ class Dispatch:
     done: bool = False
     reserved: bool = True  # the prompt's blocks are reserved, not yet recorded
 
+    def expected_prefill_s(self) -> float:
+        """When the worker should have prefilled this request: the queue found ahead of
+        it and its own uncached tokens, at the worker's learned speed."""
+        router = self.router
+        rate = router.prefill_rate.tokens_per_s * router.speeds.ratio(self.worker.name)
+        return (self.queued_before + self.lease.prefill_tokens) / max(rate, 1.0)
+
     def _record_prompt(self) -> None:
         """The worker computed the prompt: its blocks move from reserved to recorded."""
         if self.reserved:

@@ -29,6 +29,7 @@ from tests.router_client import (
     engines,
     fake_engine,
     held_stream,
+    load,
     metric,
     parse_sse,
     post,
@@ -375,3 +376,60 @@ async def test_a_rejected_prompt_leaves_the_cache_model_as_it_was(
         predicted = await metric(http, router, "kvrouter_predicted_cached_tokens_total")
         assert predicted - before >= 3_000
         await assert_idle(http, router)
+
+
+async def test_a_non_streamed_request_stops_counting_as_queued_prefill_once_prefilled(
+    engine_factory: EngineFactory,
+) -> None:
+    """A non-streamed reply arrives whole, long after the prefill ended; the router
+    must not show its prompt as queued prefill (which ``ttft`` reads as a queue) while
+    the engine decodes."""
+    async with (
+        engine_factory(time_scale=2.0) as sim,
+        serve_router(router_config([sim])) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        body = chat_body(conversation("whole", 2_000, 100), max_tokens=200, stream=False)
+        reply = asyncio.create_task(post(http, router.url, body))
+
+        async def prefilled_while_decoding() -> bool:
+            gauges = await load(http, router)
+            return (gauges["kvrouter_worker_outstanding_requests{w0}"] == 1
+                    and gauges["kvrouter_worker_queued_prefill_tokens{w0}"] == 0)
+
+        await wait_for(prefilled_while_decoding)
+        assert not reply.done()
+        assert (await reply).status == 200
+        await assert_idle(http, router)
+
+
+_FIRST_EVENT = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+
+
+async def _dies_mid_event(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(_FIRST_EVENT)
+    await response.write(b'data: {"id":"c","object":"chat.compl')
+    assert request.transport is not None
+    request.transport.abort()  # the worker dies with half an event sent
+    return response
+
+
+async def test_a_worker_that_dies_mid_event_leaves_a_parseable_stream() -> None:
+    async with (
+        fake_engine(_dies_mid_event) as url,
+        serve_router(router_config([], workers=(WorkerConfig(url, name="w0"),))) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        body = chat_body(conversation("cut", 20, 5))
+        async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            raw = await response.read()
+        assert raw.startswith(_FIRST_EVENT)
+        events = [e for e in raw.split(b"\n\n") if e]
+        assert all(e.startswith(b"data: ") for e in events)
+        text, _, errors = parse_sse(raw)  # every event is whole JSON
+        assert text == "Hi" and len(errors) == 1
+        assert url.split("//")[1] not in errors[0]["message"]  # no worker address
+        assert "w0" not in errors[0]["message"]

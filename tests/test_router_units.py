@@ -24,6 +24,7 @@ from router.prefix import (
     ChainExtender,
     chain_seed,
 )
+from router.proxy import WholeEvents
 from router.workers import Lease, Worker
 
 BLOCK = 16  # small blocks, so short texts span many of them
@@ -505,3 +506,17 @@ def test_capture_gives_up_on_garbage_and_tool_calls() -> None:
     no_extender = ReplyCapture(None, chat=True)
     no_extender.feed_stream(sse(delta("x" * 100)))
     assert no_extender.reply_hashes() == []
+
+
+def test_a_relayed_stream_is_cut_only_at_event_boundaries() -> None:
+    stream = b'data: {"a":1}\n\ndata: {"b":2}\r\n\r\n: keep-alive\n\ndata: [DONE]\n\n'
+    for size in (1, 2, 3, 7, 16, len(stream)):
+        events, sent = WholeEvents(), []
+        for start in range(0, len(stream), size):
+            whole = events.cut(stream[start : start + size])
+            assert whole.endswith((b"\n\n", b"\r\n\r\n")) or not whole, (size, whole)
+            sent.append(whole)
+        assert b"".join(sent) == stream and events.rest() == b""
+    events = WholeEvents()
+    assert events.cut(b'data: {"a":1}\n\ndata: {"b"') == b'data: {"a":1}\n\n'
+    assert events.rest() == b'data: {"b"'  # a stream the worker closed in mid-event
