@@ -10,7 +10,10 @@ everything. The breaker takes it out instead:
     half-open --trial fails--> open again, cooldown doubled (up to max_cooldown_s)
 
 Only upstream failures count (connection errors, 5xx, timeouts); a client that goes away
-or a 4xx for a bad request says nothing about the worker.
+or a 4xx for a bad request says nothing about the worker. Only requests sent since the
+circuit last opened count: ``on_dispatch`` hands out a ticket naming that opening, and an
+outcome whose ticket is older is ignored (a request sent before the worker broke, ending
+after, must not close the circuit or fail the trial).
 """
 
 from __future__ import annotations
@@ -32,13 +35,26 @@ class BreakerState(IntEnum):
 
 
 class CircuitBreaker:
-    __slots__ = ("_clock", "_cooldown", "_failures", "_opened_at", "_trial_out",
-                 "cooldown_s", "failure_threshold", "max_cooldown_s", "state")
+    __slots__ = (
+        "_clock",
+        "_cooldown",
+        "_failures",
+        "_opened_at",
+        "_openings",
+        "_trial_out",
+        "cooldown_s",
+        "failure_threshold",
+        "max_cooldown_s",
+        "state",
+    )
 
-    def __init__(self, failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
-                 cooldown_s: float = DEFAULT_COOLDOWN_S,
-                 max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
-                 clock: Callable[[], float] = monotonic) -> None:
+    def __init__(
+        self,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
+        clock: Callable[[], float] = monotonic,
+    ) -> None:
         self.failure_threshold = failure_threshold
         self.cooldown_s = cooldown_s
         self.max_cooldown_s = max_cooldown_s
@@ -47,6 +63,7 @@ class CircuitBreaker:
         self._failures = 0
         self._cooldown = cooldown_s
         self._opened_at = 0.0
+        self._openings = 0
         self._trial_out = False
 
     def allows(self) -> bool:
@@ -58,17 +75,23 @@ class CircuitBreaker:
             return not self._trial_out
         return self.state is BreakerState.CLOSED
 
-    def on_dispatch(self) -> None:
+    def on_dispatch(self) -> int:
+        """A request was sent; returns its ticket for the outcome."""
         if self.state is BreakerState.HALF_OPEN:
             self._trial_out = True
+        return self._openings
 
-    def on_success(self) -> None:
+    def on_success(self, ticket: int) -> None:
+        if ticket != self._openings:
+            return  # sent before the circuit last opened
         self.state = BreakerState.CLOSED
         self._failures = 0
         self._cooldown = self.cooldown_s
         self._trial_out = False
 
-    def on_failure(self) -> None:
+    def on_failure(self, ticket: int) -> None:
+        if ticket != self._openings:
+            return
         if self.state is BreakerState.HALF_OPEN:
             self._cooldown = min(self.max_cooldown_s, self._cooldown * 2)
             self._open()
@@ -77,11 +100,13 @@ class CircuitBreaker:
         if self.state is BreakerState.CLOSED and self._failures >= self.failure_threshold:
             self._open()
 
-    def on_abandoned(self) -> None:
+    def on_abandoned(self, ticket: int) -> None:
         """The request ended without a verdict (the client left): free the trial slot."""
-        self._trial_out = False
+        if ticket == self._openings:
+            self._trial_out = False
 
     def _open(self) -> None:
+        self._openings += 1
         self.state = BreakerState.OPEN
         self._opened_at = self._clock()
         self._trial_out = False

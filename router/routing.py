@@ -51,6 +51,7 @@ class Dispatch:
     decision: Decision
     lease: Lease
     queued_before: int  # prefill tokens queued on the worker ahead of this request
+    breaker_ticket: int  # which opening of the worker's circuit this request was sent after
     best_match: int  # the most of this prompt any eligible worker was modelled to hold
     sent_at: float = field(default_factory=monotonic)
     ttft: float | None = None
@@ -106,11 +107,11 @@ class Dispatch:
         self.lease.release()
         breaker = self.worker.breaker
         if outcome in ("success", "rejected"):
-            breaker.on_success()  # a 4xx is the request's fault, not the worker's
+            breaker.on_success(self.breaker_ticket)  # a 4xx is the request's fault
         elif outcome == "client_disconnect":
-            breaker.on_abandoned()
+            breaker.on_abandoned(self.breaker_ticket)
         else:
-            breaker.on_failure()
+            breaker.on_failure(self.breaker_ticket)
         router = self.router
         if outcome == "client_disconnect":
             self._record_prompt()  # the worker may have computed it before the abort
@@ -168,7 +169,7 @@ class Router:
         matched = next(v.matched_tokens for v in views if v.name == decision.worker)
         queued_before = worker.queued_prefill_tokens
         lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
-        worker.breaker.on_dispatch()
+        ticket = worker.breaker.on_dispatch()
         worker.demand.add(route.prompt_tokens, now)
         self.index.reserve(worker.name, route.block_hashes)
         active.policy.on_dispatch(route, worker.name)
@@ -178,7 +179,16 @@ class Router:
         self.metrics.best_cached_tokens.labels(worker.name).inc(best)
         self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
         return Dispatch(
-            self, active.policy, request, route, worker, decision, lease, queued_before, best
+            self,
+            active.policy,
+            request,
+            route,
+            worker,
+            decision,
+            lease,
+            queued_before,
+            ticket,
+            best,
         )
 
     def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:

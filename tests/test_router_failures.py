@@ -403,7 +403,10 @@ async def test_a_non_streamed_request_stops_counting_as_queued_prefill_once_pref
         await assert_idle(http, router)
 
 
-_FIRST_EVENT = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+_FIRST_EVENT = (
+    b'data: {"id":"c","object":"chat.completion.chunk",'
+    b'"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+)
 
 
 async def _dies_mid_event(request: web.Request) -> web.StreamResponse:
