@@ -252,6 +252,19 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self._per_worker: tuple[Counter | Gauge | Histogram, ...] = (
+            self.requests,
+            self.retries,
+            self.prompt_tokens,
+            self.best_cached_tokens,
+            self.predicted_cached_tokens,
+            self.engine_cached_tokens,
+            self.usage_prompt_tokens,
+            self.ttft,
+            self.latency,
+            self.worker_restarts,
+            self.residency_share,
+        )
         r.register(_FleetCollector(fleet, index, block_tokens))
         # Series for every fixed label value from the start, so rates and dashboards
         # read 0 rather than "no data" before the first event.
@@ -263,6 +276,12 @@ class RouterMetrics:
 
     def worker_added(self, worker: str) -> None:
         self.retries.labels(worker)
+
+    def worker_removed(self, worker: str) -> None:
+        """Drop the worker's series: a removed worker would otherwise be scraped forever
+        (and with workers coming and going through discovery, the series would pile up)."""
+        for metric in self._per_worker:
+            metric.remove_by_labels({"worker": worker})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -165,7 +165,8 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
                 retry.error.message,
             )
     assert failure is not None
-    state.metrics.requests.labels(request.model, tried[-1], failure.outcome).inc()
+    model = state.router.fleet.model_label(request.model)
+    state.metrics.requests.labels(model, tried[-1], failure.outcome).inc()
     if failure.fallback is not None:
         fb = failure.fallback
         return web.Response(status=fb.status, body=fb.body, content_type=fb.content_type)
@@ -279,7 +280,8 @@ def _record(
     )
     dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [], usage)
     state.admission.notify()  # after the lease is released: there is room now
-    metrics.requests.labels(dispatch.request.model, worker, outcome).inc()
+    model = state.router.fleet.model_label(dispatch.request.model)
+    metrics.requests.labels(model, worker, outcome).inc()
     metrics.latency.labels(worker).observe(monotonic() - arrived)
     metrics.prompt_tokens.labels(worker).inc(
         prompt if prompt is not None else dispatch.route.prompt_tokens

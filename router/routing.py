@@ -256,6 +256,7 @@ class Router:
 
     def remove_worker(self, name: str) -> None:
         self.fleet.remove(name)
+        self.metrics.worker_removed(name)
         self.index.remove_worker(name)
         self.calibrator.reset(name)
         self.speeds.reset(name)

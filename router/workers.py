@@ -49,6 +49,10 @@ class Worker:
         return not self.models or model in self.models
 
 
+# The metric label of requests for a model no worker lists.
+OTHER_MODEL = "other"
+
+
 class Lease:
     """One request's share of a worker's load."""
 
@@ -98,14 +102,21 @@ class Fleet:
     def all(self) -> list[Worker]:
         return list(self.workers.values())
 
-    def eligible(self, model: str, exclude: Iterable[str] = (),
-                 stale_after_s: float | None = None) -> list[Worker]:
+    def eligible(
+        self, model: str, exclude: Iterable[str] = (), stale_after_s: float | None = None
+    ) -> list[Worker]:
         """Healthy workers serving ``model`` whose circuit lets a request through; with
         ``stale_after_s``, workers with stale engine metrics only if all are stale."""
         excluded = set(exclude)
-        found = [w for w in self.workers.values()
-                 if w.healthy and not w.draining and w.name not in excluded
-                 and w.serves(model) and w.breaker.allows()]
+        found = [
+            w
+            for w in self.workers.values()
+            if w.healthy
+            and not w.draining
+            and w.name not in excluded
+            and w.serves(model)
+            and w.breaker.allows()
+        ]
         if stale_after_s is None:
             return found
         now = monotonic()
@@ -116,4 +127,12 @@ class Fleet:
         return {m for w in self.workers.values() for m in w.models}
 
     def serves(self, model: str) -> bool:
-        return any(w.serves(model) for w in self.workers.values())
+        """Some worker lists ``model``; before any worker's list is known (a /v1/models
+        the router may not read, say), any model is passed on."""
+        known = self.models()
+        return model in known if known else True
+
+    def model_label(self, model: str) -> str:
+        """``model`` as a metric label: only names some worker lists, so a client cannot
+        grow the router's series with names of its own."""
+        return model if model in self.models() else OTHER_MODEL

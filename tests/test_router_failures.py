@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.loopback import serve_on_loopback
 from router.config import UpstreamConfig, WorkerConfig
 from tests.conftest import (
     TEST_MODEL,
@@ -33,6 +34,7 @@ from tests.router_client import (
     metric,
     parse_sse,
     post,
+    router_samples,
     set_faults,
     wait_for,
 )
@@ -41,38 +43,52 @@ from tests.router_client import (
 
 
 async def test_load_returns_to_zero_after_successes(engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet, policy="least_load")) as router, \
-            aiohttp.ClientSession() as http:
-        bodies = [chat_body(conversation(f"ok{i}", 80, 20), 6, stream=i % 2 == 0)
-                  for i in range(6)]
-        results = await asyncio.gather(*(post(http, router.url, b) for b in bodies),
-                                       post(http, router.url, {"model": TEST_MODEL,
-                                                               "prompt": [1, 2, 3],
-                                                               "max_tokens": 3},
-                                            path="/v1/completions"))
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, policy="least_load")) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        bodies = [chat_body(conversation(f"ok{i}", 80, 20), 6, stream=i % 2 == 0) for i in range(6)]
+        results = await asyncio.gather(
+            *(post(http, router.url, b) for b in bodies),
+            post(
+                http,
+                router.url,
+                {"model": TEST_MODEL, "prompt": [1, 2, 3], "max_tokens": 3},
+                path="/v1/completions",
+            ),
+        )
         assert [r.status for r in results] == [200] * 7
         await assert_idle(http, router)
         assert await metric(http, router, "kvrouter_requests_total", outcome="success") == 7
 
 
-async def test_load_returns_to_zero_after_upstream_errors(engine_factory: EngineFactory
-                                                          ) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet)) as router, aiohttp.ClientSession() as http:
+async def test_load_returns_to_zero_after_upstream_errors(engine_factory: EngineFactory) -> None:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         for engine in fleet:
             await set_faults(http, engine, fail_requests=True)
-        results = await asyncio.gather(*(
-            post(http, router.url, chat_body(conversation(f"e{i}", 50, 10), stream=i == 0))
-            for i in range(3)))
+        results = await asyncio.gather(
+            *(
+                post(http, router.url, chat_body(conversation(f"e{i}", 50, 10), stream=i == 0))
+                for i in range(3)
+            )
+        )
         assert [r.status for r in results] == [500] * 3
         await assert_idle(http, router)
 
 
-async def test_load_returns_to_zero_after_a_client_disconnect(engine_factory: EngineFactory
-                                                              ) -> None:
-    async with engines(engine_factory, 1) as fleet, \
-            serve_router(router_config(fleet)) as router, aiohttp.ClientSession() as http:
+async def test_load_returns_to_zero_after_a_client_disconnect(
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         body = chat_body(conversation("gone", 80, 20), max_tokens=20_000)
         async with held_stream(http, router.url, body) as (_, first):
             assert first.startswith(b"data: ")
@@ -82,28 +98,36 @@ async def test_load_returns_to_zero_after_a_client_disconnect(engine_factory: En
         async def engine_idle() -> bool:  # the router cancelled the upstream request too
             async with http.get(fleet[0].url + "/metrics") as response:
                 text = await response.text()
-            return all(s.value == 0 for f in text_string_to_metric_families(text)
-                       for s in f.samples if s.name == "vllm:num_requests_running")
+            return all(
+                s.value == 0
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "vllm:num_requests_running"
+            )
 
         await wait_for(engine_idle)
-        assert await metric(http, router, "kvrouter_requests_total",
-                            outcome="client_disconnect") == 1
+        assert (
+            await metric(http, router, "kvrouter_requests_total", outcome="client_disconnect") == 1
+        )
 
         # Gone before the first byte: the engine hangs, the client gives up waiting.
         await set_faults(http, fleet[0], stall=True)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(post(http, router.url, body), 0.3)
         await assert_idle(http, router, wait_s=5.0)
-        assert await metric(http, router, "kvrouter_requests_total",
-                            outcome="client_disconnect") == 2
+        assert (
+            await metric(http, router, "kvrouter_requests_total", outcome="client_disconnect") == 2
+        )
         await set_faults(http, fleet[0], stall=False)
 
 
 async def test_load_returns_to_zero_after_timeouts(engine_factory: EngineFactory) -> None:
     config_up = UpstreamConfig(read_timeout_s=0.5)
-    async with engines(engine_factory, 1) as fleet, \
-            serve_router(router_config(fleet, upstream=config_up)) as router, \
-            aiohttp.ClientSession() as http:
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, upstream=config_up)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         engine = fleet[0]
         # Mid-stream: the first chunk is through, then the engine hangs.
         body = chat_body(conversation("slow", 80, 20), max_tokens=20_000)
@@ -121,8 +145,9 @@ async def test_load_returns_to_zero_after_timeouts(engine_factory: EngineFactory
         # Before the first byte, streaming or not: the router answers with an error.
         for stream in (True, False):
             started = time.monotonic()
-            result = await post(http, router.url,
-                                chat_body(conversation("slow2", 50, 10), stream=stream))
+            result = await post(
+                http, router.url, chat_body(conversation("slow2", 50, 10), stream=stream)
+            )
             assert result.status == 504 and time.monotonic() - started < 3
             error = orjson.loads(result.raw)["error"]
             assert error["type"] == "server_error" and error["code"] == result.status
@@ -134,13 +159,18 @@ async def test_load_returns_to_zero_after_timeouts(engine_factory: EngineFactory
 
 
 async def test_a_failing_worker_is_retried_on_another(engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet, policy="round_robin")) as router, \
-            aiohttp.ClientSession() as http:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, policy="round_robin")) as router,
+        aiohttp.ClientSession() as http,
+    ):
         await set_faults(http, fleet[0], fail_requests=True)
-        results = [await post(http, router.url, chat_body(conversation(f"r{i}", 50, 10),
-                                                          stream=i % 2 == 0))
-                   for i in range(4)]
+        results = [
+            await post(
+                http, router.url, chat_body(conversation(f"r{i}", 50, 10), stream=i % 2 == 0)
+            )
+            for i in range(4)
+        ]
         assert [(r.status, r.worker) for r in results] == [(200, "w1")] * 4
         # Round robin offers w0 first every time (the retry takes w1's turn).
         assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 4
@@ -150,9 +180,11 @@ async def test_a_failing_worker_is_retried_on_another(engine_factory: EngineFact
 
 async def test_a_timed_out_worker_is_retried_on_another(engine_factory: EngineFactory) -> None:
     config_up = UpstreamConfig(read_timeout_s=0.5)
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet, policy="round_robin", upstream=config_up)
-                         ) as router, aiohttp.ClientSession() as http:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, policy="round_robin", upstream=config_up)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         await set_faults(http, fleet[0], stall=True)
         started = time.monotonic()
         result = await post(http, router.url, chat_body(conversation("t", 50, 10)))
@@ -165,8 +197,9 @@ async def test_a_timed_out_worker_is_retried_on_another(engine_factory: EngineFa
 
 async def _error_that_hangs(request: web.Request) -> web.StreamResponse:
     """A 500 whose body never finishes."""
-    response = web.StreamResponse(status=500, headers={"Content-Type": "application/json",
-                                                       "Content-Length": "1000"})
+    response = web.StreamResponse(
+        status=500, headers={"Content-Type": "application/json", "Content-Length": "1000"}
+    )
     await response.prepare(request)
     await response.write(b'{"error": ')
     await asyncio.sleep(30)
@@ -175,10 +208,15 @@ async def _error_that_hangs(request: web.Request) -> web.StreamResponse:
 
 async def test_an_error_whose_body_hangs_is_retried(engine_factory: EngineFactory) -> None:
     async with fake_engine(_error_that_hangs) as url, engine_factory() as engine:
-        config = router_config([engine], policy="round_robin",
-                               upstream=UpstreamConfig(read_timeout_s=0.5),
-                               workers=(WorkerConfig(url, name="w0", kv_tokens=10_000),
-                                        WorkerConfig(engine.url, name="w1")))
+        config = router_config(
+            [engine],
+            policy="round_robin",
+            upstream=UpstreamConfig(read_timeout_s=0.5),
+            workers=(
+                WorkerConfig(url, name="w0", kv_tokens=10_000),
+                WorkerConfig(engine.url, name="w1"),
+            ),
+        )
         async with serve_router(config) as router, aiohttp.ClientSession() as http:
             result = await post(http, router.url, chat_body(conversation("h", 50, 10)))
             assert (result.status, result.worker) == (200, "w1")
@@ -186,17 +224,33 @@ async def test_an_error_whose_body_hangs_is_retried(engine_factory: EngineFactor
             await assert_idle(http, router)
 
 
-_SPLIT_JSON = orjson.dumps({"id": "x", "object": "chat.completion", "choices": [
-    {"index": 0, "message": {"role": "assistant", "content": "word " * 2000},
-     "finish_reason": "length"}], "usage": {"prompt_tokens": 5, "completion_tokens": 2000,
-                                            "prompt_tokens_details": {"cached_tokens": 0}}})
+_SPLIT_JSON = orjson.dumps(
+    {
+        "id": "x",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "word " * 2000},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 5,
+            "completion_tokens": 2000,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
+)
 
 
 async def _json_in_two_writes(request: web.Request) -> web.StreamResponse:
     """A whole (non-streamed) response whose second half comes a moment later."""
     status = 500 if request.headers.get("X-Fail") else 200
-    response = web.StreamResponse(status=status, headers={
-        "Content-Type": "application/json", "Content-Length": str(len(_SPLIT_JSON))})
+    response = web.StreamResponse(
+        status=status,
+        headers={"Content-Type": "application/json", "Content-Length": str(len(_SPLIT_JSON))},
+    )
     await response.prepare(request)
     half = len(_SPLIT_JSON) // 2
     await response.write(_SPLIT_JSON[:half])
@@ -212,42 +266,60 @@ async def test_whole_responses_are_passed_on_whole() -> None:
         async with serve_router(config) as router, aiohttp.ClientSession() as http:
             body = chat_body([{"role": "user", "content": "hi"}], stream=False)
             for headers in ({}, {"X-Fail": "1"}):  # a success, and an error passed on
-                async with http.post(router.url + "/v1/chat/completions", json=body,
-                                     headers=headers) as response:
+                async with http.post(
+                    router.url + "/v1/chat/completions", json=body, headers=headers
+                ) as response:
                     assert response.status == (500 if headers else 200)
                     assert await response.read() == _SPLIT_JSON
             await assert_idle(http, router)
 
 
 async def test_when_every_worker_fails_the_client_gets_the_upstream_error(
-        engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 2) as fleet, \
-            serve_router(router_config(fleet)) as router, aiohttp.ClientSession() as http:
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         for engine in fleet:
             await set_faults(http, engine, fail_requests=True, fail_status=503)
         body = chat_body(conversation("all", 50, 10))
         routed = await post(http, router.url, body)
         direct = await post(http, fleet[0].url, body)
         assert routed.status == direct.status == 503
-        assert orjson.loads(routed.raw) == orjson.loads(direct.raw) == {"error": {
-            "message": "simulated engine failure (fault injected)",
-            "type": "ServiceUnavailableError", "param": None, "code": 503}}
+        assert (
+            orjson.loads(routed.raw)
+            == orjson.loads(direct.raw)
+            == {
+                "error": {
+                    "message": "simulated engine failure (fault injected)",
+                    "type": "ServiceUnavailableError",
+                    "param": None,
+                    "code": 503,
+                }
+            }
+        )
         # Two attempts, so one retry: the last failure has nowhere left to go.
         assert await metric(http, router, "kvrouter_retries_total") == 1
         await assert_idle(http, router)
 
 
 async def test_a_closed_port_is_retried_never_hangs(engine_factory: EngineFactory) -> None:
-    async with contextlib.AsyncExitStack() as first_engine, \
-            engine_factory(engine_id="1") as survivor:
+    async with (
+        contextlib.AsyncExitStack() as first_engine,
+        engine_factory(engine_id="1") as survivor,
+    ):
         doomed = await first_engine.enter_async_context(engine_factory(engine_id="0"))
-        async with serve_router(router_config([doomed, survivor], policy="round_robin")
-                                ) as router, aiohttp.ClientSession() as http:
+        async with (
+            serve_router(router_config([doomed, survivor], policy="round_robin")) as router,
+            aiohttp.ClientSession() as http,
+        ):
             await first_engine.aclose()  # w0's port is closed; the router has not noticed
             for stream in (True, False):
                 result = await asyncio.wait_for(
-                    post(http, router.url, chat_body(conversation("c", 50, 10), stream=stream)),
-                    5)
+                    post(http, router.url, chat_body(conversation("c", 50, 10), stream=stream)), 5
+                )
                 assert (result.status, result.worker) == (200, "w1")
             # The refused connection took w0 out of rotation at once: one retry, not two.
             assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 1
@@ -258,40 +330,52 @@ async def test_a_closed_port_is_retried_never_hangs(engine_factory: EngineFactor
 
 # -- bad requests --------------------------------------------------------------------------
 
-_GOOD = {"model": TEST_MODEL, "messages": [{"role": "user", "content": "hi"}],
-         "max_tokens": 2}
+_GOOD = {"model": TEST_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 _BAD: Sequence[tuple[str, bytes, int, str]] = [
     ("malformed json", b'{"model": "sim-model", "messages": [', 400, "invalid_request_error"),
     ("not an object", b"[1, 2]", 400, "invalid_request_error"),
     ("missing messages", orjson.dumps({"model": TEST_MODEL}), 400, "invalid_request_error"),
     ("empty messages", orjson.dumps({**_GOOD, "messages": []}), 400, "invalid_request_error"),
-    ("messages a string", orjson.dumps({**_GOOD, "messages": "hi"}), 400,
-     "invalid_request_error"),
-    ("role a number", orjson.dumps({**_GOOD, "messages": [{"role": 1, "content": "x"}]}), 400,
-     "invalid_request_error"),
-    ("content a number", orjson.dumps({**_GOOD, "messages": [{"role": "user",
-                                                              "content": 5}]}), 400,
-     "invalid_request_error"),
-    ("stream a string", orjson.dumps({**_GOOD, "stream": "yes"}), 400,
-     "invalid_request_error"),
+    ("messages a string", orjson.dumps({**_GOOD, "messages": "hi"}), 400, "invalid_request_error"),
+    (
+        "role a number",
+        orjson.dumps({**_GOOD, "messages": [{"role": 1, "content": "x"}]}),
+        400,
+        "invalid_request_error",
+    ),
+    (
+        "content a number",
+        orjson.dumps({**_GOOD, "messages": [{"role": "user", "content": 5}]}),
+        400,
+        "invalid_request_error",
+    ),
+    ("stream a string", orjson.dumps({**_GOOD, "stream": "yes"}), 400, "invalid_request_error"),
     ("model a number", orjson.dumps({**_GOOD, "model": 5}), 400, "invalid_request_error"),
-    ("unknown model", orjson.dumps({**_GOOD, "model": "gpt-9"}), 404,
-     "invalid_request_error"),
-    ("too large", orjson.dumps({**_GOOD, "messages": [{"role": "user",
-                                                       "content": "x" * 4000}]}), 413,
-     "invalid_request_error"),
+    ("unknown model", orjson.dumps({**_GOOD, "model": "gpt-9"}), 404, "invalid_request_error"),
+    (
+        "too large",
+        orjson.dumps({**_GOOD, "messages": [{"role": "user", "content": "x" * 4000}]}),
+        413,
+        "invalid_request_error",
+    ),
 ]
 
 
 async def test_bad_requests_get_openai_errors_and_the_router_still_serves(
-        engine_factory: EngineFactory) -> None:
-    async with engines(engine_factory, 1) as fleet, \
-            serve_router(router_config(fleet, max_body_bytes=2048)) as router, \
-            aiohttp.ClientSession() as http:
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, max_body_bytes=2048)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         statuses: Counter[str] = Counter()
         for name, raw, status, error_type in _BAD:
-            async with http.post(router.url + "/v1/chat/completions", data=raw,
-                                 headers={"Content-Type": "application/json"}) as response:
+            async with http.post(
+                router.url + "/v1/chat/completions",
+                data=raw,
+                headers={"Content-Type": "application/json"},
+            ) as response:
                 assert response.status == status, name
                 error = (await response.json())["error"]
             assert isinstance(error["message"], str) and error["message"], name
@@ -302,12 +386,14 @@ async def test_bad_requests_get_openai_errors_and_the_router_still_serves(
         async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: read, then refused
             for _ in range(8):
                 yield b" " * 512
+
         async with http.post(router.url + "/v1/chat/completions", data=chunks()) as response:
             assert response.status == 413
             assert (await response.json())["error"]["code"] == 413
         statuses["413"] += 1
-        async with http.post(router.url + "/v1/completions",
-                             json={"model": TEST_MODEL, "prompt": [True]}) as response:
+        async with http.post(
+            router.url + "/v1/completions", json={"model": TEST_MODEL, "prompt": [True]}
+        ) as response:
             assert response.status == 400
             assert (await response.json())["error"]["param"] == "prompt"
         statuses["400"] += 1
@@ -315,13 +401,12 @@ async def test_bad_requests_get_openai_errors_and_the_router_still_serves(
             assert response.status == 405
             assert (await response.json())["error"]["code"] == 405
         for code, count in statuses.items():
-            assert await metric(http, router, "kvrouter_rejected_requests_total",
-                                status=code) == count, code
+            assert (
+                await metric(http, router, "kvrouter_rejected_requests_total", status=code) == count
+            ), code
         result = await post(http, router.url, chat_body(conversation("fine", 20, 5)))
         assert result.status == 200 and len(result.text) == 8 * 4
         await assert_idle(http, router)
-
-
 
 
 async def test_no_retry_starts_after_the_retry_deadline(engine_factory: EngineFactory) -> None:
@@ -338,14 +423,20 @@ async def test_no_retry_starts_after_the_retry_deadline(engine_factory: EngineFa
 
 
 async def test_api_keys_guard_the_openai_routes(engine_factory: EngineFactory) -> None:
-    async with (engines(engine_factory, 1) as fleet,
-                serve_router(router_config(fleet, api_keys=("key-one", "key-two"))) as router,
-                aiohttp.ClientSession() as http):
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, api_keys=("key-one", "key-two"))) as router,
+        aiohttp.ClientSession() as http,
+    ):
         body = chat_body([{"role": "user", "content": "hi"}], max_tokens=2)
-        for headers, status in (({}, 401), ({"Authorization": "Bearer nope"}, 401),
-                                ({"Authorization": "Bearer key-two"}, 200)):
-            async with http.post(router.url + "/v1/chat/completions", json=body,
-                                 headers=headers) as response:
+        for headers, status in (
+            ({}, 401),
+            ({"Authorization": "Bearer nope"}, 401),
+            ({"Authorization": "Bearer key-two"}, 200),
+        ):
+            async with http.post(
+                router.url + "/v1/chat/completions", json=body, headers=headers
+            ) as response:
                 assert response.status == status
                 if status == 401:
                     assert (await response.json())["error"]["code"] == "invalid_api_key"
@@ -370,8 +461,10 @@ async def test_a_rejected_prompt_leaves_the_cache_model_as_it_was(
         async with http.post(router.url + "/v1/chat/completions", json=huge) as response:
             assert response.status == 400
         before = await metric(http, router, "kvrouter_predicted_cached_tokens_total")
-        history += [{"role": "assistant", "content": first.text},
-                    {"role": "user", "content": "and then?"}]
+        history += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "and then?"},
+        ]
         assert (await post(http, router.url, chat_body(history))).status == 200
         predicted = await metric(http, router, "kvrouter_predicted_cached_tokens_total")
         assert predicted - before >= 3_000
@@ -394,8 +487,10 @@ async def test_a_non_streamed_request_stops_counting_as_queued_prefill_once_pref
 
         async def prefilled_while_decoding() -> bool:
             gauges = await load(http, router)
-            return (gauges["kvrouter_worker_outstanding_requests{w0}"] == 1
-                    and gauges["kvrouter_worker_queued_prefill_tokens{w0}"] == 0)
+            return (
+                gauges["kvrouter_worker_outstanding_requests{w0}"] == 1
+                and gauges["kvrouter_worker_queued_prefill_tokens{w0}"] == 0
+            )
 
         await wait_for(prefilled_while_decoding)
         assert not reply.done()
@@ -436,3 +531,74 @@ async def test_a_worker_that_dies_mid_event_leaves_a_parseable_stream() -> None:
         assert text == "Hi" and len(errors) == 1
         assert url.split("//")[1] not in errors[0]["message"]  # no worker address
         assert "w0" not in errors[0]["message"]
+
+
+@contextlib.asynccontextmanager
+async def _engine_without_model_list() -> AsyncIterator[str]:
+    """A worker whose /v1/models refuses the router (as vLLM with --api-key does)."""
+
+    async def chat(request: web.Request) -> web.Response:
+        message = {"role": "assistant", "content": "ok"}
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "usage": usage,
+                "choices": [{"index": 0, "message": message}],
+            }
+        )
+
+    async def refused(request: web.Request) -> web.Response:
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    app = web.Application()
+    app.router.add_get("/health", ok)
+    app.router.add_get("/metrics", ok)
+    app.router.add_get("/v1/models", refused)
+    app.router.add_post("/v1/chat/completions", chat)
+    async with serve_on_loopback(app) as url:
+        yield url
+
+
+async def test_client_chosen_models_never_become_metric_labels(
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        _engine_without_model_list() as url,
+        serve_router(router_config([], workers=(WorkerConfig(url, name="w0"),))) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        for i in range(30):  # no model list known: every model is passed on
+            body = {**chat_body(conversation("m", 10, 5), stream=False), "model": f"junk-{i}"}
+            assert (await post(http, router.url, body)).status == 200
+        models = {
+            labels["model"]
+            for name, labels, _ in await router_samples(http, router)
+            if name == "kvrouter_requests_total"
+        }
+        assert models == {"other"}
+    async with (
+        engine_factory() as sim,
+        _engine_without_model_list() as url,
+        serve_router(
+            router_config(
+                [sim], workers=(WorkerConfig(sim.url, name="w0"), WorkerConfig(url, name="w1"))
+            )
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        body = {**chat_body(conversation("m", 10, 5)), "model": "junk"}
+        result = await post(http, router.url, body)  # one list is known: junk is unknown
+        assert result.status == 404
+        assert orjson.loads(result.raw)["error"]["code"] == "model_not_found"
+        assert (await post(http, router.url, chat_body(conversation("m", 10, 5)))).status == 200
+        models = {
+            labels["model"]
+            for name, labels, _ in await router_samples(http, router)
+            if name == "kvrouter_requests_total"
+        }
+        assert models == {TEST_MODEL}
