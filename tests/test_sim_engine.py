@@ -18,10 +18,20 @@ from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine
 BLOCK = 16
 
 
-async def chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]],
-               max_tokens: int = 8, **extra: Any) -> dict[str, Any]:
-    body = {"model": TEST_MODEL, "messages": messages, "max_tokens": max_tokens,
-            "ignore_eos": True, **extra}
+async def chat(
+    http: aiohttp.ClientSession,
+    url: str,
+    messages: list[dict[str, Any]],
+    max_tokens: int = 8,
+    **extra: Any,
+) -> dict[str, Any]:
+    body = {
+        "model": TEST_MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **extra,
+    }
     async with http.post(f"{url}/v1/chat/completions", json=body) as response:
         assert response.status == 200, await response.text()
         result: dict[str, Any] = await response.json()
@@ -31,19 +41,27 @@ async def chat(http: aiohttp.ClientSession, url: str, messages: list[dict[str, A
 async def metric_values(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with http.get(f"{url}/metrics") as response:
         text = await response.text()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.labels.get("le") is None}
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.labels.get("le") is None
+    }
 
 
 async def test_repeated_and_extended_prompts_report_cached_tokens(sim: RunningEngine) -> None:
-    messages = [{"role": "system", "content": text_for("sys", 300)},
-                {"role": "user", "content": text_for("u1", 200)}]
+    messages = [
+        {"role": "system", "content": text_for("sys", 300)},
+        {"role": "user", "content": text_for("u1", 200)},
+    ]
     async with aiohttp.ClientSession() as http:
         first = await chat(http, sim.url, messages, max_tokens=20)
         again = await chat(http, sim.url, messages, max_tokens=20)
         reply = first["choices"][0]["message"]["content"]
-        messages += [{"role": "assistant", "content": reply},
-                     {"role": "user", "content": text_for("u2", 100)}]
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": text_for("u2", 100)},
+        ]
         extended = await chat(http, sim.url, messages, max_tokens=20)
     prompt = first["usage"]["prompt_tokens"]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -74,8 +92,11 @@ async def test_openai_client_streams_chat_and_completions(sim: RunningEngine) ->
     client = openai.AsyncOpenAI(base_url=f"{sim.url}/v1", api_key="unused", max_retries=0)
     try:
         stream = await client.chat.completions.create(
-            model=TEST_MODEL, messages=[{"role": "user", "content": "hello there"}],
-            max_tokens=12, stream=True, stream_options={"include_usage": True},
+            model=TEST_MODEL,
+            messages=[{"role": "user", "content": "hello there"}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_body={"ignore_eos": True},
         )
         text, usage, finish = "", None, None
@@ -90,8 +111,11 @@ async def test_openai_client_streams_chat_and_completions(sim: RunningEngine) ->
         assert len(text) == 12 * 4 and finish == "length"
 
         completion = await client.completions.create(
-            model=TEST_MODEL, prompt="once upon a time", max_tokens=5,
-            extra_body={"ignore_eos": True})
+            model=TEST_MODEL,
+            prompt="once upon a time",
+            max_tokens=5,
+            extra_body={"ignore_eos": True},
+        )
         assert completion.usage is not None and completion.usage.completion_tokens == 5
         assert len(completion.choices[0].text) == 20
 
@@ -124,10 +148,22 @@ async def test_bad_input_gets_openai_errors(sim: RunningEngine) -> None:
         ({"model": TEST_MODEL}, 400),
         ({"model": TEST_MODEL, "messages": "hi"}, 400),
         ({"model": TEST_MODEL, "messages": [{"content": "no role"}]}, 400),
-        ({"model": TEST_MODEL, "messages": [{"role": "user", "content": "x"}],
-          "max_tokens": "ten"}, 400),
-        ({"model": TEST_MODEL, "messages": [{"role": "user", "content": "x"}],
-          "max_tokens": 10_000_000}, 400),
+        (
+            {
+                "model": TEST_MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": "ten",
+            },
+            400,
+        ),
+        (
+            {
+                "model": TEST_MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "max_tokens": 10_000_000,
+            },
+            400,
+        ),
         ({"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404),
         ([1, 2, 3], 400),
     ]
@@ -135,8 +171,9 @@ async def test_bad_input_gets_openai_errors(sim: RunningEngine) -> None:
         for body, status in cases:
             data = body if isinstance(body, bytes) else None
             json_body = None if isinstance(body, bytes) else body
-            async with http.post(f"{sim.url}/v1/chat/completions", data=data,
-                                 json=json_body) as response:
+            async with http.post(
+                f"{sim.url}/v1/chat/completions", data=data, json=json_body
+            ) as response:
                 assert response.status == status, (body, await response.text())
                 error = (await response.json())["error"]
                 assert error["code"] == status and error["message"]
@@ -150,8 +187,9 @@ async def test_faults_fail_stall_and_restart(sim: RunningEngine) -> None:
         await chat(http, sim.url, messages)
         async with http.post(f"{sim.url}/sim/faults", json={"fail_requests": True}) as r:
             assert r.status == 200
-        async with http.post(f"{sim.url}/v1/chat/completions",
-                             json={"model": TEST_MODEL, "messages": messages}) as r:
+        async with http.post(
+            f"{sim.url}/v1/chat/completions", json={"model": TEST_MODEL, "messages": messages}
+        ) as r:
             assert r.status == 500
         await http.post(f"{sim.url}/sim/faults", json={"fail_requests": False, "stall": True})
         pending = asyncio.create_task(chat(http, sim.url, messages))
@@ -177,7 +215,8 @@ async def test_faults_fail_stall_and_restart(sim: RunningEngine) -> None:
 async def test_restart_drops_requests_in_flight(sim: RunningEngine) -> None:
     async with aiohttp.ClientSession() as http:
         pending = asyncio.create_task(
-            chat(http, sim.url, [{"role": "user", "content": "long"}], max_tokens=5000))
+            chat(http, sim.url, [{"role": "user", "content": "long"}], max_tokens=5000)
+        )
         await asyncio.sleep(0.2)
         await http.post(f"{sim.url}/sim/restart")
         try:
@@ -191,8 +230,13 @@ async def test_restart_drops_requests_in_flight(sim: RunningEngine) -> None:
 
 async def test_client_disconnect_frees_the_engine(sim: RunningEngine) -> None:
     async with aiohttp.ClientSession() as http:
-        body = {"model": TEST_MODEL, "messages": [{"role": "user", "content": "go"}],
-                "max_tokens": 20_000, "ignore_eos": True, "stream": True}
+        body = {
+            "model": TEST_MODEL,
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 20_000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with http.post(f"{sim.url}/v1/chat/completions", json=body) as response:
             await response.content.readline()
             assert sim.engine.scheduler.running
@@ -235,7 +279,35 @@ async def test_engine_timings_follow_the_roofline(engine_factory: EngineFactory)
         prefill = engine.roofline.step_seconds([(3000, 0)])
         assert request.first_token_at - request.scheduled_at == pytest.approx(prefill, rel=1e-9)
         gaps = [b - a for a, b in itertools.pairwise(request.token_times)]
-        assert gaps == pytest.approx(engine.roofline.decode_step_seconds(1, 3000, 299),
-                                     rel=1e-9)
+        assert gaps == pytest.approx(engine.roofline.decode_step_seconds(1, 3000, 299), rel=1e-9)
         assert request.output_tokens == 300
         assert wakes < 100  # tokens were handed to the stream coalesced, not one by one
+
+
+async def test_an_api_key_guards_the_v1_routes_as_vllms_does(
+    engine_factory: EngineFactory,
+) -> None:
+    async with engine_factory(api_key="k3y") as sim, aiohttp.ClientSession() as http:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k3y"}):
+            async with http.get(sim.url + "/v1/models", headers=headers) as response:
+                assert response.status == 401
+                assert await response.json() == {"error": "Unauthorized"}
+        async with http.get(
+            sim.url + "/v1/models", headers={"Authorization": "bearer k3y"}
+        ) as response:
+            assert response.status == 200
+        for open_path in ("/health", "/metrics"):
+            async with http.get(sim.url + open_path) as response:
+                assert response.status == 200, open_path
+        async with openai.AsyncOpenAI(
+            base_url=sim.url + "/v1", api_key="k3y", max_retries=0
+        ) as client:
+            reply = await client.chat.completions.create(
+                model=TEST_MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
+        assert reply.usage is not None and reply.usage.completion_tokens == 2
+        async with openai.AsyncOpenAI(
+            base_url=sim.url + "/v1", api_key="no", max_retries=0
+        ) as refused:
+            with pytest.raises(openai.AuthenticationError):
+                await refused.models.list()

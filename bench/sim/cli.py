@@ -27,30 +27,51 @@ DEFAULT_BASE_PORT = 8100
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"preset ({', '.join(preset_names())}) or a config.json path")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model id clients send (default: the --model name)")
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help=f"preset ({', '.join(preset_names())}) or a config.json path",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send (default: the --model name)",
+    )
     parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per engine")
     parser.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8 (default: the model's)")
-    parser.add_argument("--kv-tokens", type=int, default=None,
-                        help="KV cache size in tokens (overrides the GPU-memory computation)")
-    parser.add_argument("--gpu-memory-utilization", type=float,
-                        default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=None,
+        help="KV cache size in tokens (overrides the GPU-memory computation)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION
+    )
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
-    parser.add_argument("--max-num-batched-tokens", type=int,
-                        default=DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
-                        help="run this many times faster than real time (ratios are kept)")
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="tokens per streamed chunk")
-    parser.add_argument("--stream-flush-ms", type=float,
-                        default=DEFAULT_STREAM_FLUSH_WALL_S * 1e3,
-                        help="while decoding, send tokens at least this often (wall-clock "
-                             "ms) instead of every step; 0 sends every step")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=DEFAULT_TIME_SCALE,
+        help="run this many times faster than real time (ratios are kept)",
+    )
+    parser.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed chunk")
+    parser.add_argument(
+        "--stream-flush-ms",
+        type=float,
+        default=DEFAULT_STREAM_FLUSH_WALL_S * 1e3,
+        help="while decoding, send tokens at least this often (wall-clock "
+        "ms) instead of every step; 0 sends every step",
+    )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--api-key", default=None, help="as vLLM's: /v1 routes want 'Authorization: Bearer KEY'"
+    )
 
 
 def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfig:
@@ -62,8 +83,9 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         served_model_name=args.served_model_name or model.name,
         flavor=args.flavor,
         tensor_parallel_size=args.tp,
-        kv_cache_dtype_bytes=(int(dtype_bytes(args.kv_cache_dtype))
-                              if args.kv_cache_dtype else None),
+        kv_cache_dtype_bytes=(
+            int(dtype_bytes(args.kv_cache_dtype)) if args.kv_cache_dtype else None
+        ),
         kv_tokens=args.kv_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
@@ -73,22 +95,44 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         stream_interval=args.stream_interval,
         stream_flush_wall_s=args.stream_flush_ms / 1e3,
         seed=args.seed,
+        api_key=args.api_key,
         engine_id=engine_id,
     )
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The flags that rebuild ``args``' engine options in a child process."""
-    flags = ["--host", args.host, "--flavor", args.flavor, "--model", args.model,
-             "--gpu", args.gpu, "--tp", str(args.tp),
-             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-             "--max-num-seqs", str(args.max_num_seqs),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-             "--time-scale", str(args.time_scale), "--stream-interval", str(args.stream_interval),
-             "--stream-flush-ms", str(args.stream_flush_ms)]
-    optional = {"--served-model-name": args.served_model_name,
-                "--kv-cache-dtype": args.kv_cache_dtype, "--kv-tokens": args.kv_tokens,
-                "--max-model-len": args.max_model_len}
+    flags = [
+        "--host",
+        args.host,
+        "--flavor",
+        args.flavor,
+        "--model",
+        args.model,
+        "--gpu",
+        args.gpu,
+        "--tp",
+        str(args.tp),
+        "--gpu-memory-utilization",
+        str(args.gpu_memory_utilization),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--time-scale",
+        str(args.time_scale),
+        "--stream-interval",
+        str(args.stream_interval),
+        "--stream-flush-ms",
+        str(args.stream_flush_ms),
+    ]
+    optional = {
+        "--served-model-name": args.served_model_name,
+        "--kv-cache-dtype": args.kv_cache_dtype,
+        "--kv-tokens": args.kv_tokens,
+        "--max-model-len": args.max_model_len,
+        "--api-key": args.api_key,
+    }
     for flag, value in optional.items():
         if value is not None:
             flags += [flag, str(value)]
@@ -130,10 +174,18 @@ def run_engine(args: argparse.Namespace) -> int:
     except (CapacityError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
-    log.info("simulated %s engine %s on http://%s:%d: model %s on %dx %s, %d KV tokens, "
-             "time scale %g", config.flavor, config.engine_id, args.host, args.port,
-             config.served_model_name, config.tensor_parallel_size, config.gpu.name,
-             kv_capacity_tokens(config), config.time_scale)
+    log.info(
+        "simulated %s engine %s on http://%s:%d: model %s on %dx %s, %d KV tokens, time scale %g",
+        config.flavor,
+        config.engine_id,
+        args.host,
+        args.port,
+        config.served_model_name,
+        config.tensor_parallel_size,
+        config.gpu.name,
+        kv_capacity_tokens(config),
+        config.time_scale,
+    )
     return _run(serve(config, args.host, args.port))
 
 

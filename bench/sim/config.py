@@ -49,12 +49,16 @@ class EngineConfig:
     stream_flush_wall_s: float = DEFAULT_STREAM_FLUSH_WALL_S
     seed: int = 0
     engine_id: str = "0"
+    # As vLLM's --api-key: every /v1 route wants "Authorization: Bearer <key>".
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
-            (self.kv_tokens is None or self.kv_tokens >= self.block_tokens,
-             "kv_tokens must hold at least one block"),
+            (
+                self.kv_tokens is None or self.kv_tokens >= self.block_tokens,
+                "kv_tokens must hold at least one block",
+            ),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.block_tokens >= 1, "block_tokens must be >= 1"),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -289,9 +291,29 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         raise
 
 
+def _api_key_check(api_key: str) -> Any:
+    """vLLM's ``AuthenticationMiddleware`` (``--api-key``): a request to a path under /v1,
+    other than OPTIONS, needs ``Authorization: Bearer <key>`` (the scheme in any case),
+    else 401 ``{"error": "Unauthorized"}``; /health, /metrics and the rest are open."""
+    wanted = hashlib.sha256(api_key.encode()).digest()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path.startswith("/v1"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            given = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given, wanted):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
 def create_app(config: EngineConfig) -> web.Application:
     """The engine's application; the engine loop runs for the app's lifetime."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_errors])
+    middlewares = [_errors] if config.api_key is None else [_errors, _api_key_check(config.api_key)]
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app[CONFIG_KEY] = config
 
     async def engine_ctx(app: web.Application) -> AsyncIterator[None]:
