@@ -140,7 +140,14 @@ def _session(config: RouterConfig) -> aiohttp.ClientSession:
         sock_read=up.read_timeout_s,
     )
     # auto_decompress off: bodies pass through byte for byte, encoding and all.
-    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False)
+    # Bodies pass through as the engine sent them; it is asked for none compressed (no
+    # Accept-Encoding of aiohttp's own: the client asked for nothing of the kind).
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding",),
+    )
 
 
 @contextlib.asynccontextmanager

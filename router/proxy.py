@@ -54,6 +54,17 @@ HOP_BY_HOP = frozenset(
         "content-length",
     }
 )
+# Request headers passed on to the engine (lower case); everything else stays here.
+FORWARDED_HEADERS = frozenset(
+    {
+        "content-type",
+        "accept",
+        "user-agent",
+        "traceparent",
+        "tracestate",
+        "baggage",  # W3C trace context: vLLM's --otlp-traces-endpoint
+    }
+)
 WORKER_HEADER = "X-Kvrouter-Worker"
 REQUEST_ID_HEADER = "X-Request-Id"
 # Non-streaming responses are read whole before they are sent on; this bounds them.
@@ -91,7 +102,10 @@ class _Retry(Exception):
 
 
 def _forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP)
+    """The client's headers an engine is meant to see: an allow-list, so its credentials
+    (Authorization, Cookie) stay here and the body's Content-Encoding, which aiohttp
+    undid on reading, is not claimed for the plain body sent on."""
+    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() in FORWARDED_HEADERS)
     out[REQUEST_ID_HEADER] = request_id
     return out
 

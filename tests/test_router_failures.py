@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -246,7 +247,7 @@ _SPLIT_JSON = orjson.dumps(
 
 async def _json_in_two_writes(request: web.Request) -> web.StreamResponse:
     """A whole (non-streamed) response whose second half comes a moment later."""
-    status = 500 if request.headers.get("X-Fail") else 200
+    status = 500 if (await request.json()).get("user") == "fail" else 200
     response = web.StreamResponse(
         status=status,
         headers={"Content-Type": "application/json", "Content-Length": str(len(_SPLIT_JSON))},
@@ -264,12 +265,10 @@ async def test_whole_responses_are_passed_on_whole() -> None:
     async with fake_engine(_json_in_two_writes) as url:
         config = router_config([], workers=(WorkerConfig(url, name="w0", kv_tokens=10_000),))
         async with serve_router(config) as router, aiohttp.ClientSession() as http:
-            body = chat_body([{"role": "user", "content": "hi"}], stream=False)
-            for headers in ({}, {"X-Fail": "1"}):  # a success, and an error passed on
-                async with http.post(
-                    router.url + "/v1/chat/completions", json=body, headers=headers
-                ) as response:
-                    assert response.status == (500 if headers else 200)
+            for user in ("fine", "fail"):  # a success, and an error passed on
+                body = chat_body([{"role": "user", "content": "hi"}], stream=False, user=user)
+                async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == (500 if user == "fail" else 200)
                     assert await response.read() == _SPLIT_JSON
             await assert_idle(http, router)
 
@@ -602,3 +601,48 @@ async def test_client_chosen_models_never_become_metric_labels(
             if name == "kvrouter_requests_total"
         }
         assert models == {TEST_MODEL}
+
+
+async def test_only_request_headers_meant_for_the_engine_reach_it() -> None:
+    seen: list[dict[str, str]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        await request.json()  # the body the engine gets is the JSON itself
+        message = {"role": "assistant", "content": "ok"}
+        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "usage": usage,
+                "choices": [{"index": 0, "message": message}],
+            }
+        )
+
+    body = orjson.dumps(chat_body(conversation("h", 10, 5), stream=False))
+    sent = {
+        "Content-Type": "application/json",
+        "Content-Encoding": "gzip",
+        "Authorization": "Bearer the-clients-own-key",
+        "Cookie": "session=secret",
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "X-Request-Id": "req-1",
+    }
+    async with (
+        fake_engine(chat) as url,
+        serve_router(router_config([], workers=(WorkerConfig(url, name="w0"),))) as router,
+        aiohttp.ClientSession(auto_decompress=False) as http,
+        http.post(
+            router.url + "/v1/chat/completions",
+            data=gzip.compress(body),
+            headers=sent,
+            skip_auto_headers=("Accept-Encoding",),
+        ) as response,
+    ):
+        assert response.status == 200, await response.text()
+    got = {k.lower(): v for k, v in seen[0].items()}
+    assert got["traceparent"] == sent["traceparent"] and got["x-request-id"] == "req-1"
+    assert got["content-type"] == "application/json"
+    for private in ("authorization", "cookie", "content-encoding", "accept-encoding"):
+        assert private not in got, private
