@@ -2,7 +2,9 @@
 
 Each source answers "which workers exist now"; the reconciler adds the new ones (their
 capacity read from their /metrics) and removes the ones that left, every
-``discovery.interval_s``, without a restart. Workers from the static list always stay.
+``discovery.interval_s``, without a restart. A worker whose address changed under the same
+name is removed and added again: a new engine, whose cache starts empty. Workers from the
+static list always stay.
 
 * file: YAML or JSON, a list of worker URLs or ``{url, name?, kv_tokens?}`` mappings
   (the format of ``workers:`` in the config file); re-read when its modification time
@@ -10,7 +12,10 @@ capacity read from their /metrics) and removes the ones that left, every
 * dns: the A/AAAA records of a name (a Kubernetes headless service), one worker per
   address, on ``dns_port``; or, for a name starting with ``_``
   (``_http._tcp.vllm.ns.svc.cluster.local``), its SRV records, one worker per target and
-  port. Re-resolved every interval.
+  port. Re-resolved every interval, from ``dns_nameserver`` when one is set. Only an
+  answer with records changes the workers: a lookup that fails or finds nothing
+  (NXDOMAIN included, which DNS servers answer for a moment while a service's endpoints
+  change) keeps the ones it last named.
 * kubernetes: EndpointSlices by label selector, listed then watched
   (``router/kubernetes.py``).
 """
@@ -22,7 +27,7 @@ import logging
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import dns.asyncresolver
@@ -38,7 +43,7 @@ from router.state import RouterState
 
 log = logging.getLogger(__name__)
 
-SRV_TIMEOUT_S = 2.0
+LOOKUP_TIMEOUT_S = 2.0
 
 
 class Source(Protocol):
@@ -76,19 +81,25 @@ class FileSource:
             entries = yaml.safe_load(self._path.read_text()) or []
             if not isinstance(entries, list):
                 raise ConfigError("expected a list of workers")
-            return [build(WorkerConfig, {"url": e} if isinstance(e, str) else e,
-                          f"{self._path}[{i}]") for i, e in enumerate(entries)]
-        except (OSError, yaml.YAMLError, ConfigError, TypeError) as exc:
+            return [
+                build(WorkerConfig, {"url": e} if isinstance(e, str) else e, f"{self._path}[{i}]")
+                for i, e in enumerate(entries)
+            ]
+        except (OSError, yaml.YAMLError, ConfigError, TypeError, ValueError) as exc:
             log.warning("discovery file %s ignored: %s", self._path, exc)
             return None
 
 
 class DnsSource:
-    def __init__(self, name: str, port: int, scheme: str = "http",
-                 nameserver: str = "") -> None:
+    """Workers from DNS. A lookup that fails or finds nothing keeps the workers: removing
+    a worker drops what the router knows of its cache, while a dead worker costs only a
+    health probe until it answers again."""
+
+    def __init__(self, name: str, port: int, scheme: str = "http", nameserver: str = "") -> None:
         self._name = name
         self._port = port
         self._scheme = scheme
+        self._own_nameserver = bool(nameserver)
         self._resolver = dns.asyncresolver.Resolver(configure=not nameserver)
         if nameserver:
             host, _, ns_port = nameserver.rpartition(":")
@@ -97,35 +108,68 @@ class DnsSource:
 
     async def workers(self) -> list[WorkerConfig] | None:
         if self._name.startswith("_"):
-            return await self._srv()
+            found = await self._srv()
+        else:
+            addresses = await (
+                self._queried_addresses() if self._own_nameserver else self._system_addresses()
+            )
+            found = (
+                None
+                if addresses is None
+                else [WorkerConfig(self._url(a)) for a in sorted(set(addresses))]
+            )
+        if found is not None and not found:
+            log.warning("discovery: %s has no records; keeping the current workers", self._name)
+            return None
+        return found
+
+    async def close(self) -> None:
+        return None
+
+    async def _system_addresses(self) -> list[str] | None:
+        """From the system's resolver (``/etc/hosts`` and search domains included)."""
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(self._name, self._port, type=socket.SOCK_STREAM)
         except OSError as exc:
             log.warning("discovery: cannot resolve %s: %s", self._name, exc)
             return None
-        addresses = sorted({str(info[4][0]) for info in infos})
-        return [WorkerConfig(self._url(a)) for a in addresses]
+        return [str(info[4][0]) for info in infos]
 
-    async def close(self) -> None:
-        return None
+    async def _queried_addresses(self) -> list[str] | None:
+        """The name's A and AAAA records, from the configured nameserver."""
+        found: list[str] = []
+        for rdtype in ("A", "AAAA"):
+            records = await self._lookup(rdtype)
+            if records is None:
+                return None
+            found += [record.to_text() for record in records]
+        return found
 
     async def _srv(self) -> list[WorkerConfig] | None:
         """``_http._tcp.vllm.ns.svc.cluster.local``: one worker per SRV record, at its
         target and port, named after the target (a pod's stable DNS name)."""
-        try:
-            answer = await self._resolver.resolve(self._name, "SRV", lifetime=SRV_TIMEOUT_S)
-        except dns.resolver.NXDOMAIN:
-            return []
-        except dns.exception.DNSException as exc:
-            log.warning("discovery: SRV lookup of %s failed: %r", self._name, exc)
+        records = await self._lookup("SRV")
+        if records is None:
             return None
         workers = []
-        for record in answer:
+        for record in records:
             target = record.target.to_text().rstrip(".")
             port = int(record.port)
             workers.append(WorkerConfig(self._url(target, port), name=f"{target}:{port}"))
         return workers
+
+    async def _lookup(self, rdtype: str) -> list[Any] | None:
+        """The name's records of ``rdtype`` ([] if it has none of them), or None when the
+        lookup failed (NXDOMAIN included: it is often transient)."""
+        try:
+            answer = await self._resolver.resolve(self._name, rdtype, lifetime=LOOKUP_TIMEOUT_S)
+        except dns.resolver.NoAnswer:
+            return []
+        except dns.exception.DNSException as exc:
+            log.warning("discovery: %s lookup of %s failed: %r", rdtype, self._name, exc)
+            return None
+        return list(answer)
 
     def _url(self, address: str, port: int | None = None) -> str:
         host = f"[{address}]" if ":" in address else address
@@ -143,8 +187,9 @@ def sources(config: DiscoveryConfig, session: aiohttp.ClientSession) -> list[Sou
     return found
 
 
-def desired(static: Sequence[WorkerConfig],
-            discovered: Sequence[list[WorkerConfig] | None]) -> dict[str, WorkerConfig] | None:
+def desired(
+    static: Sequence[WorkerConfig], discovered: Sequence[list[WorkerConfig] | None]
+) -> dict[str, WorkerConfig] | None:
     """Every worker that should exist, by name; None if any source could not tell."""
     if any(d is None for d in discovered):
         return None
@@ -156,8 +201,9 @@ def desired(static: Sequence[WorkerConfig],
 
 
 class Reconciler:
-    """Adds the workers the sources name that the router lacks and removes the ones the
-    sources dropped; workers from the static list or the admin API are never removed."""
+    """Adds the workers the sources name that the router lacks, removes the ones the
+    sources dropped, and replaces the ones whose address changed; workers from the static
+    list or the admin API are never touched."""
 
     def __init__(self, state: RouterState, found: Sequence[Source]) -> None:
         self._state = state
@@ -165,27 +211,48 @@ class Reconciler:
         self.managed: set[str] = set()
 
     async def reconcile(self) -> None:
-        state, router = self._state, self._state.router
-        wanted = desired(state.config.workers, [await s.workers() for s in self._sources])
+        state = self._state
+        wanted = desired(state.config.workers, [await _ask(s) for s in self._sources])
         if wanted is None:
             return
         for name in sorted(self.managed - set(wanted)):
             log.warning("discovery: worker %s is gone; removing it", name)
-            router.remove_worker(name)
-            self.managed.discard(name)
-        added = False
-        for name, config in wanted.items():
-            if name in router.fleet.workers:
-                continue
-            worker, known = new_worker(state.config, config)
-            router.add_worker(worker)
-            self.managed.add(name)
-            if state.prober is not None and not known:
-                state.prober.discover_capacity(name)
-            log.info("discovery: worker %s at %s added", name, worker.url)
-            added = True
-        if added and state.prober is not None:
+            self._remove(name)
+        for name in self._moved(wanted):
+            log.warning(
+                "discovery: worker %s moved to %s; it starts with an empty cache",
+                name,
+                wanted[name].url,
+            )
+            self._remove(name)
+        fleet = state.router.fleet
+        fresh = [config for name, config in wanted.items() if name not in fleet.workers]
+        for config in fresh:
+            self._add(config)
+        if fresh and state.prober is not None:
             await state.prober.probe_all()
+
+    def _moved(self, wanted: dict[str, WorkerConfig]) -> list[str]:
+        """Discovered workers whose name stays while their address changed."""
+        workers = self._state.router.fleet.workers
+        return sorted(
+            name
+            for name in self.managed & set(wanted)
+            if name in workers and workers[name].url != wanted[name].url.rstrip("/")
+        )
+
+    def _remove(self, name: str) -> None:
+        self._state.router.remove_worker(name)
+        self.managed.discard(name)
+
+    def _add(self, config: WorkerConfig) -> None:
+        state = self._state
+        worker, known = new_worker(state.config, config)
+        state.router.add_worker(worker)
+        self.managed.add(worker.name)
+        if state.prober is not None and not known:
+            state.prober.discover_capacity(worker.name)
+        log.info("discovery: worker %s at %s added", worker.name, worker.url)
 
     async def run(self, interval_s: float) -> None:
         try:
@@ -195,3 +262,17 @@ class Reconciler:
         finally:
             for source in self._sources:
                 await source.close()
+
+
+async def _ask(source: Source) -> list[WorkerConfig] | None:
+    """The source's workers; None (keep what is) when it fails in a way it did not expect,
+    so one broken source never stops the reconciler for the others."""
+    try:
+        return await source.workers()
+    except Exception:  # the reconciler's task must outlive any one source's bug
+        log.warning(
+            "discovery: %s failed; keeping the current workers",
+            type(source).__name__,
+            exc_info=True,
+        )
+        return None

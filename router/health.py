@@ -5,6 +5,10 @@ out of rotation until a probe passes. A healthy worker's ``/v1/models`` tells wh
 it serves, and, when no capacity is configured for it, its ``/metrics`` tells its KV
 capacity (vLLM's ``cache_config_info`` num_gpu_blocks x block_size, or SGLang's
 ``max_total_num_tokens``) so the residency model matches the real engine.
+
+Each worker is probed and scraped on its own: whatever goes wrong with one (a refused
+connection, a body that is not UTF-8, an answer nobody expected) is logged and counted
+against that worker alone, and the rounds go on for the rest of the fleet.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -28,13 +33,19 @@ log = logging.getLogger(__name__)
 
 # Re-read each worker's model list every this many probes.
 MODELS_EVERY = 12
+# What a worker's network and answers are expected to throw; anything else is logged with
+# its traceback, and is still that worker's failure alone.
+EXPECTED_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError, ValueError)
 
 
 # vLLM's and SGLang's names for the load an engine reports.
 _LOAD_NAMES = {
-    "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage",
-    "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:gpu_cache_usage_perc": "kv_usage",
+    "sglang:num_running_reqs": "running",
+    "sglang:num_queue_reqs": "waiting",
     "sglang:token_usage": "kv_usage",
 }
 
@@ -50,8 +61,14 @@ class EngineFacts:
     kv_usage: float | None = None  # 0..1
 
 
-_WANTED = frozenset({*_LOAD_NAMES, "vllm:cache_config_info", "sglang:max_total_num_tokens",
-                     "process_start_time_seconds"})
+_WANTED = frozenset(
+    {
+        *_LOAD_NAMES,
+        "vllm:cache_config_info",
+        "sglang:max_total_num_tokens",
+        "process_start_time_seconds",
+    }
+)
 _ESCAPE = re.compile(r"\\(.)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
@@ -80,7 +97,7 @@ def wanted_samples(text: str, names: frozenset[str]) -> Iterator[tuple[str, dict
             if close < 0:
                 continue
             labels = {k: _ESCAPE.sub(_unescape, v) for k, v in _LABEL.findall(rest[1:close])}
-            rest = rest[close + 1:]
+            rest = rest[close + 1 :]
         fields = rest.split()
         if not fields:
             continue
@@ -102,6 +119,8 @@ def read_engine_metrics(text: str) -> EngineFacts:
     started: float | None = None
     load: dict[str, float] = {}
     for name, labels, value in wanted_samples(text, _WANTED):
+        if not math.isfinite(value):  # NaN and Inf are valid Prometheus, not a count
+            continue
         key = _LOAD_NAMES.get(name)
         if key is not None:
             load[key] = load.get(key, 0.0) + value  # summed over engines
@@ -109,20 +128,33 @@ def read_engine_metrics(text: str) -> EngineFacts:
         if name == "vllm:cache_config_info" and capacity is None:
             with contextlib.suppress(KeyError, ValueError):
                 capacity = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            if capacity is not None and capacity <= 0:
+                capacity = None
         elif name == "sglang:max_total_num_tokens" and value > 0:
             capacity = int(value)
         elif name == "process_start_time_seconds":
             started = value
     running, waiting = load.get("running"), load.get("waiting")
-    return EngineFacts(capacity, started,
-                       None if running is None else int(running),
-                       None if waiting is None else int(waiting), load.get("kv_usage"))
+    return EngineFacts(
+        capacity,
+        started,
+        None if running is None else int(running),
+        None if waiting is None else int(waiting),
+        load.get("kv_usage"),
+    )
 
 
 class HealthProber:
-    def __init__(self, fleet: Fleet, index: PrefixIndex, session: aiohttp.ClientSession,
-                 config: HealthConfig, block_tokens: int, discover_capacity: set[str],
-                 on_restart: Callable[[Worker], None]) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        index: PrefixIndex,
+        session: aiohttp.ClientSession,
+        config: HealthConfig,
+        block_tokens: int,
+        discover_capacity: set[str],
+        on_restart: Callable[[Worker], None],
+    ) -> None:
         self._fleet = fleet
         self._on_restart = on_restart
         self._index = index
@@ -156,49 +188,65 @@ class HealthProber:
         await asyncio.gather(*(self._scrape(w) for w in self._fleet.all() if w.healthy))
 
     async def _scrape(self, worker: Worker) -> None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError, ValueError):
-            await self._read_metrics(worker)
+        await self._isolated(worker, "scrape", self._read_metrics)
 
-    async def _get(self, url: str) -> tuple[int, str]:
+    async def _get(self, url: str) -> tuple[int, bytes]:
+        """Status and body; the body as bytes, since a worker's encoding is not ours to trust."""
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
         async with self._session.get(url, timeout=timeout) as response:
-            return response.status, await response.text()
+            return response.status, await response.read()
 
     async def _probe(self, worker: Worker) -> None:
         try:
             status, _ = await self._get(worker.url + "/health")
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+        except Exception as exc:  # any failure of one worker's probe is that worker's alone
+            _log_unexpected("health probe", worker, exc)
             self._set_health(worker, False, repr(exc))
             return
         self._set_health(worker, status == 200, f"status {status}")
-        if status != 200:
-            return
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ConnectionError, ValueError):
-            if not worker.models or self._round % MODELS_EVERY == 0:
-                await self._learn_models(worker)
-            if worker.metrics_at is None:
-                await self._read_metrics(worker)
+        if status == 200:
+            await self._isolated(worker, "probe", self._learn)
+
+    async def _learn(self, worker: Worker) -> None:
+        """A healthy worker's models, and its metrics until they have been read once."""
+        if not worker.models or self._round % MODELS_EVERY == 0:
+            await self._learn_models(worker)
+        if worker.metrics_at is None:
+            await self._read_metrics(worker)
+
+    @staticmethod
+    async def _isolated(
+        worker: Worker, what: str, action: Callable[[Worker], Awaitable[None]]
+    ) -> None:
+        """``action(worker)``; a failure leaves what it would have learnt unknown (stale
+        metrics count as saturated) and never reaches the other workers' probes."""
+        try:
+            await action(worker)
+        except Exception as exc:  # one worker's surprise must not end the fleet's rounds
+            _log_unexpected(what, worker, exc)
 
     def _set_health(self, worker: Worker, healthy: bool, why: str) -> None:
         if healthy != worker.healthy:
-            log.warning("worker %s is %s (%s)", worker.name,
-                        "healthy" if healthy else "unhealthy", why)
+            log.warning(
+                "worker %s is %s (%s)", worker.name, "healthy" if healthy else "unhealthy", why
+            )
         worker.healthy = healthy
 
     async def _learn_models(self, worker: Worker) -> None:
-        status, text = await self._get(worker.url + "/v1/models")
+        status, raw = await self._get(worker.url + "/v1/models")
         if status == 200:
-            body = orjson.loads(text)
+            body = orjson.loads(raw)
             data = body.get("data") if isinstance(body, dict) else None
             if isinstance(data, list):
-                worker.models = frozenset(str(m["id"]) for m in data
-                                          if isinstance(m, dict) and "id" in m)
+                worker.models = frozenset(
+                    str(m["id"]) for m in data if isinstance(m, dict) and "id" in m
+                )
 
     async def _read_metrics(self, worker: Worker) -> None:
-        status, text = await self._get(worker.url + "/metrics")
+        status, raw = await self._get(worker.url + "/metrics")
         if status != 200:
             return
-        facts = read_engine_metrics(text)
+        facts = read_engine_metrics(raw.decode("utf-8", errors="replace"))
         if facts.running is not None or facts.waiting is not None:
             worker.engine_running = facts.running or 0
             worker.engine_waiting = facts.waiting or 0
@@ -206,13 +254,23 @@ class HealthProber:
             worker.metrics_at = monotonic()
         if worker.name in self._discover and facts.capacity_tokens:
             worker.capacity_tokens = facts.capacity_tokens
-            self._index.resize_worker(worker.name,
-                                      max(1, facts.capacity_tokens // self._block_tokens))
+            self._index.resize_worker(
+                worker.name, max(1, facts.capacity_tokens // self._block_tokens)
+            )
             self._discover.discard(worker.name)
             log.info("worker %s reports %d KV tokens", worker.name, facts.capacity_tokens)
         if facts.started_at is not None:
             if worker.engine_started_at not in (None, facts.started_at):
-                log.warning("worker %s restarted; its cache is gone, purging its entries",
-                            worker.name)
+                log.warning(
+                    "worker %s restarted; its cache is gone, purging its entries", worker.name
+                )
                 self._on_restart(worker)
             worker.engine_started_at = facts.started_at
+
+
+def _log_unexpected(what: str, worker: Worker, exc: Exception) -> None:
+    """Expected failures show in the health transitions; a surprise gets its traceback."""
+    if isinstance(exc, EXPECTED_ERRORS):
+        log.debug("%s of worker %s failed: %r", what, worker.name, exc)
+    else:
+        log.warning("%s of worker %s failed: %r", what, worker.name, exc, exc_info=exc)

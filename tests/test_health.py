@@ -1,0 +1,148 @@
+"""One worker's odd answers never stop the health prober for the rest of the fleet."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from bench.loopback import serve_on_loopback
+from router.config import HealthConfig, WorkerConfig
+from router.health import HealthProber
+from router.index import LocalPrefixIndex
+from router.state import STATE_KEY
+from router.workers import Fleet, Worker
+from tests.conftest import EngineFactory, RunningEngine, RunningRouter, router_config, serve_router
+from tests.router_client import engines, set_faults, wait_for
+
+FAST_PROBES = HealthConfig(interval_s=0.05, scrape_interval_s=0.05, timeout_s=1.0)
+# A proxy's error page in Latin-1, labelled UTF-8.
+NOT_UTF8 = "Service indisponible, réessayez".encode("latin-1")
+IDLE_METRICS = b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+
+
+@dataclass(slots=True)
+class OddWorker:
+    """A stand-in worker whose /health and /metrics answer what the test says."""
+
+    health_status: int = 200
+    health_body: bytes = b"ok"
+    metrics_body: bytes = IDLE_METRICS
+    health_answers: int = 0
+    metrics_answers: int = 0
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.health_answers += 1
+        return web.Response(
+            body=self.health_body,
+            status=self.health_status,
+            content_type="text/plain",
+            charset="utf-8",
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.metrics_answers += 1
+        return web.Response(body=self.metrics_body, content_type="text/plain", charset="utf-8")
+
+
+@contextlib.asynccontextmanager
+async def serve_odd(odd: OddWorker) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_get("/health", odd.health)
+    app.router.add_get("/metrics", odd.metrics)
+    async with serve_on_loopback(app) as url:
+        yield url
+
+
+def healthy(router: RunningRouter) -> set[str]:
+    return {w.name for w in router.app[STATE_KEY].router.fleet.all() if w.healthy}
+
+
+async def _healthy_are(router: RunningRouter, expected: set[str]) -> bool:
+    return healthy(router) == expected
+
+
+async def _at_least(value: int, minimum: int) -> bool:
+    return value >= minimum
+
+
+async def _blip(
+    http: aiohttp.ClientSession, router: RunningRouter, w0: RunningEngine, others: set[str]
+) -> None:
+    """w0's /health fails, then passes again: the prober must see both."""
+    await set_faults(http, w0, fail_health=True)
+    await wait_for(lambda: _healthy_are(router, others))
+    await set_faults(http, w0, fail_health=False)
+    await wait_for(lambda: _healthy_are(router, others | {"w0"}))
+
+
+@pytest.mark.parametrize(("status", "odd_healthy"), [(503, False), (200, True)])
+async def test_a_non_utf8_health_body_does_not_stop_the_prober(
+    engine_factory: EngineFactory, status: int, odd_healthy: bool
+) -> None:
+    odd = OddWorker(health_status=status, health_body=NOT_UTF8)
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_odd(odd) as odd_url,
+        aiohttp.ClientSession() as http,
+    ):
+        workers = (WorkerConfig(fleet[0].url, name="w0"), WorkerConfig(odd_url, name="odd"))
+        async with serve_router(router_config([], workers=workers, health=FAST_PROBES)) as router:
+            others = {"odd"} if odd_healthy else set()
+            assert healthy(router) == {"w0"} | others  # admitted at start
+            await _blip(http, router, fleet[0], others)  # and readmitted
+            answered = odd.health_answers
+            await wait_for(lambda: _at_least(odd.health_answers, answered + 2))
+
+
+async def test_garbage_metrics_from_one_worker_do_not_stop_the_prober(
+    engine_factory: EngineFactory,
+) -> None:
+    odd = OddWorker()
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_odd(odd) as odd_url,
+        aiohttp.ClientSession() as http,
+    ):
+        workers = (WorkerConfig(fleet[0].url, name="w0"), WorkerConfig(odd_url, name="odd"))
+        async with serve_router(router_config([], workers=workers, health=FAST_PROBES)) as router:
+            worker = router.app[STATE_KEY].router.fleet.workers["odd"]
+            capacity = worker.capacity_tokens
+            # Not UTF-8: the lines that are readable still count.
+            odd.metrics_body = b"# " + NOT_UTF8 + b"\nvllm:num_requests_running 3\n"
+            await wait_for(lambda: _at_least(worker.engine_running, 3))
+            odd.metrics_body = (
+                b"sglang:max_total_num_tokens +Inf\n{{ 1\nvllm:num_requests_running 4\n"
+            )
+            await wait_for(lambda: _at_least(worker.engine_running, 4))
+            await _blip(http, router, fleet[0], {"odd"})
+            assert worker.capacity_tokens == capacity
+
+
+async def test_an_error_in_one_workers_scrape_spares_the_others(
+    engine_factory: EngineFactory,
+) -> None:
+    restarted: list[str] = []
+
+    def on_restart(worker: Worker) -> None:
+        if worker.name == "w1":
+            raise RuntimeError("purge failed")
+        restarted.append(worker.name)
+
+    async with engines(engine_factory, 2) as sims, aiohttp.ClientSession() as http:
+        fleet, index = Fleet(), LocalPrefixIndex()
+        for i, sim in enumerate(sims):
+            fleet.add(Worker(f"w{i}", sim.url, 50_000))
+            index.add_worker(f"w{i}", 1000)
+        prober = HealthProber(fleet, index, http, HealthConfig(), 16, set(), on_restart)
+        await prober.scrape_all()  # the engines' start times
+        for sim in sims:
+            async with http.post(sim.url + "/sim/restart") as response:
+                assert response.status == 200
+        await prober.scrape_all()
+        assert restarted == ["w0"]
+        assert fleet.workers["w1"].healthy
