@@ -8,12 +8,15 @@ machine is small and noisy: absolute numbers move from run to run, ratios much l
   same body with orjson alone, which any proxy that reads the model name must do.
 * ``overhead``: TTFT and end-to-end latency through the router against the same
   requests sent straight to the engine, at a fixed request rate.
+* ``parse-stall``: how long parsing holds the event loop for the largest accepted body in
+  the shapes that cost the most per byte, refused or not, against orjson alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -27,9 +30,10 @@ from bench.sim.config import EngineConfig
 from bench.sim.server import create_app as create_engine_app
 from bench.textgen import text_for
 from router.capacity import gpu, load_model
-from router.config import RouterConfig, WorkerConfig
+from router.config import DEFAULT_MAX_BODY_BYTES, RouterConfig, WorkerConfig
+from router.errors import BadRequest
 from router.index import LocalPrefixIndex
-from router.parse import parse_request
+from router.parse import Kind, parse_request
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -129,6 +133,49 @@ def decision(tokens: int, workers: int, repeat: int) -> dict[str, float]:
     }
 
 
+def _filled(head: bytes, item: bytes, tail: bytes, size: int) -> bytes:
+    """``head item,item,...,item tail``: as many items as fit in ``size`` bytes."""
+    count = (size - len(head) - len(tail) + 1) // (len(item) + 1)
+    return head + b",".join([item] * count) + tail
+
+
+def _stall_bodies(size: int) -> dict[str, tuple[Kind, bytes]]:
+    chat = b'{"model": "m", "messages": ['
+    text = chat + b'{"role": "user", "content": "'
+    parts = chat + b'{"role": "user", "content": ['
+    return {
+        "long_text": ("chat", text + b"x" * (size - len(text) - 4) + b'"}]}'),
+        "empty_messages": ("chat", _filled(chat, b'{"role":"user","content":""}', b"]}", size)),
+        "empty_parts": ("chat", _filled(parts, b"{}", b"]}]}", size)),
+        # One part holding millions of containers: orjson both reads and rewrites it.
+        "nested_objects": (
+            "chat",
+            _filled(parts + b'{"type": "x", "x": [', b"{}", b"]}]}]}", size),
+        ),
+        "token_ids": ("completion", _filled(b'{"model": "m", "prompt": [', b"1", b"]}", size)),
+    }
+
+
+def _parse_refused(kind: Kind, body: bytes) -> bool:
+    try:
+        parse_request(kind, body, None, ("user",), 256)
+    except BadRequest:
+        return True
+    return False
+
+
+def parse_stall(size: int, repeat: int) -> dict[str, float]:
+    """``parse_request`` is synchronous: its run time is how long it holds the loop."""
+    out: dict[str, float] = {"body_bytes": size}
+    for name, (kind, body) in _stall_bodies(size).items():
+        parse = functools.partial(_parse_refused, kind, body)
+        load = functools.partial(orjson.loads, body)
+        out[f"{name}_parse_ms"] = statistics.median(_time(parse, repeat)) * 1e3
+        out[f"{name}_orjson_ms"] = statistics.median(_time(load, repeat)) * 1e3
+        out[f"{name}_refused"] = float(parse())
+    return out
+
+
 async def _load(
     http: aiohttp.ClientSession, url: str, requests: int, rate: float, prompt_tokens: int
 ) -> tuple[list[float], list[float]]:
@@ -207,6 +254,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     d.add_argument("--workers", type=int, default=8)
     d.add_argument("--repeat", type=int, default=2000)
     d.set_defaults(func=_run_decision)
+    s = sub.add_parser("parse-stall", help="event-loop time parsing the largest bodies")
+    s.add_argument("--body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    s.add_argument("--repeat", type=int, default=3)
+    s.set_defaults(func=_run_parse_stall)
     o = sub.add_parser("overhead", help="latency through the router vs straight to the engine")
     o.add_argument("--requests", type=int, default=400)
     o.add_argument("--rate", type=float, default=20.0, help="requests per second")
@@ -221,6 +272,11 @@ def _run_hashing(args: argparse.Namespace) -> int:
 
 def _run_decision(args: argparse.Namespace) -> int:
     _print(decision(args.tokens, args.workers, args.repeat))
+    return 0
+
+
+def _run_parse_stall(args: argparse.Namespace) -> int:
+    _print(parse_stall(args.body_bytes, args.repeat))
     return 0
 
 

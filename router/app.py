@@ -73,6 +73,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body["error"]["code"] = exc.status
         body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
         return _json(body, exc.status)
+    except ConnectionResetError:
+        raise  # the client went away: nobody to answer
+    except Exception:
+        # A bug of ours: logged with its traceback here, a plain OpenAI-shaped 500 there
+        # (a traceback in the body would tell a client how the router is built).
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        if STATE_KEY in request.app:
+            request.app[STATE_KEY].metrics.rejected.labels("500").inc()
+        return _json(RouterError("internal error").body(), 500)
 
 
 def build_state(

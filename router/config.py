@@ -29,6 +29,14 @@ DEFAULT_POLICY = "ttft"
 DEFAULT_BLOCK_BYTES = 256
 BYTES_PER_TOKEN_ESTIMATE = 4
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# The parser walks every message and content part in Python on the event loop, so their
+# counts, not the body size, bound how long it holds the loop: 32 MiB holds over a million
+# empty messages. 10,000 messages of 100 tokens each fill a 1M-token context.
+DEFAULT_MAX_MESSAGES = 10_000
+DEFAULT_MAX_CONTENT_PARTS = 10_000  # over all of a request's messages
+# Session keys are kept as 128-bit digests; the cap makes a mistaken key (a whole prompt
+# in ``user``) a clear 400 rather than a silently distinct session.
+DEFAULT_MAX_SESSION_KEY_BYTES = 1024
 DEFAULT_KV_TOKENS = 400_000  # ~ Llama-3.1-8B on one H100 at utilization 0.9
 
 
@@ -181,6 +189,21 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one client request may carry besides ``max_body_bytes``; above a limit the
+    request gets a 400 ``invalid_request_error`` naming the parameter."""
+
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    max_content_parts: int = DEFAULT_MAX_CONTENT_PARTS
+    max_session_key_bytes: int = DEFAULT_MAX_SESSION_KEY_BYTES
+
+    def __post_init__(self) -> None:
+        for name in ("max_messages", "max_content_parts", "max_session_key_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class StateConfig:
     """Shared state across router replicas (``url`` empty: in-process only).
 
@@ -224,6 +247,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    limits: RequestLimits = field(default_factory=RequestLimits)
     session_header: str = "X-Session-Id"
     session_body_fields: tuple[str, ...] = ("session_id", "user")
     seed: int | None = None

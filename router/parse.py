@@ -1,17 +1,26 @@
-"""Client requests: validate the body and compute its prefix key, once per request."""
+"""Client requests: validate the body and compute its prefix key, once per request.
+
+This runs on the event loop, so no walk of the body is unbounded: messages and content
+parts are walked in Python up to ``RequestLimits``; token ids (millions fit in a body)
+only at C speed. Malformed input of any shape ends in ``BadRequest``.
+"""
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
+import xxhash
 
+from router.config import RequestLimits
 from router.errors import BadRequest
 from router.prefix import PrefixKey, chain_seed, prefix_key, render_chat, render_prompt
 
 Kind = Literal["chat", "completion"]
+DEFAULT_LIMITS = RequestLimits()
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,24 +29,64 @@ class ClientRequest:
     model: str
     body: bytes  # forwarded unchanged
     stream: bool
+    # A digest of the client's session key (``session_key_of``), never the key itself.
     session_key: str | None
     key: PrefixKey
     record_reply: bool  # whether the reply can extend the chain (text prompts only)
 
 
-def _check_messages(messages: Any) -> Sequence[Mapping[str, Any]]:
+def _check_parts(parts: list[Any], i: int) -> None:
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict):
+            raise BadRequest(f"messages[{i}].content[{j}] must be an object", param="messages")
+        if part.get("type") == "text" and not isinstance(part.get("text", ""), str):
+            raise BadRequest(f"messages[{i}].content[{j}].text must be a string", param="messages")
+
+
+def _check_messages(messages: Any, limits: RequestLimits) -> Sequence[Mapping[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages")
+    if len(messages) > limits.max_messages:
+        raise BadRequest(
+            f"'messages' has {len(messages)} messages; at most {limits.max_messages} are accepted",
+            param="messages",
+        )
+    parts = 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise BadRequest(f"messages[{i}] must be an object", param="messages")
         if not isinstance(message.get("role"), str):
             raise BadRequest(f"messages[{i}].role must be a string", param="messages")
         content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise BadRequest(f"messages[{i}].content must be a string or an array",
-                             param="messages")
+        if isinstance(content, list):
+            parts += len(content)
+            if parts > limits.max_content_parts:
+                raise BadRequest(
+                    f"'messages' has more than {limits.max_content_parts} content parts",
+                    param="messages",
+                )
+            _check_parts(content, i)
+        elif content is not None and not isinstance(content, str):
+            raise BadRequest(
+                f"messages[{i}].content must be a string or an array", param="messages"
+            )
     return messages
+
+
+def _render_chat(messages: Sequence[Mapping[str, Any]]) -> bytes:
+    try:
+        return render_chat(messages)
+    except orjson.JSONEncodeError as exc:
+        # Non-text parts and tool_calls are rendered as JSON, which orjson writes only
+        # up to 254 levels deep; parsed JSON can hold nothing else it refuses.
+        raise BadRequest(f"'messages' is nested too deeply: {exc}", param="messages") from None
+
+
+def _token_ids(value: list[int]) -> array[int]:
+    try:
+        return array("I", value)  # C unsigned int: 4 bytes wherever CPython runs
+    except OverflowError:
+        raise BadRequest("token ids must be between 0 and 2**32 - 1", param="prompt") from None
 
 
 def _prompt(value: Any) -> str | Sequence[int]:
@@ -45,30 +94,56 @@ def _prompt(value: Any) -> str | Sequence[int]:
         value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and value and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value
-    ):
-        return value
-    if isinstance(value, list) and value and all(isinstance(p, str) for p in value):
-        first: str = value[0]
-        return first  # a batch: route by its first prompt
-    raise BadRequest("'prompt' must be a string, an array of strings or an array of token ids",
-                     param="prompt")
+    if isinstance(value, list) and value:
+        kinds = set(map(type, value))  # one pass at C speed; bools are not token ids
+        if kinds == {int}:
+            return _token_ids(value)
+        if kinds == {str}:
+            first: str = value[0]
+            return first  # a batch: route by its first prompt
+    raise BadRequest(
+        "'prompt' must be a string, an array of strings or an array of token ids", param="prompt"
+    )
 
 
-def session_key_of(body: Mapping[str, Any], header: str | None,
-                   fields: Sequence[str]) -> str | None:
+def _session_digest(key: str, param: str | None, max_bytes: int) -> str:
+    # Undecodable header bytes come from aiohttp as surrogate escapes: hash the bytes sent.
+    raw = key.encode("utf-8", "surrogateescape")
+    if len(raw) > max_bytes:
+        where = f"'{param}'" if param else "the session header"
+        raise BadRequest(
+            f"the session key in {where} is {len(raw)} bytes; at most {max_bytes} are accepted",
+            param=param,
+        )
+    return xxhash.xxh3_128_hexdigest(raw)
+
+
+def session_key_of(
+    body: Mapping[str, Any],
+    header: str | None,
+    fields: Sequence[str],
+    max_bytes: int = DEFAULT_LIMITS.max_session_key_bytes,
+) -> str | None:
+    """The session key (the header, else the first of ``fields`` holding a non-empty
+    string) as 32 hex digits of xxh3-128: what the router keeps and hashes per session is
+    the same size whatever the client sent."""
     if header:
-        return header
+        return _session_digest(header, None, max_bytes)
     for name in fields:
         value = body.get(name)
         if isinstance(value, str) and value:
-            return value
+            return _session_digest(value, name, max_bytes)
     return None
 
 
-def parse_request(kind: Kind, raw: bytes, session_header: str | None,
-                  session_fields: Sequence[str], block_bytes: int) -> ClientRequest:
+def parse_request(
+    kind: Kind,
+    raw: bytes,
+    session_header: str | None,
+    session_fields: Sequence[str],
+    block_bytes: int,
+    limits: RequestLimits = DEFAULT_LIMITS,
+) -> ClientRequest:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -84,8 +159,9 @@ def parse_request(kind: Kind, raw: bytes, session_header: str | None,
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", param="cache_salt")
+    session_key = session_key_of(body, session_header, session_fields, limits.max_session_key_bytes)
     if kind == "chat":
-        canonical = render_chat(_check_messages(body.get("messages")))
+        canonical = _render_chat(_check_messages(body.get("messages"), limits))
         record_reply = True
     else:
         prompt = _prompt(body.get("prompt"))
@@ -96,7 +172,7 @@ def parse_request(kind: Kind, raw: bytes, session_header: str | None,
         model=model,
         body=raw,
         stream=bool(stream),
-        session_key=session_key_of(body, session_header, session_fields),
+        session_key=session_key,
         key=prefix_key(canonical, block_bytes, chain_seed(model, salt)),
         record_reply=record_reply,
     )

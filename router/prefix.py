@@ -13,6 +13,8 @@ kept so the streamed reply can extend the chain (``ChainExtender``).
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +65,11 @@ def render_chat(messages: Sequence[Mapping[str, Any]]) -> bytes:
 def render_prompt(prompt: str | Sequence[int]) -> bytes:
     if isinstance(prompt, str):
         return prompt.encode()
-    return _TOKEN_IDS + b"".join(int(t).to_bytes(4, "little", signed=False) for t in prompt)
+    # Each id as 4 little-endian bytes, built at C speed: a body can hold millions of them.
+    ids = array("I", prompt)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return _TOKEN_IDS + ids.tobytes()
 
 
 @dataclass(frozen=True, slots=True)

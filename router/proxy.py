@@ -147,6 +147,7 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
         http.headers.get(config.session_header),
         config.session_body_fields,
         config.prefix.block_bytes,
+        config.limits,
     )
     if not state.router.fleet.serves(request.model):
         raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")

@@ -17,7 +17,11 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loopback import serve_on_loopback
+from policies.base import Decision, RouteRequest, WorkerView
+from policies.round_robin import RoundRobinPolicy
 from router.config import UpstreamConfig, WorkerConfig
+from router.policy_slot import ActivePolicy
+from router.state import STATE_KEY
 from tests.conftest import (
     TEST_MODEL,
     EngineFactory,
@@ -646,3 +650,30 @@ async def test_only_request_headers_meant_for_the_engine_reach_it() -> None:
     assert got["content-type"] == "application/json"
     for private in ("authorization", "cookie", "content-encoding", "accept-encoding"):
         assert private not in got, private
+
+
+class _BrokenPolicy(RoundRobinPolicy):
+    """A policy with a bug: what the router does with an error nobody expected."""
+
+    def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
+        raise KeyError("a bug")
+
+
+async def test_an_unexpected_error_is_a_json_500_and_the_router_goes_on(
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        slot = router.app[STATE_KEY].router.policies
+        working = slot.current
+        assert slot.install(ActivePolicy("round_robin", {}, working.version + 1, _BrokenPolicy()))
+        result = await post(http, router.url, chat_body(conversation("bug", 10, 5)))
+        assert result.status == 500 and result.headers["Content-Type"] == "application/json"
+        error = orjson.loads(result.raw)["error"]
+        assert error["type"] == "server_error" and "a bug" not in error["message"]
+        assert slot.install(ActivePolicy(working.name, {}, working.version + 2, working.policy))
+        assert (await post(http, router.url, chat_body(conversation("ok", 10, 5)))).status == 200
+        await assert_idle(http, router)
