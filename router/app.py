@@ -142,9 +142,11 @@ def _session(config: RouterConfig) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=up.max_connections, limit_per_host=up.max_connections_per_worker
     )
+    # No ``connect`` timeout: aiohttp counts the wait for a free pooled connection in it,
+    # and that wait is this router's load, not the worker's failure (it opened healthy
+    # workers' circuits). A new connection has sock_connect; a stream, first_byte_timeout_s.
     timeout = aiohttp.ClientTimeout(
         total=None,
-        connect=up.connect_timeout_s,
         sock_connect=up.connect_timeout_s,
         sock_read=up.read_timeout_s,
     )
@@ -199,6 +201,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
             config.prefix.block_tokens,
             discover,
             state.router.worker_restarted,
+            config.upstream.auth_headers,
         )
         state.prober = prober
         await prober.probe_all()

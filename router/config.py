@@ -98,21 +98,41 @@ class CapacityConfig:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamConfig:
+    # A new connection to a worker (not the wait for a free pooled one: that is load).
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # longest silence between two chunks of a response
+    # A streamed request whose worker sends nothing for this long (its prefill, queue
+    # included) counts as the worker's failure and is retried elsewhere if the retry
+    # deadline allows. A non-streamed reply arrives whole after its generation, so only
+    # read_timeout_s bounds it.
+    first_byte_timeout_s: float = 60.0
     max_connections: int = 2048
     max_connections_per_worker: int = 512
     max_attempts: int = 2  # tries on distinct workers before the first byte
-    # No retry starts this long after the request arrived (a client's patience).
-    retry_deadline_s: float = 30.0
+    # No retry starts this long after the request arrived (a client's patience); longer
+    # than first_byte_timeout_s, so that a worker that hangs costs a retry.
+    retry_deadline_s: float = 90.0
+    # Engines started with --api-key: sent as "Authorization: Bearer <key>" on every
+    # request, probe and scrape the router makes of them (never the client's own).
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("connect_timeout_s", "read_timeout_s", "retry_deadline_s"):
+        for name in (
+            "connect_timeout_s",
+            "read_timeout_s",
+            "first_byte_timeout_s",
+            "retry_deadline_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
         for name in ("max_connections", "max_connections_per_worker", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        """What authenticates the router to its engines (nothing without an api_key)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,8 +245,9 @@ class StateConfig:
         if self.url and not self.url.startswith(
             ("redis://", "rediss://", "unix://", "redis+sentinel://", "redis+cluster://")
         ):
-            raise ConfigError("url: expected redis://, rediss://, unix://, "
-                              "redis+sentinel:// or redis+cluster://")
+            raise ConfigError(
+                "url: expected redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://"
+            )
         for name in ("flush_interval_s", "load_interval_s", "key_ttl_s", "stream_retention_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
@@ -301,8 +322,16 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a mapping")
         return dict(value)
     if hint is bool:
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false",
-                                                        "no", "off"):
+        if isinstance(value, str) and value.lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        ):
             return value.lower() in ("1", "true", "yes", "on")
         if not isinstance(value, bool):
             raise ConfigError(f"{where}: expected true or false")
@@ -313,8 +342,9 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         try:
             converted = hint(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected {'an integer' if hint is int else 'a number'}"
-                              ) from None
+            raise ConfigError(
+                f"{where}: expected {'an integer' if hint is int else 'a number'}"
+            ) from None
         if hint is int and isinstance(value, float) and value != converted:
             raise ConfigError(f"{where}: expected an integer")
         return converted
@@ -332,8 +362,9 @@ def build(cls: type[Any], values: Mapping[str, Any], where: str = "") -> Any:
     prefix = f"{where}." if where else ""
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown setting; known: "
-                          f"{', '.join(sorted(names))}")
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown setting; known: {', '.join(sorted(names))}"
+        )
     kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in values.items()}
     try:
         return cls(**kwargs)
@@ -379,7 +410,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     for key, value in environ.items():
         if not key.startswith(ENV_PREFIX) or key == "KVROUTER_CONFIG":
             continue
-        path = key[len(ENV_PREFIX):].lower().split("__")
+        path = key[len(ENV_PREFIX) :].lower().split("__")
         node = result
         for part in path[:-1]:
             node = node.setdefault(part, {})
@@ -399,8 +430,11 @@ def load_file(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: Path | None = None, flags: Mapping[str, Any] | None = None,
-                environ: Mapping[str, str] | None = None) -> RouterConfig:
+def load_config(
+    path: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RouterConfig:
     values: dict[str, Any] = load_file(path) if path else {}
     values = merge(values, env_overrides(environ))
     values = merge(values, flags or {})

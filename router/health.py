@@ -18,8 +18,9 @@ import contextlib
 import logging
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import aiohttp
 import orjson
@@ -30,6 +31,8 @@ from router.index import PrefixIndex
 from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
+
+NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 
 # Re-read each worker's model list every this many probes.
 MODELS_EVERY = 12
@@ -154,7 +157,9 @@ class HealthProber:
         block_tokens: int,
         discover_capacity: set[str],
         on_restart: Callable[[Worker], None],
+        headers: Mapping[str, str] = NO_HEADERS,
     ) -> None:
+        self._headers = headers  # the engines' api key, if any
         self._fleet = fleet
         self._on_restart = on_restart
         self._index = index
@@ -193,7 +198,7 @@ class HealthProber:
     async def _get(self, url: str) -> tuple[int, bytes]:
         """Status and body; the body as bytes, since a worker's encoding is not ours to trust."""
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
-        async with self._session.get(url, timeout=timeout) as response:
+        async with self._session.get(url, timeout=timeout, headers=self._headers) as response:
             return response.status, await response.read()
 
     async def _probe(self, worker: Worker) -> None:

@@ -24,6 +24,7 @@ from policies.base import Outcome
 from router import request_log
 from router.capture import ReplyCapture
 from router.clock import monotonic
+from router.config import UpstreamConfig
 from router.errors import (
     ModelNotFound,
     NoEligibleWorker,
@@ -101,12 +102,15 @@ class _Retry(Exception):
         return "timeout" if isinstance(self.error, UpstreamTimeout) else "upstream_error"
 
 
-def _forward_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+def _forward_headers(
+    headers: Mapping[str, str], request_id: str, upstream: UpstreamConfig
+) -> CIMultiDict[str]:
     """The client's headers an engine is meant to see: an allow-list, so its credentials
     (Authorization, Cookie) stay here and the body's Content-Encoding, which aiohttp
     undid on reading, is not claimed for the plain body sent on."""
     out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() in FORWARDED_HEADERS)
     out[REQUEST_ID_HEADER] = request_id
+    out.update(upstream.auth_headers)
     return out
 
 
@@ -196,7 +200,7 @@ async def _open(
         return await state.session.post(
             dispatch.worker.url + path,
             data=dispatch.request.body,
-            headers=_forward_headers(http.headers, request_id),
+            headers=_forward_headers(http.headers, request_id, state.config.upstream),
         )
     except TimeoutError as exc:
         raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} timed out")) from exc
@@ -235,27 +239,32 @@ async def _attempt(
             dispatch.expected_prefill_s(), dispatch.lease.prefill_done
         )
     )
+    # Cleared once the first chunk is in hand (_relay_stream); a whole reply has none.
+    first_byte = asyncio.timeout(
+        state.config.upstream.first_byte_timeout_s if request.stream else None
+    )
     try:
-        upstream = await _open(state, dispatch, http, request_id)
-        try:
-            if upstream.status >= 500:
-                body = await _read_whole(dispatch, upstream)
-                raise _Retry(
-                    UpstreamError(f"worker {dispatch.worker.name} answered {upstream.status}"),
-                    _Fallback(upstream.status, body, upstream.content_type),
-                )
-            if request.stream and upstream.status == 200:
-                response, outcome = await _relay_stream(
-                    http, dispatch, upstream, capture, request_id
-                )
-            else:
-                response, outcome = await _relay_whole(
-                    http, dispatch, upstream, capture, request_id
-                )
-            sent = True
-            return response
-        finally:
-            upstream.close()
+        async with first_byte:
+            upstream = await _open(state, dispatch, http, request_id)
+            try:
+                if upstream.status >= 500:
+                    body = await _read_whole(dispatch, upstream)
+                    raise _Retry(
+                        UpstreamError(f"worker {dispatch.worker.name} answered {upstream.status}"),
+                        _Fallback(upstream.status, body, upstream.content_type),
+                    )
+                if request.stream and upstream.status == 200:
+                    response, outcome = await _relay_stream(
+                        http, dispatch, upstream, capture, request_id, first_byte
+                    )
+                else:
+                    response, outcome = await _relay_whole(
+                        http, dispatch, upstream, capture, request_id
+                    )
+                sent = True
+                return response
+            finally:
+                upstream.close()
     except _Retry as retry:
         outcome = retry.outcome
         raise
@@ -263,8 +272,15 @@ async def _attempt(
         outcome = "client_disconnect"
         sent = True  # the worker may have started; its blocks are recorded
         raise
-    except TimeoutError:
+    except TimeoutError as exc:
         outcome = "timeout"
+        if first_byte.expired():  # the worker said nothing at all: another may
+            raise _Retry(
+                UpstreamTimeout(
+                    f"worker {dispatch.worker.name} sent nothing in "
+                    f"{state.config.upstream.first_byte_timeout_s:g} s"
+                )
+            ) from exc
         raise
     finally:
         if prefilled is not None:
@@ -350,8 +366,10 @@ async def _relay_stream(
     upstream: aiohttp.ClientResponse,
     capture: ReplyCapture,
     request_id: str,
+    first_byte: asyncio.Timeout,
 ) -> tuple[web.StreamResponse, Outcome]:
     first = await _first_chunk(dispatch, upstream)
+    first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
     ttft = dispatch.first_byte()
     dispatch.router.metrics.ttft.labels(dispatch.worker.name).observe(ttft)
     response = web.StreamResponse(

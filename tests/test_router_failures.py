@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.loopback import serve_on_loopback
 from policies.base import Decision, RouteRequest, WorkerView
 from policies.round_robin import RoundRobinPolicy
-from router.config import UpstreamConfig, WorkerConfig
+from router.config import HealthConfig, UpstreamConfig, WorkerConfig
 from router.policy_slot import ActivePolicy
 from router.state import STATE_KEY
 from tests.conftest import (
@@ -677,3 +677,71 @@ async def test_an_unexpected_error_is_a_json_500_and_the_router_goes_on(
         assert slot.install(ActivePolicy(working.name, {}, working.version + 2, working.policy))
         assert (await post(http, router.url, chat_body(conversation("ok", 10, 5)))).status == 200
         await assert_idle(http, router)
+
+
+async def _never_answers(request: web.Request) -> web.StreamResponse:
+    await asyncio.Event().wait()  # answers /health, hangs on every request
+    raise AssertionError
+
+
+async def test_a_worker_that_sends_nothing_is_retried_after_the_first_byte_timeout(
+    engine_factory: EngineFactory,
+) -> None:
+    upstream = UpstreamConfig(first_byte_timeout_s=0.3)
+    async with (
+        fake_engine(_never_answers) as hung,
+        engine_factory() as sim,
+        serve_router(
+            router_config(
+                [],
+                policy="round_robin",
+                upstream=upstream,
+                workers=(WorkerConfig(hung, name="w0"), WorkerConfig(sim.url, name="w1")),
+            )
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        for _ in range(2):  # round robin: at least one lands on the hung worker first
+            result = await post(http, router.url, chat_body(conversation("fb", 20, 5)))
+            assert result.status == 200 and result.worker == "w1"
+        assert await metric(http, router, "kvrouter_retries_total", worker="w0") >= 1
+        assert await metric(http, router, "kvrouter_requests_total", outcome="success") == 2
+        await assert_idle(http, router)
+
+
+async def test_waiting_for_a_pooled_connection_is_not_the_workers_failure(
+    engine_factory: EngineFactory,
+) -> None:
+    upstream = UpstreamConfig(connect_timeout_s=0.2, max_connections_per_worker=1)
+    health = HealthConfig(interval_s=60, failure_threshold=1)
+    async with (
+        engine_factory(time_scale=2.0) as sim,
+        serve_router(router_config([sim], upstream=upstream, health=health)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        body = chat_body(conversation("pool", 20, 5), max_tokens=60)  # ~0.5 s each
+        results = await asyncio.gather(*(post(http, router.url, body) for _ in range(3)))
+        assert [r.status for r in results] == [200, 200, 200]
+        assert await metric(http, router, "kvrouter_requests_total", outcome="timeout") == 0
+        assert (await post(http, router.url, body)).status == 200  # the circuit stayed shut
+
+
+async def test_the_router_authenticates_to_engines_with_their_api_key(
+    engine_factory: EngineFactory,
+) -> None:
+    async with engine_factory(api_key="engine-key") as sim, aiohttp.ClientSession() as http:
+        keyed = router_config([sim], upstream=UpstreamConfig(api_key="engine-key"))
+        async with serve_router(keyed) as router:
+            async with http.get(router.url + "/v1/models") as response:
+                listed = [m["id"] for m in (await response.json())["data"]]
+            assert listed == [TEST_MODEL]  # the probe read the engine's model list
+            client_key = {"Authorization": "Bearer not-for-the-engine"}
+            body = chat_body(conversation("key", 20, 5))
+            async with http.post(
+                router.url + "/v1/chat/completions", json=body, headers=client_key
+            ) as response:
+                assert response.status == 200
+        async with serve_router(router_config([sim])) as router:
+            assert (
+                await post(http, router.url, chat_body(conversation("no", 20, 5)))
+            ).status == 401
