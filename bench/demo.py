@@ -97,17 +97,37 @@ class RouterSpec:
     ports: tuple[int, ...]
 
 
-def kvrouter_command(config: DemoConfig, policy: str, worker_urls: Sequence[str], port: int,
-                     *extra: str) -> tuple[str, ...]:
+def kvrouter_command(
+    config: DemoConfig, policy: str, worker_urls: Sequence[str], port: int, *extra: str
+) -> tuple[str, ...]:
     workers = [arg for url in worker_urls for arg in ("--worker", url)]
-    return (sys.executable, "-m", "router.cli", "--log-level", "WARNING", "serve",
-            "--host", config.host, "--port", str(port), "--policy", policy,
-            "--seed", str(config.seed), *workers, *extra)
+    return (
+        sys.executable,
+        "-m",
+        "router.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--seed",
+        str(config.seed),
+        "--worker-header",
+        *workers,
+        *extra,
+    )
 
 
 def kvrouter_spec(config: DemoConfig, policy: str, worker_urls: Sequence[str]) -> RouterSpec:
-    return RouterSpec(policy, (kvrouter_command(config, policy, worker_urls,
-                                                config.router_port),), (config.router_port,))
+    return RouterSpec(
+        policy,
+        (kvrouter_command(config, policy, worker_urls, config.router_port),),
+        (config.router_port,),
+    )
 
 
 async def _stop(process: asyncio.subprocess.Process) -> None:
@@ -127,8 +147,11 @@ async def running_router(spec: RouterSpec, host: str) -> AsyncIterator[list[str]
     urls = [f"http://{host}:{port}" for port in spec.ports]
     try:
         for argv in spec.commands:
-            processes.append(await asyncio.create_subprocess_exec(
-                *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL))
+            processes.append(
+                await asyncio.create_subprocess_exec(
+                    *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+                )
+            )
         await wait_healthy(urls, timeout_s=60)
         yield urls
     finally:
@@ -147,13 +170,23 @@ RouterSpecs = Callable[[Sequence[str]], Sequence[RouterSpec]]
 
 
 def demo_workload(config: DemoConfig) -> list[Turn]:
-    return generate(AgentParams(sessions=config.sessions, rate=config.rate,
-                                max_context_tokens=DEFAULT_MAX_CONTEXT), config.seed)
+    return generate(
+        AgentParams(
+            sessions=config.sessions, rate=config.rate, max_context_tokens=DEFAULT_MAX_CONTEXT
+        ),
+        config.seed,
+    )
 
 
 def engine_flags(config: DemoConfig) -> list[str]:
-    flags = ["--kv-tokens", str(config.kv_tokens), "--time-scale",
-             str(config.engine_time_scale), "--stream-interval", "8"]
+    flags = [
+        "--kv-tokens",
+        str(config.kv_tokens),
+        "--time-scale",
+        str(config.engine_time_scale),
+        "--stream-interval",
+        "8",
+    ]
     if config.virtual:
         # Chunks between the first and the last are timed by nobody; fewer of them are
         # fewer clock jumps.
@@ -162,19 +195,23 @@ def engine_flags(config: DemoConfig) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def engines_for(config: DemoConfig, per_engine_flags: Sequence[Sequence[str]],
-                      ) -> AsyncIterator[Sequence[EngineProcess | InProcessEngine]]:
+async def engines_for(
+    config: DemoConfig,
+    per_engine_flags: Sequence[Sequence[str]],
+) -> AsyncIterator[Sequence[EngineProcess | InProcessEngine]]:
     if config.virtual:
         # In this process the engines' and routers' info logs would flood the console;
         # as processes they run at WARNING.
         for name in ("bench.sim", "router", "policies"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        async with inprocess_fleet(config.engines, config.base_port, engine_flags(config),
-                                   per_engine_flags) as engines:
+        async with inprocess_fleet(
+            config.engines, config.base_port, engine_flags(config), per_engine_flags
+        ) as engines:
             yield engines
     else:
-        async with fleet(config.engines, config.host, config.base_port, engine_flags(config),
-                         per_engine_flags) as processes:
+        async with fleet(
+            config.engines, config.host, config.base_port, engine_flags(config), per_engine_flags
+        ) as processes:
             yield processes
 
 
@@ -187,18 +224,24 @@ async def router_for(config: DemoConfig, spec: RouterSpec) -> AsyncIterator[list
             yield urls
         return
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(inprocess_router(command, port))
-               for command, port in zip(spec.commands, spec.ports, strict=True)]
+        yield [
+            await stack.enter_async_context(inprocess_router(command, port))
+            for command, port in zip(spec.commands, spec.ports, strict=True)
+        ]
 
 
 Workload = Callable[[DemoConfig], Sequence[Turn]]
 
 
-async def run_comparison(config: DemoConfig, console: Console, specs_for: RouterSpecs,
-                         before_each: Callable[[], Awaitable[None]] | None = None,
-                         workload: Workload = demo_workload,
-                         per_engine_flags: Sequence[Sequence[str]] = (),
-                         title: str | None = None) -> Rounds:
+async def run_comparison(
+    config: DemoConfig,
+    console: Console,
+    specs_for: RouterSpecs,
+    before_each: Callable[[], Awaitable[None]] | None = None,
+    workload: Workload = demo_workload,
+    per_engine_flags: Sequence[Sequence[str]] = (),
+    title: str | None = None,
+) -> Rounds:
     """Replay a workload (default: the demo's agent sessions) through each router in
     front of the same fleet, ``config.repeat`` rounds with the routers' order rotated
     each round; ``before_each`` runs before each router starts (e.g. to empty shared
@@ -217,10 +260,11 @@ async def run_comparison(config: DemoConfig, console: Console, specs_for: Router
     rounds = Rounds()
     last_round: dict[str, RunResult] = {}
     async with engines_for(config, per_engine_flags) as engines:
-        clock = ("virtual time" if config.virtual
-                 else f"real time, time scale {config.time_scale:g}")
-        console.print(f"fleet: {config.engines} simulated engines, {config.kv_tokens:,} KV "
-                      f"tokens each, {clock}")
+        clock = "virtual time" if config.virtual else f"real time, time scale {config.time_scale:g}"
+        console.print(
+            f"fleet: {config.engines} simulated engines, {config.kv_tokens:,} KV "
+            f"tokens each, {clock}"
+        )
         specs = specs_for([e.url for e in engines])
         async with aiohttp.ClientSession() as http:
             # From the engine: some peer routers answer /v1/models only with a tokenizer.
@@ -231,20 +275,28 @@ async def run_comparison(config: DemoConfig, console: Console, specs_for: Router
             trace_path = config.out / f"trace.r{round_index + 1}.jsonl"
             write_trace(turns, trace_path)
             sessions = select_sessions(turns)
-            console.print(f"round {round_index + 1}/{config.repeat}: workload seed {seed}, "
-                          f"{len(group_sessions(turns))} sessions, {len(turns)} turns")
+            console.print(
+                f"round {round_index + 1}/{config.repeat}: workload seed {seed}, "
+                f"{len(group_sessions(turns))} sessions, {len(turns)} turns"
+            )
             for spec in rotated(specs, round_index):
                 await empty_caches(engines)
                 await wait_healthy([e.url for e in engines])
                 if before_each is not None:
                     await before_each()
                 async with router_for(config, spec) as urls:
-                    console.print(f"round {round_index + 1}/{config.repeat} {spec.label}: "
-                                  f"replaying through {', '.join(urls)}")
+                    console.print(
+                        f"round {round_index + 1}/{config.repeat} {spec.label}: "
+                        f"replaying through {', '.join(urls)}"
+                    )
                     replay_config = ReplayConfig(
-                        target=urls[0], more_targets=tuple(urls[1:]), trace=trace_path,
-                        model=model, time_scale=config.engine_time_scale,
-                        request_timeout_s=REQUEST_TIMEOUT_S)
+                        target=urls[0],
+                        more_targets=tuple(urls[1:]),
+                        trace=trace_path,
+                        model=model,
+                        time_scale=config.engine_time_scale,
+                        request_timeout_s=REQUEST_TIMEOUT_S,
+                    )
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:
                         result = await replay(replay_config, sessions, display.add)
@@ -261,48 +313,76 @@ async def run_comparison(config: DemoConfig, console: Console, specs_for: Router
 
 async def run_demo(config: DemoConfig, console: Console) -> Rounds:
     return await run_comparison(
-        config, console,
-        lambda urls: [kvrouter_spec(config, policy, urls) for policy in config.policies])
+        config,
+        console,
+        lambda urls: [kvrouter_spec(config, policy, urls) for policy in config.policies],
+    )
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
     parser.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS)
-    parser.add_argument("--rate", type=float, default=DEFAULT_RATE,
-                        help="agent sessions arriving per simulated second")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=DEFAULT_RATE,
+        help="agent sessions arriving per simulated second",
+    )
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--kv-tokens", type=int, default=DEFAULT_KV_TOKENS,
-                        help="KV cache per engine, in tokens")
+    parser.add_argument(
+        "--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="KV cache per engine, in tokens"
+    )
     parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help="comma-separated kvrouter policies to compare")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help="directory for the trace, results and plots")
+    parser.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated kvrouter policies to compare",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=DEFAULT_OUT, help="directory for the trace, results and plots"
+    )
     parser.add_argument("--base-port", type=int, default=8100)
     parser.add_argument("--router-port", type=int, default=8000)
-    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
-                        help="rounds; each figure is reported as median (min-max)")
-    parser.add_argument("--clock", choices=("virtual", "real"), default=DEFAULT_CLOCK,
-                        help="virtual: engines and kvrouter in this process, simulated time "
-                             "jumps when idle (fast, exact, unaffected by CPU load); real: "
-                             "processes on the wall clock sped up by --time-scale (needed "
-                             "for peer routers)")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=DEFAULT_REPEAT,
+        help="rounds; each figure is reported as median (min-max)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("virtual", "real"),
+        default=DEFAULT_CLOCK,
+        help="virtual: engines and kvrouter in this process, simulated time "
+        "jumps when idle (fast, exact, unaffected by CPU load); real: "
+        "processes on the wall clock sped up by --time-scale (needed "
+        "for peer routers)",
+    )
 
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:
     return DemoConfig(
-        engines=args.engines, sessions=args.sessions, rate=args.rate, seed=args.seed,
-        kv_tokens=args.kv_tokens, time_scale=args.time_scale,
-        policies=tuple(p for p in args.policies.split(",") if p), out=args.out,
-        base_port=args.base_port, router_port=args.router_port, repeat=args.repeat,
+        engines=args.engines,
+        sessions=args.sessions,
+        rate=args.rate,
+        seed=args.seed,
+        kv_tokens=args.kv_tokens,
+        time_scale=args.time_scale,
+        policies=tuple(p for p in args.policies.split(",") if p),
+        out=args.out,
+        base_port=args.base_port,
+        router_port=args.router_port,
+        repeat=args.repeat,
         clock=args.clock,
     )
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
     parser = commands.add_parser(
-        "demo", help="simulated fleet + router: compare policies on an agent workload",
-        description=__doc__)
+        "demo",
+        help="simulated fleet + router: compare policies on an agent workload",
+        description=__doc__,
+    )
     add_workload_arguments(parser)
     parser.set_defaults(func=run)
 

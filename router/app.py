@@ -133,6 +133,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    token = request.app[CONFIG_KEY].metrics_token
+    if token and not _bearer_matches(request, token):
+        raise Unauthenticated("missing or invalid metrics token")
     body = request.app[STATE_KEY].metrics.render()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
 
@@ -230,6 +233,11 @@ class Unauthenticated(RouterError):
     status = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+def _bearer_matches(request: web.Request, token: str) -> bool:
+    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
 def api_key_middleware(keys: tuple[str, ...]) -> Middleware:

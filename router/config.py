@@ -277,6 +277,13 @@ class RouterConfig:
     # KVROUTER_API_KEYS=key1,key2 sets them without putting them in a file.
     api_keys: tuple[str, ...] = ()
     log_requests: bool = False  # one JSON line per request on kvrouter.requests
+    # X-Kvrouter-Worker on responses (which worker served). With prefix routing it tells
+    # a client whether someone else's prompt is cached where its own went, so it is off
+    # unless asked for (benchmarks and debugging: --worker-header).
+    worker_header: bool = False
+    # When set, GET /metrics wants "Authorization: Bearer <metrics_token>" (Prometheus:
+    # the scrape config's authorization.credentials); /metrics is otherwise open.
+    metrics_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -115,10 +115,11 @@ def _forward_headers(
 
 
 def _response_headers(
-    upstream: aiohttp.ClientResponse, worker: str, request_id: str
+    http: web.Request, upstream: aiohttp.ClientResponse, worker: str, request_id: str
 ) -> CIMultiDict[str]:
     out = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
-    out[WORKER_HEADER] = worker
+    if http.app[STATE_KEY].config.worker_header:
+        out[WORKER_HEADER] = worker
     out[REQUEST_ID_HEADER] = request_id
     return out
 
@@ -374,7 +375,7 @@ async def _relay_stream(
     dispatch.router.metrics.ttft.labels(dispatch.worker.name).observe(ttft)
     response = web.StreamResponse(
         status=upstream.status,
-        headers=_response_headers(upstream, dispatch.worker.name, request_id),
+        headers=_response_headers(http, upstream, dispatch.worker.name, request_id),
     )
     await response.prepare(http)
     events = WholeEvents()
@@ -444,6 +445,6 @@ async def _relay_whole(
     response = web.Response(
         status=upstream.status,
         body=body,
-        headers=_response_headers(upstream, dispatch.worker.name, request_id),
+        headers=_response_headers(http, upstream, dispatch.worker.name, request_id),
     )
     return response, "success" if upstream.status < 400 else "rejected"

@@ -30,34 +30,64 @@ def _knob(text: str) -> tuple[str, Any]:
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
     serve = commands.add_parser(
-        "serve", help="run the router",
+        "serve",
+        help="run the router",
         description="Run the router. Flags override KVROUTER_* environment variables, "
-        "which override the config file.")
+        "which override the config file.",
+    )
     serve.add_argument("--config", type=Path, help="YAML config file")
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
-    serve.add_argument("--worker", action="append", dest="workers", metavar="URL",
-                       help="an engine's base URL (repeat for each worker)")
+    serve.add_argument(
+        "--worker",
+        action="append",
+        dest="workers",
+        metavar="URL",
+        help="an engine's base URL (repeat for each worker)",
+    )
     serve.add_argument("--policy", help=f"one of {', '.join(policy_names())}")
-    serve.add_argument("--policy-knob", action="append", type=_knob, dest="knobs",
-                       metavar="NAME=VALUE", help="a policy knob (repeatable)")
-    serve.add_argument("--kv-tokens", type=int,
-                       help="every worker's KV capacity in tokens (default: read from "
-                       "the engines' /metrics)")
+    serve.add_argument(
+        "--policy-knob",
+        action="append",
+        type=_knob,
+        dest="knobs",
+        metavar="NAME=VALUE",
+        help="a policy knob (repeatable)",
+    )
+    serve.add_argument(
+        "--kv-tokens",
+        type=int,
+        help="every worker's KV capacity in tokens (default: read from the engines' /metrics)",
+    )
     serve.add_argument("--block-bytes", type=int, help="prefix block size in bytes")
-    serve.add_argument("--max-attempts", type=int,
-                       help="workers tried before the first byte")
+    serve.add_argument("--max-attempts", type=int, help="workers tried before the first byte")
     serve.add_argument("--seed", type=int, help="seed for policies that draw at random")
-    serve.add_argument("--admin-token", metavar="TOKEN",
-                       help="enable the admin API, with this bearer token (prefer "
-                       "KVROUTER_ADMIN_TOKEN: flags show in process lists)")
-    serve.add_argument("--log-requests", action="store_true", default=None,
-                       help="one JSON line per request (decision, worker, cached tokens, "
-                       "TTFT; never prompts or headers)")
-    serve.add_argument("--state", metavar="URL",
-                       help="share routing state with other replicas through Redis "
-                       "(redis://host:port/db, rediss://, redis+sentinel://, "
-                       "redis+cluster://)")
+    serve.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        help="enable the admin API, with this bearer token (prefer "
+        "KVROUTER_ADMIN_TOKEN: flags show in process lists)",
+    )
+    serve.add_argument(
+        "--worker-header",
+        action="store_true",
+        default=None,
+        help="send X-Kvrouter-Worker (which worker served) on responses",
+    )
+    serve.add_argument(
+        "--log-requests",
+        action="store_true",
+        default=None,
+        help="one JSON line per request (decision, worker, cached tokens, "
+        "TTFT; never prompts or headers)",
+    )
+    serve.add_argument(
+        "--state",
+        metavar="URL",
+        help="share routing state with other replicas through Redis "
+        "(redis://host:port/db, rediss://, redis+sentinel://, "
+        "redis+cluster://)",
+    )
     serve.set_defaults(func=run_serve)
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
@@ -84,6 +114,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["log_requests"] = True
     if args.admin_token:
         values["admin_token"] = args.admin_token
+    if args.worker_header:
+        values["worker_header"] = True
     if args.state is not None:
         values["state"] = {"url": args.state}
     return values
@@ -106,8 +138,13 @@ async def serve(config: RouterConfig) -> None:
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
-    log.info("kvrouter on http://%s:%d routing to %d workers with policy %s",
-             config.host, config.port, len(config.workers), config.policy)
+    log.info(
+        "kvrouter on http://%s:%d routing to %d workers with policy %s",
+        config.host,
+        config.port,
+        len(config.workers),
+        config.policy,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -132,8 +169,12 @@ def run_serve(args: argparse.Namespace) -> int:
         request_logger.addHandler(handler)
         request_logger.setLevel(logging.INFO)
         request_logger.propagate = False
-    if not config.workers and not config.discovery.file and not config.discovery.dns \
-            and not config.discovery.kubernetes.selector:
+    if (
+        not config.workers
+        and not config.discovery.file
+        and not config.discovery.dns
+        and not config.discovery.kubernetes.selector
+    ):
         print("error: no workers: give --worker URL (repeatable) or 'workers' in --config")
         return 2
     with contextlib.suppress(KeyboardInterrupt):

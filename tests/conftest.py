@@ -84,10 +84,17 @@ class RunningRouter:
 def router_config(engines: Sequence[RunningEngine], **overrides: Any) -> RouterConfig:
     """A router over ``engines``, named w0, w1, ... in order; ``overrides`` are
     ``RouterConfig`` fields. Health probes are slow unless a test asks otherwise, so
-    the only probe is the one at startup."""
+    the only probe is the one at startup. Responses name their worker
+    (X-Kvrouter-Worker), which the tests read."""
     workers = tuple(WorkerConfig(e.url, name=f"w{i}") for i, e in enumerate(engines))
-    values: dict[str, Any] = {"workers": workers, "host": "127.0.0.1", "port": 0,
-                              "health": HealthConfig(interval_s=60.0), "seed": 1}
+    values: dict[str, Any] = {
+        "workers": workers,
+        "host": "127.0.0.1",
+        "port": 0,
+        "health": HealthConfig(interval_s=60.0),
+        "seed": 1,
+        "worker_header": True,
+    }
     values.update(overrides)
     return RouterConfig(**values)
 
@@ -116,13 +123,28 @@ class RedisServer:
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            with contextlib.suppress(OSError), socket.create_connection(
-                    ("127.0.0.1", self.port), timeout=0.2) as conn:
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn,
+            ):
                 conn.sendall(b"PING\r\n")
                 if conn.recv(16).startswith(b"+PONG"):
                     return

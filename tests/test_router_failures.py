@@ -29,6 +29,7 @@ from tests.conftest import (
     serve_router,
 )
 from tests.router_client import (
+    WORKER,
     assert_idle,
     chat_body,
     conversation,
@@ -745,3 +746,30 @@ async def test_the_router_authenticates_to_engines_with_their_api_key(
             assert (
                 await post(http, router.url, chat_body(conversation("no", 20, 5)))
             ).status == 401
+
+
+async def test_the_worker_header_and_open_metrics_are_choices(
+    engine_factory: EngineFactory,
+) -> None:
+    """Which worker served (with prefix routing: whether a prompt was cached there) is
+    not told unless asked for, and /metrics can want a token."""
+    async with engine_factory() as sim, aiohttp.ClientSession() as http:
+        quiet = router_config([sim], worker_header=False, metrics_token="m3trics")
+        async with serve_router(quiet) as router:
+            result = await post(http, router.url, chat_body(conversation("q", 20, 5)))
+            assert result.status == 200 and WORKER not in result.headers
+            async with http.get(router.url + "/metrics") as response:
+                assert response.status == 401
+                assert (await response.json())["error"]["type"] == "authentication_error"
+            async with http.get(
+                router.url + "/metrics", headers={"Authorization": b"Bearer \xff".decode("latin-1")}
+            ) as response:
+                assert response.status == 401
+            async with http.get(
+                router.url + "/metrics", headers={"Authorization": "Bearer m3trics"}
+            ) as response:
+                assert response.status == 200
+        async with serve_router(router_config([sim])) as router:
+            assert (
+                await post(http, router.url, chat_body(conversation("q", 20, 5)))
+            ).worker == "w0"
