@@ -33,6 +33,9 @@ from router.workers import Fleet, Worker
 log = logging.getLogger(__name__)
 
 NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+# A probe's or scrape's body past this is refused: a worker must not be able to fill the
+# router's memory. vLLM's /metrics is tens of KB, with many LoRA adapters a few MB.
+MAX_PROBE_BODY_BYTES = 16 * 1024 * 1024
 
 # Re-read each worker's model list every this many probes.
 MODELS_EVERY = 12
@@ -199,7 +202,12 @@ class HealthProber:
         """Status and body; the body as bytes, since a worker's encoding is not ours to trust."""
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)
         async with self._session.get(url, timeout=timeout, headers=self._headers) as response:
-            return response.status, await response.read()
+            body = bytearray()
+            async for chunk in response.content.iter_any():
+                body += chunk
+                if len(body) > MAX_PROBE_BODY_BYTES:
+                    raise ValueError(f"{url} answered more than {MAX_PROBE_BODY_BYTES} bytes")
+            return response.status, bytes(body)
 
     async def _probe(self, worker: Worker) -> None:
         try:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from bench.loopback import serve_on_loopback
 from router.config import HealthConfig, WorkerConfig
-from router.health import HealthProber
+from router.health import MAX_PROBE_BODY_BYTES, HealthProber
 from router.index import LocalPrefixIndex
 from router.state import STATE_KEY
 from router.workers import Fleet, Worker
@@ -146,3 +146,31 @@ async def test_an_error_in_one_workers_scrape_spares_the_others(
         await prober.scrape_all()
         assert restarted == ["w0"]
         assert fleet.workers["w1"].healthy
+
+
+async def test_an_endless_metrics_body_is_cut_off_not_buffered() -> None:
+    sent = 0
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        line = b"vllm:num_requests_running 0\n" * 2048
+        with contextlib.suppress(ConnectionError):
+            while True:  # a worker gone wrong: its /metrics never ends
+                await response.write(line)
+                sent += len(line)
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", endless)
+    async with serve_on_loopback(app) as url, aiohttp.ClientSession() as http:
+        fleet, index = Fleet(), LocalPrefixIndex()
+        fleet.add(Worker("w0", url, 50_000))
+        index.add_worker("w0", 1000)
+        prober = HealthProber(
+            fleet, index, http, HealthConfig(timeout_s=5.0), 16, set(), lambda worker: None
+        )
+        await prober.scrape_all()
+        assert fleet.workers["w0"].metrics_at is None  # nothing was learnt from it
+        assert sent < 4 * MAX_PROBE_BODY_BYTES  # read up to the limit, then hung up
