@@ -407,6 +407,11 @@ async def _relay_stream(
     return response, outcome
 
 
+# The most of an unfinished event the relay holds back (a worker that never ends one
+# must not fill the router's memory).
+MAX_HELD_EVENT_BYTES = 1024 * 1024
+
+
 class WholeEvents:
     """Cuts a relayed SSE stream at event boundaries, so that a worker failing in the
     middle of an event never leaves the client half of one."""
@@ -421,6 +426,8 @@ class WholeEvents:
         data = self._partial + chunk if self._partial else chunk
         lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
         end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        if len(data) - end > MAX_HELD_EVENT_BYTES:
+            end = len(data)  # no event is this long: pass it on rather than hold it all
         self._partial = data[end:]
         return data[:end] if self._partial else data
 

@@ -24,7 +24,7 @@ from router.prefix import (
     ChainExtender,
     chain_seed,
 )
-from router.proxy import WholeEvents
+from router.proxy import MAX_HELD_EVENT_BYTES, WholeEvents
 from router.workers import Lease, Worker
 
 BLOCK = 16  # small blocks, so short texts span many of them
@@ -520,3 +520,6 @@ def test_a_relayed_stream_is_cut_only_at_event_boundaries() -> None:
     events = WholeEvents()
     assert events.cut(b'data: {"a":1}\n\ndata: {"b"') == b'data: {"a":1}\n\n'
     assert events.rest() == b'data: {"b"'  # a stream the worker closed in mid-event
+    endless = b"data: " + b"x" * MAX_HELD_EVENT_BYTES
+    assert events.cut(endless[:100]) == b"" and events.cut(endless[100:]) == endless
+    assert events.rest() == b""  # an event that never ends is passed on, not held
