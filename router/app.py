@@ -172,8 +172,15 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         yield
         return
     handle = connect(state.config.state.url)
+    router = state.router
     sync = RedisSync(
-        handle.client, index, state.router, state.config.state, RedisMetrics(state.metrics.registry)
+        handle.client,
+        index,
+        router.fleet,
+        router.learner.prefill_rate,
+        router.policies,
+        state.config.state,
+        RedisMetrics(state.metrics.registry),
     )
     await sync.start()
     task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")

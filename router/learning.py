@@ -12,6 +12,9 @@ sessions off their caches: the ratio starts at 1, a worker's own samples only ti
 only requests whose own prefill is at least the prefill queued ahead of them count, and
 ratios within a factor of 1.5 of 1 are taken as 1.
 
+``Learner``: the three above and the sessions' turn outcomes (``router.outcomes``) behind
+one observer: every finished dispatch with usage is handed to ``Learner.learn``.
+
 ``ResidencyCalibrator``: the residency model is sized from the engine's nominal KV
 capacity, but blocks pinned by running requests, preemptions and timing make the engine
 hold less than that. When the engine reports fewer cached tokens than the model predicted,
@@ -22,8 +25,15 @@ cache pressure, which is when they matter.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from router.index import PrefixIndex
-from router.workers import Worker
+from router.metrics import RouterMetrics
+from router.outcomes import SessionMemory, SessionTracker, classify
+from router.workers import Fleet, Worker
+
+if TYPE_CHECKING:
+    from router.routing import Dispatch, EngineUsage
 
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 RATE_EWMA_ALPHA = 0.1
@@ -135,3 +145,78 @@ class ResidencyCalibrator:
 
     def reset(self, worker: str) -> None:
         self._share.pop(worker, None)
+
+
+class Learner:
+    """What the router learns from each finished request: the fleet's prefill rate, each
+    worker's speed, the residency calibration, and what happened to each session's
+    prefix (reported as turn outcomes)."""
+
+    def __init__(
+        self, fleet: Fleet, index: PrefixIndex, metrics: RouterMetrics, block_tokens: int
+    ) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self.prefill_rate = PrefillRate()
+        self.speeds = WorkerSpeeds()
+        self.calibrator = ResidencyCalibrator(index, block_tokens)
+        self.sessions = SessionTracker()
+
+    def prefill_tokens_per_s(self, worker: str) -> float:
+        """How fast ``worker`` is taken to prefill: the fleet's rate times its own ratio."""
+        return self.prefill_rate.tokens_per_s * self.speeds.ratio(worker)
+
+    def forget(self, worker: str) -> None:
+        """The worker left or lost its cache: what was learnt of it no longer holds."""
+        self.calibrator.reset(worker)
+        self.speeds.reset(worker)
+
+    def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
+        uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
+        if dispatch.ttft is not None:
+            prefilled = dispatch.queued_before + uncached
+            self.prefill_rate.observe(prefilled, dispatch.ttft)
+            if dispatch.queued_before <= uncached and self.prefill_rate.settled:
+                # A TTFT measures the queue ahead (counted in ``prefilled``, but part of it
+                # may have been prefilled already) as well as the request: only requests
+                # whose own prefill is at least half of it teach how fast the worker is,
+                # and only against a fleet rate that is no longer the first guess. (Only
+                # requests that found no queue at all were too few: a slower worker was
+                # still taken for an equal one after half the demo's turns.)
+                self.speeds.observe(
+                    dispatch.worker.name, prefilled, dispatch.ttft, self.prefill_rate.tokens_per_s
+                )
+            self._metrics.prefill_rate.set(self.prefill_rate.tokens_per_s)
+        predicted = min(dispatch.decision.predicted_cached_tokens, usage.prompt_tokens)
+        worker = dispatch.worker
+        self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
+        self._metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
+        self._report_turn(dispatch, usage, predicted)
+
+    def _report_turn(self, dispatch: Dispatch, usage: EngineUsage, predicted: int) -> None:
+        key = dispatch.route.session_key
+        epochs = {w.name: w.epoch for w in self._fleet.all()}
+        report = classify(
+            self.sessions.get(key),
+            dispatch.worker.name,
+            epochs,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            dispatch.best_match,
+            predicted,
+        )
+        metrics = self._metrics
+        metrics.turns.labels(report.outcome).inc()
+        if report.cause is not None:
+            metrics.lost_turns.labels(report.cause).inc()
+            metrics.lost_tokens.labels(report.cause).inc(report.lost_tokens)
+        if dispatch.ttft is not None:
+            metrics.turn_ttft.labels(report.outcome).observe(dispatch.ttft)
+        self.sessions.remember(
+            key,
+            SessionMemory(
+                dispatch.worker.name,
+                dispatch.worker.epoch,
+                usage.prompt_tokens + usage.completion_tokens,
+            ),
+        )

@@ -372,7 +372,7 @@ async def _relay_stream(
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
     ttft = dispatch.first_byte()
-    dispatch.router.metrics.ttft.labels(dispatch.worker.name).observe(ttft)
+    http.app[STATE_KEY].metrics.ttft.labels(dispatch.worker.name).observe(ttft)
     response = web.StreamResponse(
         status=upstream.status,
         headers=_response_headers(http, upstream, dispatch.worker.name, request_id),

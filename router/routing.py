@@ -5,9 +5,10 @@ policy choose, takes a load ``Lease`` and reserves the prompt's blocks on the ch
 worker at once (siblings arriving next find them; nothing is evicted for them yet). The
 first byte means the worker computed them: they are recorded then (``first_byte``).
 ``Dispatch.finish`` releases the lease exactly once and, on success, extends the worker's
-entries with the reply so the session's next turn matches its whole history, and feeds
-what the engine reported to the prefill rate and the residency calibration; a dispatch
-that failed or was refused releases its reservation and leaves the model as it was.
+entries with the reply so the session's next turn matches its whole history, and hands
+what the engine reported to the ``Learner`` (router.learning); a dispatch that failed or
+was refused releases its reservation and leaves the model as it was. A ``Dispatch``
+holds the index and the learner, not the ``Router`` that made it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from router.clock import monotonic
 from router.config import BYTES_PER_TOKEN_ESTIMATE
 from router.errors import NoEligibleWorker
 from router.index import PrefixIndex
-from router.learning import PrefillRate, ResidencyCalibrator, WorkerSpeeds
+from router.learning import Learner
 from router.metrics import RouterMetrics
-from router.outcomes import SessionMemory, SessionTracker, classify
 from router.parse import ClientRequest
 from router.policy_slot import PolicySlot
 from router.workers import Fleet, Lease, Worker
@@ -41,7 +41,8 @@ class EngineUsage:
 class Dispatch:
     """One attempt to serve a request on one worker."""
 
-    router: Router
+    index: PrefixIndex
+    learner: Learner  # hears how the request ended
     # The policy that chose the worker: it hears the outcome even if the router's current
     # policy has changed since (an in-flight request is not the new policy's business).
     policy: Policy
@@ -61,22 +62,21 @@ class Dispatch:
     def expected_prefill_s(self) -> float:
         """When the worker should have prefilled this request: the queue found ahead of
         it and its own uncached tokens, at the worker's learned speed."""
-        router = self.router
-        rate = router.prefill_rate.tokens_per_s * router.speeds.ratio(self.worker.name)
+        rate = self.learner.prefill_tokens_per_s(self.worker.name)
         return (self.queued_before + self.lease.prefill_tokens) / max(rate, 1.0)
 
     def _record_prompt(self) -> None:
         """The worker computed the prompt: its blocks move from reserved to recorded."""
         if self.reserved:
             self.reserved = False
-            index, hashes = self.router.index, self.route.block_hashes
-            index.touch(self.worker.name, hashes)
-            index.release(self.worker.name, hashes)
+            hashes = self.route.block_hashes
+            self.index.touch(self.worker.name, hashes)
+            self.index.release(self.worker.name, hashes)
 
     def _withdraw_prompt(self) -> None:
         if self.reserved:
             self.reserved = False
-            self.router.index.release(self.worker.name, self.route.block_hashes)
+            self.index.release(self.worker.name, self.route.block_hashes)
 
     def first_byte(self, observe: bool = True, computed: bool = True) -> float:
         """The worker answered: its prefill of this request is done (``computed``: it
@@ -112,15 +112,14 @@ class Dispatch:
             breaker.on_abandoned(self.breaker_ticket)
         else:
             breaker.on_failure(self.breaker_ticket)
-        router = self.router
         if outcome == "client_disconnect":
             self._record_prompt()  # the worker may have computed it before the abort
         if outcome == "success":
             self._record_prompt()
             if reply_hashes:
-                router.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
+                self.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
             if usage is not None:
-                router.learn(self, usage)
+                self.learner.learn(self, usage)
         self._withdraw_prompt()  # refused, or failed before computing it
         self.policy.on_complete(self.route, self.worker.name, outcome)
 
@@ -141,10 +140,7 @@ class Router:
         self.policies = policies
         self.block_tokens = block_tokens
         self.metrics = metrics
-        self.prefill_rate = PrefillRate()
-        self.speeds = WorkerSpeeds()
-        self.sessions = SessionTracker()
-        self.calibrator = ResidencyCalibrator(index, block_tokens)
+        self.learner = Learner(fleet, index, metrics, block_tokens)
 
     def route_request(self, request: ClientRequest, request_id: str) -> RouteRequest:
         return RouteRequest(
@@ -179,7 +175,8 @@ class Router:
         self.metrics.best_cached_tokens.labels(worker.name).inc(best)
         self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
         return Dispatch(
-            self,
+            self.index,
+            self.learner,
             active.policy,
             request,
             route,
@@ -189,56 +186,6 @@ class Router:
             queued_before,
             ticket,
             best,
-        )
-
-    def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
-        uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
-        if dispatch.ttft is not None:
-            prefilled = dispatch.queued_before + uncached
-            self.prefill_rate.observe(prefilled, dispatch.ttft)
-            if dispatch.queued_before <= uncached and self.prefill_rate.settled:
-                # A TTFT measures the queue ahead (counted in ``prefilled``, but part of it
-                # may have been prefilled already) as well as the request: only requests
-                # whose own prefill is at least half of it teach how fast the worker is,
-                # and only against a fleet rate that is no longer the first guess. (Only
-                # requests that found no queue at all were too few: a slower worker was
-                # still taken for an equal one after half the demo's turns.)
-                self.speeds.observe(
-                    dispatch.worker.name, prefilled, dispatch.ttft, self.prefill_rate.tokens_per_s
-                )
-            self.metrics.prefill_rate.set(self.prefill_rate.tokens_per_s)
-        predicted = min(dispatch.decision.predicted_cached_tokens, usage.prompt_tokens)
-        worker = dispatch.worker
-        self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
-        self.metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
-        self._report_turn(dispatch, usage, predicted)
-
-    def _report_turn(self, dispatch: Dispatch, usage: EngineUsage, predicted: int) -> None:
-        key = dispatch.route.session_key
-        epochs = {w.name: w.epoch for w in self.fleet.all()}
-        report = classify(
-            self.sessions.get(key),
-            dispatch.worker.name,
-            epochs,
-            usage.prompt_tokens,
-            usage.cached_tokens,
-            dispatch.best_match,
-            predicted,
-        )
-        metrics = self.metrics
-        metrics.turns.labels(report.outcome).inc()
-        if report.cause is not None:
-            metrics.lost_turns.labels(report.cause).inc()
-            metrics.lost_tokens.labels(report.cause).inc(report.lost_tokens)
-        if dispatch.ttft is not None:
-            metrics.turn_ttft.labels(report.outcome).observe(dispatch.ttft)
-        self.sessions.remember(
-            key,
-            SessionMemory(
-                dispatch.worker.name,
-                dispatch.worker.epoch,
-                usage.prompt_tokens + usage.completion_tokens,
-            ),
         )
 
     def has_room(self, model: str, limit: int) -> bool:
@@ -258,22 +205,20 @@ class Router:
         self.fleet.remove(name)
         self.metrics.worker_removed(name)
         self.index.remove_worker(name)
-        self.calibrator.reset(name)
-        self.speeds.reset(name)
+        self.learner.forget(name)
 
     def migrate(self, source: str, target: str) -> int:
         """``source``'s KV state now lives on ``target`` (checkpointed and restored): its
         index entries move there, so sessions' next turns hit on ``target``. Returns the
         number of blocks moved."""
         moved = self.index.migrate(source, target)
-        self.calibrator.reset(source)
+        self.learner.calibrator.reset(source)
         return moved
 
     def worker_restarted(self, worker: Worker) -> None:
         """The engine restarted: its cache is gone, so is everything the index says of it."""
         self.index.purge(worker.name)
-        self.calibrator.reset(worker.name)
-        self.speeds.reset(worker.name)
+        self.learner.forget(worker.name)
         worker.epoch += 1
         self.metrics.worker_restarts.labels(worker.name).inc()
 
@@ -293,6 +238,6 @@ class Router:
             matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,
-            prefill_tokens_per_s=self.prefill_rate.tokens_per_s * self.speeds.ratio(worker.name),
+            prefill_tokens_per_s=self.learner.prefill_tokens_per_s(worker.name),
             recent_prompt_tokens=worker.demand.value(now),
         )

@@ -56,7 +56,8 @@ def _a_settled_router() -> Router:
         index.add_worker(name, 1000)
     metrics = RouterMetrics(fleet, index, 64)
     router = Router(fleet, index, PolicySlot("round_robin", {}, 1, metrics), 64, metrics)
-    router.prefill_rate.tokens_per_s, router.prefill_rate.samples = 10_000.0, 100
+    rate = router.learner.prefill_rate
+    rate.tokens_per_s, rate.samples = 10_000.0, 100
     return router
 
 
@@ -78,6 +79,6 @@ def test_a_worker_learns_its_speed_from_requests_mostly_its_own_prefill(
     slow = _dispatch_to(router, "a100", 100)
     slow.queued_before = queued  # what the worker had queued when this request was sent
     slow.ttft = (queued + own) / 10_000 * 3  # the worker prefills at a third of the fleet
-    router.learn(slow, EngineUsage(prompt_tokens=own + 500, cached_tokens=500))
+    router.learner.learn(slow, EngineUsage(prompt_tokens=own + 500, cached_tokens=500))
     ahead.fail("upstream_error")
-    assert (router.speeds.learned("a100") < 1.0) is learns
+    assert (router.learner.speeds.learned("a100") < 1.0) is learns

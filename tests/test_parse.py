@@ -256,7 +256,7 @@ async def test_the_router_remembers_sessions_by_digest(engine_factory: EngineFac
             router.config.prefix.block_bytes,
         ).session_key
         assert key is not None and len(key) == 32
-        assert router.app[STATE_KEY].router.sessions.get(key) is not None
+        assert router.app[STATE_KEY].router.learner.sessions.get(key) is not None
 
 
 async def test_a_session_header_that_is_not_utf8_is_routed(engine_factory: EngineFactory) -> None:

@@ -32,11 +32,13 @@ from redis.exceptions import RedisError
 
 from router.config import StateConfig
 from router.errors import SharedStateUnavailable
-from router.routing import Router
+from router.learning import PrefillRate
+from router.policy_slot import PolicySlot
 from router.shared import policy as fleet_policy
 from router.shared.events import IndexEvent, decode, encode
 from router.shared.index import SharedPrefixIndex
 from router.shared.metrics import RedisMetrics
+from router.workers import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +61,17 @@ class RedisSync:
         self,
         client: Redis | RedisCluster,
         index: SharedPrefixIndex,
-        router: Router,
+        fleet: Fleet,
+        rate: PrefillRate,
+        policies: PolicySlot,
         config: StateConfig,
         metrics: RedisMetrics,
     ) -> None:
         self._redis = client
         self._index = index
-        self._router = router
+        self._fleet = fleet
+        self._rate = rate  # blended with the other replicas' rates
+        self._policies = policies
         self._config = config
         self._metrics = metrics
         self.replica = uuid.uuid4().hex[:12]
@@ -241,7 +247,7 @@ class RedisSync:
         await self._follow_policy()
 
     async def _share_load(self) -> None:
-        fleet, rate = self._router.fleet, self._router.prefill_rate
+        fleet, rate = self._fleet, self._rate
         ttl = int(self._config.load_interval_s * 3000)
         now = time.time()
         # Outstanding requests and tokens change slowly enough to share; queued prefill
@@ -273,11 +279,9 @@ class RedisSync:
                 acc = totals.setdefault(worker.decode(), [0, 0])
                 acc[0] += parts[0]
                 acc[1] += parts[1]
-        for w in self._router.fleet.all():
+        for w in self._fleet.all():
             w.remote_requests, w.remote_tokens = totals.get(w.name, (0, 0))
-        self._router.prefill_rate.blend(
-            [(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)]
-        )
+        self._rate.blend([(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)])
 
     # -- the routing policy ---------------------------------------------------------------
 
@@ -302,7 +306,7 @@ class RedisSync:
         return int(version)
 
     async def _follow_policy(self) -> None:
-        slot = self._router.policies
+        slot = self._policies
         fields = await self._op("policy", self._redis.hgetall(self._policy_key))
         current = slot.current
         if not fields:
