@@ -93,7 +93,15 @@ def build_state(
     index: PrefixIndex = SharedPrefixIndex(local) if config.state.url else local
     metrics = RouterMetrics(fleet, index, block_tokens)
     policies = PolicySlot(config.policy, config.policy_knobs, config.seed, metrics)
-    router = Router(fleet, index, policies, block_tokens, metrics, config.health.stale_after_s)
+    router = Router(
+        fleet,
+        index,
+        policies,
+        block_tokens,
+        metrics,
+        config.health.stale_after_s,
+        config.log_requests,
+    )
     discover: set[str] = set()
     for wc in config.workers:
         worker, known = new_worker(config, wc)

@@ -21,7 +21,6 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from policies.base import Outcome
-from router import request_log
 from router.capture import ReplyCapture
 from router.clock import monotonic
 from router.config import UpstreamConfig
@@ -166,7 +165,7 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
         if failure is not None and monotonic() - arrived > config.upstream.retry_deadline_s:
             break  # too late to try again
         try:
-            dispatch = state.router.dispatch(request, route, tried)
+            dispatch = state.router.dispatch(request, route, tried, arrived)
         except NoEligibleWorker:
             if failure is None:
                 raise
@@ -174,7 +173,7 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
         if tried:  # this dispatch retries the attempt that failed before it
             state.metrics.retries.labels(tried[-1]).inc()
         try:
-            return await _attempt(http, state, dispatch, request_id, arrived, len(tried) + 1)
+            return await _attempt(http, state, dispatch, request_id)
         except _Retry as retry:
             failure = retry
             tried.append(dispatch.worker.name)
@@ -218,8 +217,6 @@ async def _attempt(
     state: RouterState,
     dispatch: Dispatch,
     request_id: str,
-    arrived: float,
-    attempt: int,
 ) -> web.StreamResponse:
     request = dispatch.request
     header = CHAT_REPLY_HEADER if request.kind == "chat" else COMPLETION_REPLY_HEADER
@@ -286,45 +283,24 @@ async def _attempt(
     finally:
         if prefilled is not None:
             prefilled.cancel()
-        _record(state, dispatch, capture, outcome, sent, arrived, attempt)
+        _record(state, dispatch, capture, outcome, sent)
 
 
 def _record(
-    state: RouterState,
-    dispatch: Dispatch,
-    capture: ReplyCapture,
-    outcome: Outcome,
-    sent: bool,
-    arrived: float,
-    attempt: int,
+    state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outcome: Outcome, sent: bool
 ) -> None:
-    worker = dispatch.worker.name
-    metrics = state.metrics
     if not sent:
         dispatch.fail(outcome)
-        state.admission.notify()
-        return
-    prompt, cached = capture.prompt_tokens, capture.cached_tokens
-    usage = (
-        EngineUsage(prompt, cached, capture.completion_tokens)
-        if prompt is not None and cached is not None
-        else None
-    )
-    dispatch.finish(outcome, capture.reply_hashes() if outcome == "success" else [], usage)
-    state.admission.notify()  # after the lease is released: there is room now
-    model = state.router.fleet.model_label(dispatch.request.model)
-    metrics.requests.labels(model, worker, outcome).inc()
-    metrics.latency.labels(worker).observe(monotonic() - arrived)
-    metrics.prompt_tokens.labels(worker).inc(
-        prompt if prompt is not None else dispatch.route.prompt_tokens
-    )
-    if usage is not None:
-        metrics.engine_cached_tokens.labels(worker).inc(usage.cached_tokens)
-        metrics.usage_prompt_tokens.labels(worker).inc(usage.prompt_tokens)
-    if state.config.log_requests:
-        request_log.write(
-            request_log.request_line(dispatch, outcome, usage, monotonic() - arrived, attempt)
+    else:
+        prompt, cached = capture.prompt_tokens, capture.cached_tokens
+        usage = (
+            EngineUsage(prompt, cached, capture.completion_tokens)
+            if prompt is not None and cached is not None
+            else None
         )
+        reply = capture.reply_hashes() if outcome == "success" else []
+        dispatch.finish(outcome, reply, usage, prompt)
+    state.admission.notify()  # after the lease is released: there is room now
 
 
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
@@ -371,8 +347,7 @@ async def _relay_stream(
 ) -> tuple[web.StreamResponse, Outcome]:
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
-    ttft = dispatch.first_byte()
-    http.app[STATE_KEY].metrics.ttft.labels(dispatch.worker.name).observe(ttft)
+    dispatch.first_byte()
     response = web.StreamResponse(
         status=upstream.status,
         headers=_response_headers(http, upstream, dispatch.worker.name, request_id),

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import xxhash
 
 from policies.base import Outcome
-from router.routing import Dispatch, EngineUsage
+
+if TYPE_CHECKING:
+    from router.routing import Dispatch, EngineUsage
 
 log = logging.getLogger("kvrouter.requests")
 
@@ -24,8 +26,9 @@ def session_tag(key: str | None) -> str | None:
     return None if key is None else xxhash.xxh64_hexdigest(key.encode())[:12]
 
 
-def request_line(dispatch: Dispatch, outcome: Outcome, usage: EngineUsage | None,
-                 latency_s: float, attempt: int) -> dict[str, Any]:
+def request_line(
+    dispatch: Dispatch, outcome: Outcome, usage: EngineUsage | None, latency_s: float, attempt: int
+) -> dict[str, Any]:
     route, decision = dispatch.route, dispatch.decision
     return {
         "ts": round(time.time(), 3),

@@ -25,6 +25,7 @@ from router.learning import Learner
 from router.metrics import RouterMetrics
 from router.parse import ClientRequest
 from router.policy_slot import PolicySlot
+from router.recorder import Recorder
 from router.workers import Fleet, Lease, Worker
 
 
@@ -42,7 +43,7 @@ class Dispatch:
     """One attempt to serve a request on one worker."""
 
     index: PrefixIndex
-    learner: Learner  # hears how the request ended
+    recorder: Recorder  # hears how the request went
     # The policy that chose the worker: it hears the outcome even if the router's current
     # policy has changed since (an in-flight request is not the new policy's business).
     policy: Policy
@@ -54,6 +55,8 @@ class Dispatch:
     queued_before: int  # prefill tokens queued on the worker ahead of this request
     breaker_ticket: int  # which opening of the worker's circuit this request was sent after
     best_match: int  # the most of this prompt any eligible worker was modelled to hold
+    arrived: float  # when the client's request arrived (monotonic)
+    attempt: int  # 1 for the first worker tried, 2 for the retry after it, ...
     sent_at: float = field(default_factory=monotonic)
     ttft: float | None = None
     done: bool = False
@@ -62,7 +65,7 @@ class Dispatch:
     def expected_prefill_s(self) -> float:
         """When the worker should have prefilled this request: the queue found ahead of
         it and its own uncached tokens, at the worker's learned speed."""
-        rate = self.learner.prefill_tokens_per_s(self.worker.name)
+        rate = self.recorder.learner.prefill_tokens_per_s(self.worker.name)
         return (self.queued_before + self.lease.prefill_tokens) / max(rate, 1.0)
 
     def _record_prompt(self) -> None:
@@ -88,21 +91,38 @@ class Dispatch:
             self._record_prompt()
         if observe:
             self.ttft = elapsed
+            self.recorder.first_byte(self, elapsed)
         return elapsed
 
     def fail(self, outcome: Outcome) -> None:
-        """Nothing reached the worker's cache: withdraw the reservation."""
-        self._withdraw_prompt()
-        self.finish(outcome, ())
+        """The attempt failed before the client saw a byte (it may be retried elsewhere):
+        nothing reached the worker's cache, the reservation is withdrawn."""
+        if self._end(outcome):
+            self._withdraw_prompt()
 
     def finish(
         self,
         outcome: Outcome,
         reply_hashes: tuple[int, ...] | list[int],
         usage: EngineUsage | None = None,
+        reported_prompt_tokens: int | None = None,
     ) -> None:
-        if self.done:
+        """The request ended on this worker: the recorder hears how."""
+        if not self._end(outcome):
             return
+        if outcome == "client_disconnect":
+            self._record_prompt()  # the worker may have computed it before the abort
+        if outcome == "success":
+            self._record_prompt()
+            if reply_hashes:
+                self.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
+        self._withdraw_prompt()  # refused, or failed before computing it
+        self.recorder.finished(self, outcome, usage, reported_prompt_tokens)
+
+    def _end(self, outcome: Outcome) -> bool:
+        """Lease, breaker and policy, exactly once; False if already ended."""
+        if self.done:
+            return False
         self.done = True
         self.lease.release()
         breaker = self.worker.breaker
@@ -112,16 +132,8 @@ class Dispatch:
             breaker.on_abandoned(self.breaker_ticket)
         else:
             breaker.on_failure(self.breaker_ticket)
-        if outcome == "client_disconnect":
-            self._record_prompt()  # the worker may have computed it before the abort
-        if outcome == "success":
-            self._record_prompt()
-            if reply_hashes:
-                self.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
-            if usage is not None:
-                self.learner.learn(self, usage)
-        self._withdraw_prompt()  # refused, or failed before computing it
         self.policy.on_complete(self.route, self.worker.name, outcome)
+        return True
 
 
 class Router:
@@ -133,6 +145,7 @@ class Router:
         block_tokens: int,
         metrics: RouterMetrics,
         stale_after_s: float | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.fleet = fleet
         self.stale_after_s = stale_after_s
@@ -141,6 +154,7 @@ class Router:
         self.block_tokens = block_tokens
         self.metrics = metrics
         self.learner = Learner(fleet, index, metrics, block_tokens)
+        self.recorder = Recorder(fleet, metrics, self.learner, log_requests)
 
     def route_request(self, request: ClientRequest, request_id: str) -> RouteRequest:
         return RouteRequest(
@@ -152,7 +166,15 @@ class Router:
             prompt_tokens=max(1, -(-request.key.total_bytes // BYTES_PER_TOKEN_ESTIMATE)),
         )
 
-    def dispatch(self, request: ClientRequest, route: RouteRequest, exclude: list[str]) -> Dispatch:
+    def dispatch(
+        self,
+        request: ClientRequest,
+        route: RouteRequest,
+        exclude: list[str],
+        arrived: float | None = None,
+    ) -> Dispatch:
+        """Choose a worker for ``request`` among those not in ``exclude`` (the ones tried
+        already) and take what the dispatch holds until it ends."""
         started = time.perf_counter()
         candidates = self.fleet.eligible(request.model, exclude, self.stale_after_s)
         if not candidates:
@@ -176,7 +198,7 @@ class Router:
         self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
         return Dispatch(
             self.index,
-            self.learner,
+            self.recorder,
             active.policy,
             request,
             route,
@@ -186,6 +208,8 @@ class Router:
             queued_before,
             ticket,
             best,
+            monotonic() if arrived is None else arrived,
+            len(exclude) + 1,
         )
 
     def has_room(self, model: str, limit: int) -> bool:
