@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -131,6 +132,22 @@ def run_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# Young-generation collections every this many net allocations (CPython's default: 700).
+# A forwarded request allocates thousands of short-lived objects, so at 700 the collector
+# ran several times a request: 15% of the router's CPU and most of its p99 under load.
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Once the app is up: what start-up built (modules, config, the app) is frozen out of
+    every future collection, and young collections run less often. Objects still die by
+    reference counting as soon as they are unused; only cycles wait for a collection."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
 async def serve(config: RouterConfig) -> None:
     from router.app import create_app
 
@@ -138,6 +155,7 @@ async def serve(config: RouterConfig) -> None:
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
+    tune_gc()
     log.info(
         "kvrouter on http://%s:%d routing to %d workers with policy %s",
         config.host,

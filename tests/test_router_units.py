@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from router.prefix import (
     chain_seed,
 )
 from router.proxy import MAX_HELD_EVENT_BYTES, WholeEvents
+from router.serve_cli import GC_YOUNG_THRESHOLD, tune_gc
 from router.workers import Lease, Worker
 
 BLOCK = 16  # small blocks, so short texts span many of them
@@ -523,3 +525,14 @@ def test_a_relayed_stream_is_cut_only_at_event_boundaries() -> None:
     endless = b"data: " + b"x" * MAX_HELD_EVENT_BYTES
     assert events.cut(endless[:100]) == b"" and events.cut(endless[100:]) == endless
     assert events.rest() == b""  # an event that never ends is passed on, not held
+
+
+def test_the_served_router_collects_young_garbage_less_often() -> None:
+    saved = gc.get_threshold()
+    try:
+        tune_gc()
+        assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD > saved[0]
+        assert gc.get_freeze_count() > 0  # start-up's objects are out of every collection
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*saved)
