@@ -10,6 +10,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     from bench import (
         dashboards,
         engine_cpu,
+        fuzz,
         kill,
         matrix,
         peers,
@@ -17,6 +18,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         replicas,
         rescore,
         sweep,
+        throughput,
     )
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
@@ -33,4 +35,6 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     rescore.register(sub)
     sweep.register(sub)
     kill.register(sub)
+    throughput.register(sub)
     dashboards.register(sub)
+    fuzz.register(sub)

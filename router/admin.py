@@ -26,14 +26,16 @@ from __future__ import annotations
 import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import web
 
 from policies.base import PolicyConfigError
 from policies.registry import policy_class
-from router.config import WorkerConfig
-from router.errors import BadRequest, ConfigError, RouterError
+from router.config import WorkerConfig, build
+from router.errors import BadRequest, RouterError
+from router.parse import header_bytes
 from router.provision import new_worker
 from router.state import STATE_KEY, RouterState
 from router.workers import Worker
@@ -60,8 +62,8 @@ Handler = Callable[[web.Request], Awaitable[web.Response]]
 def _authorized(handler: Handler) -> Handler:
     async def check(request: web.Request) -> web.Response:
         token = request.app[STATE_KEY].config.admin_token
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        given = header_bytes(request.headers.get("Authorization", ""))
+        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
             raise Unauthorized("missing or wrong admin bearer token")
         return await handler(request)
 
@@ -119,14 +121,27 @@ async def list_workers(request: web.Request) -> web.Response:
     )
 
 
+WORKER_FIELDS = ("url", "name", "kv_tokens")
+
+
+def _worker_config(body: dict[str, Any]) -> WorkerConfig:
+    """The body's worker, typed and checked as a config file's worker is (a name that is
+    not a string would break every /metrics scrape after it)."""
+    try:
+        config: WorkerConfig = build(
+            WorkerConfig, {k: body[k] for k in WORKER_FIELDS if k in body}, "worker"
+        )
+        # WorkerConfig lets a port past 65535 through (urlsplit checks it only here).
+        urlsplit(config.url).port  # noqa: B018
+    except ValueError as exc:  # ConfigError, or urlsplit's own (an unclosed IPv6 bracket)
+        raise BadRequest(f"bad worker: {exc}") from None
+    return config
+
+
 @_authorized
 async def add_worker(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    body = await _body(request)
-    try:
-        config = WorkerConfig(**{k: body[k] for k in ("url", "name", "kv_tokens") if k in body})
-    except (ConfigError, TypeError) as exc:
-        raise BadRequest(f"bad worker: {exc}") from None
+    config = _worker_config(await _body(request))
     if config.name in state.router.fleet.workers:
         raise Conflict(f"a worker named {config.name!r} exists")
     worker, known = new_worker(state.config, config)
@@ -205,12 +220,18 @@ async def put_policy(request: web.Request) -> web.Response:
     return _json(active.describe())
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/workers", list_workers)
-    app.router.add_post("/admin/workers", add_worker)
-    app.router.add_delete("/admin/workers/{name}", remove_worker)
-    app.router.add_post("/admin/workers/{name}/drain", drain)
-    app.router.add_delete("/admin/workers/{name}/drain", drain)
-    app.router.add_post("/admin/workers/{name}/migrate", migrate)
-    app.router.add_get("/admin/policy", get_policy)
-    app.router.add_put("/admin/policy", put_policy)
+def add_routes(
+    app: web.Application, add: Callable[[web.Application, str, str, Handler], None]
+) -> None:
+    """The admin routes, each added with ``add(app, method, path, handler)``."""
+    for method, path, handler in (
+        ("GET", "/admin/workers", list_workers),
+        ("POST", "/admin/workers", add_worker),
+        ("DELETE", "/admin/workers/{name}", remove_worker),
+        ("POST", "/admin/workers/{name}/drain", drain),
+        ("DELETE", "/admin/workers/{name}/drain", drain),
+        ("POST", "/admin/workers/{name}/migrate", migrate),
+        ("GET", "/admin/policy", get_policy),
+        ("PUT", "/admin/policy", put_policy),
+    ):
+        add(app, method, path, handler)

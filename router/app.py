@@ -14,17 +14,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
 from router import __version__, discovery
 from router.admin import add_routes
 from router.admission import Admission, TooManyRequests, retry_after_header
 from router.config import RouterConfig
-from router.errors import PayloadTooLarge, RouterError
+from router.errors import (
+    BadRequest,
+    ExpectationFailed,
+    PayloadTooLarge,
+    RequestTimeout,
+    RouterError,
+)
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
+from router.parse import header_bytes
 from router.policy_slot import PolicySlot
 from router.provision import new_worker
 from router.proxy import handle_chat, handle_completions
@@ -60,6 +67,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = _json(exc.body(), exc.status)
         if isinstance(exc, TooManyRequests):
             response.headers["Retry-After"] = retry_after_header(exc.retry_after_s)
+        if isinstance(exc, RequestTimeout):
+            response.force_close()  # the rest of the body may still be on its way
         return response
     except web.HTTPRequestEntityTooLarge:
         return _json(PayloadTooLarge("request body too large").body(), 413)
@@ -72,7 +81,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body = error.body()
         body["error"]["code"] = exc.status
         body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
-        return _json(body, exc.status)
+        response = _json(body, exc.status)
+        if "Allow" in exc.headers:  # a 405 says which methods the path has
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except ConnectionResetError:
         raise  # the client went away: nobody to answer
     except Exception:
@@ -251,7 +263,7 @@ class Unauthenticated(RouterError):
 
 
 def _bearer_matches(request: web.Request, token: str) -> bool:
-    given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+    given = header_bytes(request.headers.get("Authorization", ""))
     return hmac.compare_digest(given, f"Bearer {token}".encode())
 
 
@@ -262,7 +274,7 @@ def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
+            given = header_bytes(request.headers.get("Authorization", ""))
             if not any(hmac.compare_digest(given, a) for a in accepted):
                 raise Unauthenticated("missing or invalid API key")
         return await handler(request)
@@ -270,20 +282,97 @@ def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
     return check
 
 
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def body_middleware(max_bytes: int, timeout_s: float) -> Middleware:
+    """Reads the body of a POST, PUT or PATCH before its handler runs (whose own
+    ``read()`` then returns it at once): within ``timeout_s`` of the headers, where aiohttp
+    would wait for a trickled body forever; and what aiohttp raises on a body it cannot
+    read becomes a 400. Other methods' bodies are left to aiohttp, which discards them."""
+
+    @web.middleware
+    async def read(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method in BODY_METHODS and request.body_exists:
+            await _read_body(request, max_bytes, timeout_s)
+        return await handler(request)
+
+    return read
+
+
+async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> None:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes") from None
+    except web.RequestPayloadError:
+        # aiohttp decodes the body as it arrives; these bytes were not in the encoding.
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
+        raise BadRequest(
+            f"the request body could not be decoded as its Content-Encoding {encoding!r} says"
+        ) from None
+
+
+async def expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """aiohttp's handling of ``Expect``, with the refusal as OpenAI-shaped JSON: it runs
+    before any middleware, so the error middleware never sees it."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if expect.lower() != "100-continue":
+        error = ExpectationFailed(f"unknown Expect {expect!r}: only 100-continue is understood")
+        return _json(error.body(), error.status)
+    if request.version == aiohttp.HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the 100 is not the response: an error may follow
+    return None
+
+
+async def unrouted(request: web.Request) -> web.StreamResponse:
+    """What no route serves: aiohttp's 404 or 405, from a route of ours so that an
+    ``Expect`` header on it meets ``expect_handler`` too."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is not request.match_info.route.resource:
+            allowed |= (await resource.resolve(request))[1]
+    if allowed:
+        raise web.HTTPMethodNotAllowed(request.method, allowed)
+    raise web.HTTPNotFound()
+
+
+def add_route(app: web.Application, method: str, path: str, handler: Handler) -> None:
+    if method == "GET":  # and HEAD, as aiohttp's add_get does
+        app.router.add_get(path, handler, expect_handler=expect_handler)
+    else:
+        app.router.add_route(method, path, handler, expect_handler=expect_handler)
+
+
 def create_app(config: RouterConfig) -> web.Application:
     middlewares: list[Middleware] = [error_middleware]
     if config.api_keys:
         middlewares.append(api_key_middleware(config.api_keys))
-    # Bodies are limited by the handler (a clear 413), not by aiohttp's default 1 MiB.
-    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes + 1)
+    middlewares.append(body_middleware(config.max_body_bytes, config.clients.body_timeout_s))
+    # Bodies are limited here (a clear 413), not by aiohttp's default 1 MiB.
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=config.max_body_bytes + 1,
+        handler_args={"keepalive_timeout": config.clients.keepalive_timeout_s},
+    )
     app[CONFIG_KEY] = config
     app.cleanup_ctx.append(_state_ctx)
-    app.router.add_post("/v1/chat/completions", handle_chat)
-    app.router.add_post("/v1/completions", handle_completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
+    add_route(app, "POST", "/v1/chat/completions", handle_chat)
+    add_route(app, "POST", "/v1/completions", handle_completions)
+    for path, handler in (
+        ("/v1/models", models),
+        ("/health", health),
+        ("/ready", ready),
+        ("/metrics", metrics),
+    ):
+        add_route(app, "GET", path, handler)
     if config.admin_token:
-        add_routes(app)
+        add_routes(app, add_route)
+    add_route(app, "*", "/{path:.*}", unrouted)  # last: only what no other route takes
     return app

@@ -37,6 +37,8 @@ DEFAULT_MAX_CONTENT_PARTS = 10_000  # over all of a request's messages
 # Session keys are kept as 128-bit digests; the cap makes a mistaken key (a whole prompt
 # in ``user``) a clear 400 rather than a silently distinct session.
 DEFAULT_MAX_SESSION_KEY_BYTES = 1024
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_KV_TOKENS = 400_000  # ~ Llama-3.1-8B on one H100 at utilization 0.9
 
 
@@ -209,6 +211,26 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """How long the router waits on its own clients (aiohttp bounds neither by default
+    in a way that frees a connection soon: keep-alive 3630 s, a request body forever)."""
+
+    # A connection with no request in progress (idle between requests, or still sending
+    # its request line and headers) is closed this long after it opened or its last
+    # response ended. Longer than the 60 s idle timeout of common load balancers, so that
+    # it is they who close idle connections, never the router under them.
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    # A request's whole body must arrive within this long after its headers; else 408,
+    # and the connection is closed (32 MiB in 60 s is 4.5 Mbit/s).
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in ("keepalive_timeout_s", "body_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class RequestLimits:
     """What one client request may carry besides ``max_body_bytes``; above a limit the
     request gets a 400 ``invalid_request_error`` naming the parameter."""
@@ -269,6 +291,7 @@ class RouterConfig:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
+    clients: ClientConfig = field(default_factory=ClientConfig)
     session_header: str = "X-Session-Id"
     session_body_fields: tuple[str, ...] = ("session_id", "user")
     seed: int | None = None

@@ -2,7 +2,9 @@
 
     RouterError                      500 server_error
     ├── BadRequest                   400 invalid_request_error
-    │   └── PayloadTooLarge          413 invalid_request_error
+    │   ├── PayloadTooLarge          413 invalid_request_error
+    │   ├── RequestTimeout           408 invalid_request_error (the body came too slowly)
+    │   └── ExpectationFailed        417 invalid_request_error (an Expect other than 100-continue)
     ├── ModelNotFound                404 invalid_request_error (code model_not_found)
     ├── NoEligibleWorker             503 server_error
     ├── SharedStateUnavailable       503 server_error (a fleet-wide change could not be made)
@@ -46,6 +48,14 @@ class BadRequest(RouterError):
 
 class PayloadTooLarge(BadRequest):
     status = 413
+
+
+class RequestTimeout(BadRequest):
+    status = 408
+
+
+class ExpectationFailed(BadRequest):
+    status = 417
 
 
 class ModelNotFound(RouterError):

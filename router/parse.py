@@ -106,9 +106,20 @@ def _prompt(value: Any) -> str | Sequence[int]:
     )
 
 
+def header_bytes(value: str) -> bytes:
+    """A header value as the client sent it. aiohttp decodes header bytes as UTF-8 with
+    surrogate escapes, so bytes that are not UTF-8 (latin-1, binary) come back unchanged
+    here, where a plain ``encode()`` raises."""
+    try:
+        return value.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        # A surrogate no decoding of bytes makes (a caller other than aiohttp): some
+        # bytes all the same, the same ones for the same string.
+        return value.encode("utf-8", "surrogatepass")
+
+
 def _session_digest(key: str, param: str | None, max_bytes: int) -> str:
-    # Undecodable header bytes come from aiohttp as surrogate escapes: hash the bytes sent.
-    raw = key.encode("utf-8", "surrogateescape")
+    raw = header_bytes(key)  # a body field holds no surrogates: orjson refuses them
     if len(raw) > max_bytes:
         where = f"'{param}'" if param else "the session header"
         raise BadRequest(

@@ -1,0 +1,206 @@
+"""Regression tests for what the fuzz (tests/test_fuzz.py, ``kvrouter bench fuzz``) found,
+each written from the failing example: raw bytes over real HTTP to a served router."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from bench.fuzz_client import Answer, RawRequest, send
+from router.parse import parse_request
+from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
+from tests.router_client import engines
+
+API_KEY = "key-1"
+ADMIN_TOKEN = "admin-1"
+JSON = (b"Content-Type", b"application/json")
+CLIENT = (b"Authorization", b"Bearer " + API_KEY.encode())
+ADMIN = (b"Authorization", b"Bearer " + ADMIN_TOKEN.encode())
+CHAT = orjson.dumps(
+    {"model": TEST_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+)
+
+
+@contextlib.asynccontextmanager
+async def guarded_router(factory: EngineFactory) -> AsyncIterator[RunningRouter]:
+    """A router with client API keys and the admin API on."""
+    async with (
+        engines(factory, 1) as fleet,
+        serve_router(router_config(fleet, api_keys=(API_KEY,), admin_token=ADMIN_TOKEN)) as router,
+    ):
+        yield router
+
+
+async def raw(router: RunningRouter, request: RawRequest) -> Answer:
+    port = int(router.url.rsplit(":", 1)[1])
+    return await asyncio.to_thread(send, "127.0.0.1", port, request, 10.0)
+
+
+def error_of(answer: Answer) -> dict[str, object]:
+    assert answer.content_type.startswith("application/json"), answer
+    error: dict[str, object] = orjson.loads(answer.body)["error"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "value",
+    [b"Bearer \xff\xfe", b"Bearer key-1\xb8", b"\xc3(", b"Bearer " + "ké".encode("latin-1")],
+)
+async def test_an_api_key_that_is_not_utf8_is_refused_with_a_401(
+    engine_factory: EngineFactory, value: bytes
+) -> None:
+    # Found: the API-key check encoded the header as UTF-8, so aiohttp's surrogate escapes
+    # for bytes that are not UTF-8 raised UnicodeEncodeError: a 500.
+    async with guarded_router(engine_factory) as router:
+        for method, path in ((b"GET", b"/v1/models"), (b"POST", b"/v1/chat/completions")):
+            answer = await raw(
+                router, RawRequest(method, path, (JSON, (b"Authorization", value)), CHAT)
+            )
+            assert answer.status == 401, answer
+            assert error_of(answer)["code"] == "invalid_api_key"
+        ok = await raw(router, RawRequest(b"POST", b"/v1/chat/completions", (JSON, CLIENT), CHAT))
+        assert ok.status == 200, ok
+
+
+async def test_an_api_key_sent_in_latin1_matches_only_its_own_bytes(
+    engine_factory: EngineFactory,
+) -> None:
+    # The key is compared as the bytes sent: "é" in latin-1 is not "é" in UTF-8.
+    key = "clé"
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, api_keys=(key,))) as router,
+    ):
+        utf8 = await raw(
+            router, RawRequest(b"GET", b"/v1/models", ((b"Authorization", b"Bearer cl\xc3\xa9"),))
+        )
+        latin1 = await raw(
+            router, RawRequest(b"GET", b"/v1/models", ((b"Authorization", b"Bearer cl\xe9"),))
+        )
+    assert (utf8.status, latin1.status) == (200, 401)
+
+
+@pytest.mark.parametrize("value", [b"Bearer \xff", b"Bearer admin-1\xb8\x84", b"\x80"])
+async def test_an_admin_token_that_is_not_utf8_is_refused_with_a_401(
+    engine_factory: EngineFactory, value: bytes
+) -> None:
+    # Found: GET /admin/policy with "Authorization: Bearer fuzz-adminmt\xb8\x84" was a 500
+    # (the admin check encoded the header as UTF-8, as the API-key check did).
+    async with guarded_router(engine_factory) as router:
+        for method, path in ((b"GET", b"/admin/policy"), (b"POST", b"/admin/workers/x/drain")):
+            answer = await raw(router, RawRequest(method, path, ((b"Authorization", value),)))
+            assert answer.status == 401, answer
+            assert error_of(answer)["type"] == "authentication_error"
+        ok = await raw(router, RawRequest(b"GET", b"/admin/policy", (ADMIN,)))
+        assert ok.status == 200, ok
+
+
+@pytest.mark.parametrize("encoding", [b"gzip", b"deflate"])
+async def test_a_body_that_is_not_in_its_content_encoding_is_a_400(
+    engine_factory: EngineFactory, encoding: bytes
+) -> None:
+    # Found: "Content-Encoding: gzip" on a body that is not gzip made aiohttp's read()
+    # raise RequestPayloadError: a 500 on /v1 and /admin alike.
+    encoded = (b"Content-Encoding", encoding)
+    async with guarded_router(engine_factory) as router:
+        for path, auth in ((b"/v1/chat/completions", CLIENT), (b"/admin/workers", ADMIN)):
+            answer = await raw(router, RawRequest(b"POST", path, (JSON, auth, encoded), CHAT))
+            assert answer.status == 400, (path, answer)
+            error = error_of(answer)
+            assert error["type"] == "invalid_request_error"
+            assert "Content-Encoding" in str(error["message"]), error
+
+
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/health", b"/admin/policy"])
+async def test_an_unknown_expectation_is_refused_as_json(
+    engine_factory: EngineFactory, path: bytes
+) -> None:
+    # Found: "Expect: m\t" got aiohttp's plain-text 417 ("Unknown Expect"): its expect
+    # handler runs before the middlewares.
+    async with guarded_router(engine_factory) as router:
+        answer = await raw(
+            router, RawRequest(b"POST", path, (JSON, CLIENT, (b"Expect", b"m\t")), CHAT)
+        )
+        assert answer.status == 417, answer
+        assert error_of(answer)["type"] == "invalid_request_error"
+        continued = await raw(
+            router,
+            RawRequest(
+                b"POST", b"/v1/chat/completions", (JSON, CLIENT, (b"Expect", b"100-continue")), CHAT
+            ),
+        )
+        assert continued.status == 200, continued
+
+
+_BAD_WORKERS = [
+    {"url": "http://127.0.0.1:9", "name": {"a": 1}},  # found: a 500 (unhashable name)
+    {"url": "http://127.0.0.1:9", "name": [[-97997582], "#\x00k", []]},  # found: a 500
+    {"url": 5},  # was a 500 (urlsplit of an int)
+    {"url": ["http://127.0.0.1:9"]},
+    {"url": "http://[::1"},  # was a 500 (urlsplit's ValueError)
+    {"url": "http://127.0.0.1:99999"},  # was a 201: a worker no request can reach
+    {"url": "http://127.0.0.1:9", "kv_tokens": True},  # was a 201 with 1 token
+    {"url": "http://127.0.0.1:9", "kv_tokens": "many"},
+    {"name": "no-url"},
+]
+
+
+async def test_admin_refuses_a_worker_with_fields_of_the_wrong_type(
+    engine_factory: EngineFactory,
+) -> None:
+    async with guarded_router(engine_factory) as router:
+        for body in _BAD_WORKERS:
+            answer = await raw(
+                router, RawRequest(b"POST", b"/admin/workers", (JSON, ADMIN), orjson.dumps(body))
+            )
+            assert answer.status == 400, (body, answer)
+            assert error_of(answer)["type"] == "invalid_request_error"
+        listed = await raw(router, RawRequest(b"GET", b"/admin/workers", (ADMIN,)))
+        assert [w["name"] for w in orjson.loads(listed.body)["workers"]] == ["w0"]
+        # Found: a name of 5 was kept as the int 5, and every /metrics after it was a 500.
+        # As in a config file, it is the string "5".
+        numbered = {"url": "http://127.0.0.1:9", "name": 5, "kv_tokens": 1000}
+        added = await raw(
+            router, RawRequest(b"POST", b"/admin/workers", (JSON, ADMIN), orjson.dumps(numbered))
+        )
+        assert added.status == 201, added
+        assert orjson.loads(added.body)["name"] == "5"
+        assert (await raw(router, RawRequest(b"GET", b"/metrics", ()))).status == 200
+
+
+def test_a_session_header_with_any_surrogate_has_a_key() -> None:
+    # Found by the parser property: "\ud800" (which no decoding of header bytes makes; a
+    # caller other than aiohttp can pass it) raised UnicodeEncodeError, not a RouterError.
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": ""}]})
+    keys = {
+        parse_request("chat", body, header, ("user",), 16).session_key
+        for header in ("\ud800", "\udfff", "a\udcffb\ud800", "a\udcffb")
+    }
+    assert None not in keys and len(keys) == 4
+
+
+async def test_a_method_the_path_does_not_have_is_a_json_405_that_names_those_it_has(
+    engine_factory: EngineFactory,
+) -> None:
+    # The error middleware rewrote aiohttp's 405 as JSON and dropped its Allow header.
+    async with guarded_router(engine_factory) as router:
+        answer = await raw(router, RawRequest(b"POST", b"/health", ()))
+        port = int(router.url.rsplit(":", 1)[1])
+        head = await asyncio.to_thread(_head, port, b"DELETE /v1/chat/completions", CLIENT)
+    assert answer.status == 405 and error_of(answer)["code"] == 405
+    assert b"HTTP/1.1 405" in head and b"Allow: POST\r\n" in head
+
+
+def _head(port: int, request_line: bytes, header: tuple[bytes, bytes]) -> bytes:
+    """The head of the answer (``send`` keeps only its status, type and body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"%s HTTP/1.1\r\nHost: x\r\n%s: %s\r\nConnection: close\r\n\r\n"
+            % (request_line, *header)
+        )
+        return sock.makefile("rb").read().split(b"\r\n\r\n")[0] + b"\r\n"
