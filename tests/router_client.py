@@ -25,8 +25,11 @@ from tests.conftest import (
 
 BLOCK = 16  # the engines' KV block, in tokens
 WORKER = "X-Kvrouter-Worker"
-LOAD_GAUGES = ("kvrouter_worker_outstanding_requests", "kvrouter_worker_outstanding_tokens",
-               "kvrouter_worker_queued_prefill_tokens")
+LOAD_GAUGES = (
+    "kvrouter_worker_outstanding_requests",
+    "kvrouter_worker_outstanding_tokens",
+    "kvrouter_worker_queued_prefill_tokens",
+)
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -69,17 +72,28 @@ def parse_sse(raw: bytes) -> tuple[str, dict[str, Any] | None, list[dict[str, An
     return text, usage, errors
 
 
-def chat_body(messages: list[dict[str, Any]], max_tokens: int = 8, stream: bool = True,
-              **extra: Any) -> dict[str, Any]:
-    body = {"model": TEST_MODEL, "messages": messages, "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": stream, **extra}
+def chat_body(
+    messages: list[dict[str, Any]], max_tokens: int = 8, stream: bool = True, **extra: Any
+) -> dict[str, Any]:
+    body = {
+        "model": TEST_MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+        **extra,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: Mapping[str, Any],
-               path: str = "/v1/chat/completions") -> Streamed:
+async def post(
+    http: aiohttp.ClientSession,
+    url: str,
+    body: Mapping[str, Any],
+    path: str = "/v1/chat/completions",
+) -> Streamed:
     """A whole request; a streamed body is parsed as SSE, a JSON one as a response."""
     async with http.post(url + path, json=body) as response:
         raw = await response.read()
@@ -94,30 +108,40 @@ async def post(http: aiohttp.ClientSession, url: str, body: Mapping[str, Any],
     return result
 
 
-async def router_samples(http: aiohttp.ClientSession, router: RunningRouter
-                         ) -> list[tuple[str, dict[str, str], float]]:
+async def router_samples(
+    http: aiohttp.ClientSession, router: RunningRouter
+) -> list[tuple[str, dict[str, str], float]]:
     async with http.get(router.url + "/metrics") as response:
         assert response.status == 200
         text = await response.text()
-    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text)
-            for s in f.samples]
+    return [
+        (s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples
+    ]
 
 
-async def metric(http: aiohttp.ClientSession, router: RunningRouter, name: str,
-                 **labels: str) -> float:
+async def metric(
+    http: aiohttp.ClientSession, router: RunningRouter, name: str, **labels: str
+) -> float:
     """The sum of the samples called ``name`` whose labels include ``labels``."""
-    return sum(v for n, lab, v in await router_samples(http, router)
-               if n == name and labels.items() <= lab.items())
+    return sum(
+        v
+        for n, lab, v in await router_samples(http, router)
+        if n == name and labels.items() <= lab.items()
+    )
 
 
 async def load(http: aiohttp.ClientSession, router: RunningRouter) -> dict[str, float]:
     """Every worker's load gauges, as ``{"<gauge>{<worker>}": value}``."""
-    return {f"{n}{{{lab['worker']}}}": v for n, lab, v in await router_samples(http, router)
-            if n in LOAD_GAUGES}
+    return {
+        f"{n}{{{lab['worker']}}}": v
+        for n, lab, v in await router_samples(http, router)
+        if n in LOAD_GAUGES
+    }
 
 
-async def assert_idle(http: aiohttp.ClientSession, router: RunningRouter,
-                      wait_s: float = 0.0) -> None:
+async def assert_idle(
+    http: aiohttp.ClientSession, router: RunningRouter, wait_s: float = 0.0
+) -> None:
     """Every worker's outstanding requests, tokens and queued prefill are back to 0."""
     deadline = time.monotonic() + wait_s
     while True:
@@ -142,16 +166,20 @@ async def set_faults(http: aiohttp.ClientSession, engine: RunningEngine, **fault
 
 
 @contextlib.asynccontextmanager
-async def engines(factory: EngineFactory, count: int, **overrides: Any
-                  ) -> AsyncIterator[list[RunningEngine]]:
+async def engines(
+    factory: EngineFactory, count: int, **overrides: Any
+) -> AsyncIterator[list[RunningEngine]]:
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(factory(engine_id=str(i), **overrides))
-               for i in range(count)]
+        yield [
+            await stack.enter_async_context(factory(engine_id=str(i), **overrides))
+            for i in range(count)
+        ]
 
 
 @contextlib.asynccontextmanager
-async def held_stream(http: aiohttp.ClientSession, url: str, body: Mapping[str, Any]
-                      ) -> AsyncIterator[tuple[aiohttp.ClientResponse, bytes]]:
+async def held_stream(
+    http: aiohttp.ClientSession, url: str, body: Mapping[str, Any]
+) -> AsyncIterator[tuple[aiohttp.ClientResponse, bytes]]:
     """A streaming request whose first chunk has arrived; closed (abandoned) on exit."""
     response = await http.post(url + "/v1/chat/completions", json=body)
     try:
@@ -162,17 +190,29 @@ async def held_stream(http: aiohttp.ClientSession, url: str, body: Mapping[str, 
 
 
 def conversation(key: str, system_tokens: int, user_tokens: int) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": text_for(f"{key}-sys", system_tokens)},
-            {"role": "user", "content": text_for(f"{key}-u0", user_tokens)}]
+    return [
+        {"role": "system", "content": text_for(f"{key}-sys", system_tokens)},
+        {"role": "user", "content": text_for(f"{key}-u0", user_tokens)},
+    ]
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def whole_reply() -> web.Response:
+    """A minimal non-streamed chat completion, with usage, as an engine answers it."""
+    message = {"role": "assistant", "content": "ok"}
+    usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
+    choices = [{"index": 0, "message": message}]
+    body = {"id": "c", "object": "chat.completion", "usage": usage, "choices": choices}
+    return web.json_response(body)
+
+
 @contextlib.asynccontextmanager
-async def fake_engine(chat: Handler) -> AsyncIterator[str]:
-    """A stand-in engine whose chat endpoint is ``chat``; health, models and an idle
-    /metrics answer (a worker without fresh metrics counts as saturated)."""
+async def fake_engine(chat: Handler, models: Handler | None = None) -> AsyncIterator[str]:
+    """A stand-in engine whose chat endpoint is ``chat`` (and /v1/models ``models``, if
+    given); health, models and an idle /metrics answer (a worker without fresh metrics
+    counts as saturated)."""
 
     async def ok(request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": TEST_MODEL}]})
@@ -183,7 +223,7 @@ async def fake_engine(chat: Handler) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/health", ok)
-    app.router.add_get("/v1/models", ok)
+    app.router.add_get("/v1/models", models or ok)
     app.router.add_post("/v1/chat/completions", chat)
     async with serve_on_loopback(app) as url:
         yield url

@@ -16,7 +16,6 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.loopback import serve_on_loopback
 from policies.base import Decision, RouteRequest, WorkerView
 from policies.round_robin import RoundRobinPolicy
 from router.config import HealthConfig, UpstreamConfig, WorkerConfig
@@ -43,6 +42,7 @@ from tests.router_client import (
     router_samples,
     set_faults,
     wait_for,
+    whole_reply,
 )
 
 # -- load accounting on every exit ---------------------------------------------------------
@@ -537,35 +537,16 @@ async def test_a_worker_that_dies_mid_event_leaves_a_parseable_stream() -> None:
         assert "w0" not in errors[0]["message"]
 
 
-@contextlib.asynccontextmanager
-async def _engine_without_model_list() -> AsyncIterator[str]:
+def _engine_without_model_list() -> contextlib.AbstractAsyncContextManager[str]:
     """A worker whose /v1/models refuses the router (as vLLM with --api-key does)."""
 
     async def chat(request: web.Request) -> web.Response:
-        message = {"role": "assistant", "content": "ok"}
-        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
-        return web.json_response(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "usage": usage,
-                "choices": [{"index": 0, "message": message}],
-            }
-        )
+        return whole_reply()
 
     async def refused(request: web.Request) -> web.Response:
         return web.json_response({"error": "Unauthorized"}, status=401)
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
-
-    app = web.Application()
-    app.router.add_get("/health", ok)
-    app.router.add_get("/metrics", ok)
-    app.router.add_get("/v1/models", refused)
-    app.router.add_post("/v1/chat/completions", chat)
-    async with serve_on_loopback(app) as url:
-        yield url
+    return fake_engine(chat, models=refused)
 
 
 async def test_client_chosen_models_never_become_metric_labels(
@@ -614,16 +595,7 @@ async def test_only_request_headers_meant_for_the_engine_reach_it() -> None:
     async def chat(request: web.Request) -> web.Response:
         seen.append(dict(request.headers))
         await request.json()  # the body the engine gets is the JSON itself
-        message = {"role": "assistant", "content": "ok"}
-        usage = {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6}
-        return web.json_response(
-            {
-                "id": "c",
-                "object": "chat.completion",
-                "usage": usage,
-                "choices": [{"index": 0, "message": message}],
-            }
-        )
+        return whole_reply()
 
     body = orjson.dumps(chat_body(conversation("h", 10, 5), stream=False))
     sent = {
