@@ -130,11 +130,12 @@ def kvrouter_spec(config: DemoConfig, policy: str, worker_urls: Sequence[str]) -
     )
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
+async def stop_process(process: asyncio.subprocess.Process, timeout_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``; reaped either way."""
     if process.returncode is None:
         process.terminate()
     try:
-        await asyncio.wait_for(process.wait(), 10)
+        await asyncio.wait_for(process.wait(), timeout_s)
     except TimeoutError:
         process.kill()
         await process.wait()
@@ -156,7 +157,7 @@ async def running_router(spec: RouterSpec, host: str) -> AsyncIterator[list[str]
         yield urls
     finally:
         for process in processes:
-            await _stop(process)
+            await stop_process(process)
 
 
 async def empty_caches(engines: Sequence[EngineProcess | InProcessEngine]) -> None:

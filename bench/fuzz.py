@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from bench.demo import stop_process
 from bench.fuzz_client import (
     RawRequest,
     describe,
@@ -187,13 +188,7 @@ async def router_process(
         await wait_healthy([f"http://127.0.0.1:{port}"], timeout_s=60)
         yield process
     finally:
-        if process.returncode is None:
-            process.terminate()
-        try:
-            await asyncio.wait_for(process.wait(), 10)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
+        await stop_process(process)
 
 
 async def run_fuzz(args: argparse.Namespace, log_path: Path) -> tuple[Tally, int, float]:

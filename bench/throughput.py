@@ -43,7 +43,7 @@ import aiohttp
 from rich.console import Console
 
 from bench import loadgen, netns, proc_cpu
-from bench.demo import DemoConfig, kvrouter_command
+from bench.demo import DemoConfig, kvrouter_command, stop_process
 from bench.loadgen import Generator, RequestShape
 from bench.peers import smg_command, vllm_router_command
 from bench.prompt_cost import prompt_cost
@@ -139,16 +139,6 @@ def targets(config: ThroughputConfig) -> list[Target]:
     return found
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.terminate()
-    try:
-        await asyncio.wait_for(process.wait(), STOP_TIMEOUT_S)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-
-
 async def wait_routing(url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
     """Until a completion through ``url`` answers 200 three times in a row: a router's
     /health can pass before it has taken its workers in."""
@@ -178,7 +168,7 @@ async def started(command: Sequence[str], log_path: Path) -> AsyncIterator[int]:
         try:
             yield process.pid
         finally:
-            await _stop(process)
+            await stop_process(process, STOP_TIMEOUT_S)
 
 
 @contextlib.asynccontextmanager
