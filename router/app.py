@@ -176,7 +176,10 @@ def _session(config: RouterConfig) -> aiohttp.ClientSession:
     # auto_decompress off: bodies pass through byte for byte, encoding and all.
     # Bodies pass through as the engine sent them; it is asked for none compressed (no
     # Accept-Encoding of aiohttp's own: the client asked for nothing of the kind).
+    # No cookie jar: this one client speaks for every client of the router, so a cookie
+    # an engine (or a proxy before it) set for one must not ride on another's requests.
     return aiohttp.ClientSession(
+        cookie_jar=aiohttp.DummyCookieJar(),
         connector=connector,
         timeout=timeout,
         auto_decompress=False,

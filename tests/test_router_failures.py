@@ -745,3 +745,23 @@ async def test_the_worker_header_and_open_metrics_are_choices(
             assert (
                 await post(http, router.url, chat_body(conversation("q", 20, 5)))
             ).worker == "w0"
+
+
+async def test_a_cookie_one_engine_sets_never_reaches_another_request() -> None:
+    """The upstream client is shared by every client of the router: it keeps no cookies."""
+    seen: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        response = whole_reply()
+        response.set_cookie("engine-session", "for-one-client-only")
+        return response
+
+    async with fake_engine(chat) as url:
+        local = url.replace("127.0.0.1", "localhost")  # a host name: cookies are kept for it
+        config = router_config([], workers=(WorkerConfig(local, name="w0"),))
+        async with serve_router(config) as router, aiohttp.ClientSession() as http:
+            for user in ("first", "second"):
+                body = chat_body(conversation(user, 10, 5), stream=False)
+                assert (await post(http, router.url, body)).status == 200
+    assert seen == [None, None]
