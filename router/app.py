@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
 from router import __version__, discovery
@@ -50,6 +51,26 @@ CONFIG_KEY = web.AppKey("kvrouter_config", RouterConfig)
 FINAL_FLUSH_TIMEOUT_S = 2.0
 SYNC_STOP_TIMEOUT_S = 5.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _MalformedHttpFilter(logging.Filter):
+    """aiohttp logs every request its HTTP parser refuses (a bad request line, header or
+    chunk) at ERROR with a traceback, though it has answered 400 and nothing failed here:
+    one client sending garbage would fill the log. Those records are kept only when
+    ``aiohttp.server`` logs at DEBUG, and then without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info is None or not isinstance(record.exc_info[1], HttpProcessingError):
+            return True
+        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
+            return False
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.msg}: {record.exc_info[1]!r}"
+        record.exc_info = None
+        return True
+
+
+MALFORMED_HTTP_FILTER = _MalformedHttpFilter()
 
 
 def _json(body: object, status: int = 200) -> web.Response:
@@ -354,6 +375,7 @@ def add_route(app: web.Application, method: str, path: str, handler: Handler) ->
 
 
 def create_app(config: RouterConfig) -> web.Application:
+    logging.getLogger("aiohttp.server").addFilter(MALFORMED_HTTP_FILTER)  # once: same object
     middlewares: list[Middleware] = [error_middleware]
     if config.api_keys:
         middlewares.append(api_key_middleware(config.api_keys))

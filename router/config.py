@@ -49,9 +49,16 @@ class WorkerConfig:
     kv_tokens: int | None = None  # default: capacity.kv_tokens or computed
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
+        try:
+            parts = urlsplit(self.url)
+        except ValueError:  # e.g. an unclosed IPv6 bracket
+            raise ConfigError(f"url: {self.url!r} is not an http(s) URL") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConfigError(f"url: {self.url!r} is not an http(s) URL")
+        try:
+            parts.port  # noqa: B018  (urlsplit checks the port only when asked)
+        except ValueError:
+            raise ConfigError(f"url: {self.url!r} has no valid port") from None
         if not self.name:
             object.__setattr__(self, "name", parts.netloc)
         if self.kv_tokens is not None and self.kv_tokens < 1:

@@ -382,6 +382,8 @@ def test_load_config_reads_the_process_environment(monkeypatch: pytest.MonkeyPat
         ("prefix: {record_replies: maybe}\n", "prefix.record_replies: expected true or false"),
         ("upstream: 3\n", "upstream: expected a mapping"),
         ("workers: [ftp://x]\n", "workers[0].url: 'ftp://x' is not an http(s) URL"),
+        ('workers: ["http://[::1"]\n', "workers[0].url: 'http://[::1' is not an http(s) URL"),
+        ("workers: [http://a:99999]\n", "workers[0].url: 'http://a:99999' has no valid port"),
         ("workers: [http://a:1, http://a:1]\n", "workers: two workers are named 'a:1'"),
         (
             "policy: cache_aware\npolicy_knobs: {cache_treshold: 1}\n",
