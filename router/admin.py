@@ -146,10 +146,9 @@ async def add_worker(request: web.Request) -> web.Response:
         raise Conflict(f"a worker named {config.name!r} exists")
     worker, known = new_worker(state.config, config)
     state.router.add_worker(worker)
-    if state.prober is not None:
-        if not known:
-            state.prober.discover_capacity(worker.name)
-        await state.prober.probe_all()
+    if not known:
+        state.prober.discover_capacity(worker.name)
+    await state.prober.probe_all()
     return _json(_describe(state, worker), status=201)
 
 

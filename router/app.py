@@ -117,10 +117,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _json(RouterError("internal error").body(), 500)
 
 
-def build_state(
-    config: RouterConfig, session: aiohttp.ClientSession
-) -> tuple[RouterState, set[str]]:
-    """The router state, and the workers whose capacity must be read from the engine."""
+def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> RouterState:
+    """The router state, complete: its prober knows the workers whose capacity must be
+    read from the engine (nothing is set on the state later)."""
     block_tokens = config.prefix.block_tokens
     fleet, local = Fleet(), LocalPrefixIndex()
     index: PrefixIndex = SharedPrefixIndex(local) if config.state.url else local
@@ -145,7 +144,17 @@ def build_state(
     admission = Admission(
         limits.max_outstanding_per_worker, limits.queue_size, limits.queue_timeout_s
     )
-    return RouterState(config, router, metrics, session, admission), discover
+    prober = HealthProber(
+        fleet,
+        index,
+        session,
+        config.health,
+        block_tokens,
+        discover,
+        router.worker_restarted,
+        config.upstream.auth_headers,
+    )
+    return RouterState(config, router, metrics, session, admission, prober)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -245,19 +254,9 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
 async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
     async with _session(config) as session:
-        state, discover = build_state(config, session)
+        state = build_state(config, session)
         app[STATE_KEY] = state
-        prober = HealthProber(
-            state.router.fleet,
-            state.router.index,
-            session,
-            config.health,
-            config.prefix.block_tokens,
-            discover,
-            state.router.worker_restarted,
-            config.upstream.auth_headers,
-        )
-        state.prober = prober
+        prober = state.prober
         await prober.probe_all()
         tasks = [asyncio.create_task(prober.run(), name="kvrouter-health")]
         found = discovery.sources(config.discovery, session)

@@ -229,7 +229,7 @@ class Reconciler:
         fresh = [config for name, config in wanted.items() if name not in fleet.workers]
         for config in fresh:
             self._add(config)
-        if fresh and state.prober is not None:
+        if fresh:
             await state.prober.probe_all()
 
     def _moved(self, wanted: dict[str, WorkerConfig]) -> list[str]:
@@ -250,7 +250,7 @@ class Reconciler:
         worker, known = new_worker(state.config, config)
         state.router.add_worker(worker)
         self.managed.add(worker.name)
-        if state.prober is not None and not known:
+        if not known:
             state.prober.discover_capacity(worker.name)
         log.info("discovery: worker %s at %s added", worker.name, worker.url)
 

@@ -25,13 +25,14 @@ class RouterState:
     metrics: RouterMetrics
     session: aiohttp.ClientSession
     admission: Admission
-    prober: HealthProber | None = None
+    prober: HealthProber
 
     def mark_unreachable(self, worker: Worker) -> None:
         """Passive health: a refused connection takes the worker out until a probe passes."""
         if worker.healthy:
-            log.warning("worker %s unreachable; out of rotation until its next health probe",
-                        worker.name)
+            log.warning(
+                "worker %s unreachable; out of rotation until its next health probe", worker.name
+            )
         worker.healthy = False
 
 
