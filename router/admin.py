@@ -36,7 +36,6 @@ from policies.registry import policy_class
 from router.config import WorkerConfig, build
 from router.errors import BadRequest, RouterError
 from router.parse import header_bytes
-from router.provision import new_worker
 from router.state import STATE_KEY, RouterState
 from router.workers import Worker
 
@@ -144,10 +143,7 @@ async def add_worker(request: web.Request) -> web.Response:
     config = _worker_config(await _body(request))
     if config.name in state.router.fleet.workers:
         raise Conflict(f"a worker named {config.name!r} exists")
-    worker, known = new_worker(state.config, config)
-    state.router.add_worker(worker)
-    if not known:
-        state.prober.discover_capacity(worker.name)
+    worker = state.add_worker(config)
     await state.prober.probe_all()
     return _json(_describe(state, worker), status=201)
 

@@ -34,7 +34,6 @@ from router.index import LocalPrefixIndex, PrefixIndex
 from router.metrics import RouterMetrics
 from router.parse import header_bytes
 from router.policy_slot import PolicySlot
-from router.provision import new_worker
 from router.proxy import handle_chat, handle_completions
 from router.routing import Router
 from router.shared.connect import connect
@@ -134,12 +133,6 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> RouterS
         config.health.stale_after_s,
         config.log_requests,
     )
-    discover: set[str] = set()
-    for wc in config.workers:
-        worker, known = new_worker(config, wc)
-        router.add_worker(worker)
-        if not known:
-            discover.add(worker.name)
     limits = config.admission
     admission = Admission(
         limits.max_outstanding_per_worker, limits.queue_size, limits.queue_timeout_s
@@ -150,11 +143,14 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> RouterS
         session,
         config.health,
         block_tokens,
-        discover,
+        set(),
         router.worker_restarted,
         config.upstream.auth_headers,
     )
-    return RouterState(config, router, metrics, session, admission, prober)
+    state = RouterState(config, router, metrics, session, admission, prober)
+    for wc in config.workers:
+        state.add_worker(wc)
+    return state
 
 
 async def health(request: web.Request) -> web.Response:

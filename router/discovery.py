@@ -38,7 +38,6 @@ import yaml
 from router.config import DiscoveryConfig, WorkerConfig, build
 from router.errors import ConfigError
 from router.kubernetes import EndpointSliceSource
-from router.provision import new_worker
 from router.state import RouterState
 
 log = logging.getLogger(__name__)
@@ -246,12 +245,8 @@ class Reconciler:
         self.managed.discard(name)
 
     def _add(self, config: WorkerConfig) -> None:
-        state = self._state
-        worker, known = new_worker(state.config, config)
-        state.router.add_worker(worker)
+        worker = self._state.add_worker(config)
         self.managed.add(worker.name)
-        if not known:
-            state.prober.discover_capacity(worker.name)
         log.info("discovery: worker %s at %s added", worker.name, worker.url)
 
     async def run(self, interval_s: float) -> None:

@@ -9,9 +9,10 @@ import aiohttp
 from aiohttp import web
 
 from router.admission import Admission
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerConfig
 from router.health import HealthProber
 from router.metrics import RouterMetrics
+from router.provision import new_worker
 from router.routing import Router
 from router.workers import Worker
 
@@ -26,6 +27,16 @@ class RouterState:
     session: aiohttp.ClientSession
     admission: Admission
     prober: HealthProber
+
+    def add_worker(self, config: WorkerConfig) -> Worker:
+        """The one way a worker joins, from the config file, the admin API or discovery:
+        built with its capacity (or its capacity to be read from the engine's /metrics
+        by the prober), added to the fleet and the index."""
+        worker, known = new_worker(self.config, config)
+        self.router.add_worker(worker)
+        if not known:
+            self.prober.discover_capacity(worker.name)
+        return worker
 
     def mark_unreachable(self, worker: Worker) -> None:
         """Passive health: a refused connection takes the worker out until a probe passes."""
