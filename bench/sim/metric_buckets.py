@@ -120,30 +120,8 @@ SGLANG_ITL_BUCKETS: tuple[float, ...] = (
     6.000,
     8.000,
 )
-SGLANG_E2E_BUCKETS: tuple[float, ...] = (
-    0.1,
-    0.2,
-    0.4,
-    0.6,
-    0.8,
-    1,
-    2,
-    4,
-    6,
-    8,
-    10,
-    20,
-    40,
-    60,
-    80,
-    100,
-    200,
-    400,
-    600,
-    1200,
-    1800,
-    2400,
-)
+# SGLang's end-to-end bounds are its TTFT bounds carried on to 40 minutes.
+SGLANG_E2E_BUCKETS: tuple[float, ...] = (*SGLANG_TTFT_BUCKETS, 600, 1200, 1800, 2400)
 SGLANG_QUEUE_TIME_BUCKETS: tuple[float, ...] = (
     0.0,
     0.1,
