@@ -6,16 +6,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import orjson
 import pytest
 
 from bench.fuzz_client import Answer, RawRequest, send
+from policies.base import Decision, RouteRequest, WorkerView
+from policies.round_robin import RoundRobinPolicy
 from router.parse import parse_request
+from router.policy_slot import ActivePolicy
+from router.state import STATE_KEY
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
-from tests.router_client import engines
+from tests.router_client import assert_idle, chat_body, conversation, engines, metric, post
 
 API_KEY = "key-1"
 ADMIN_TOKEN = "admin-1"
@@ -223,3 +228,112 @@ async def test_requests_aiohttp_cannot_parse_do_not_fill_the_log(
             assert response.status == 200
     noisy = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= 30]
     assert noisy == []  # aiohttp answered 400 itself: nothing failed here
+
+
+# -- bad requests and bugs of ours ---------------------------------------------------------
+
+_GOOD = {"model": TEST_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+_BAD: Sequence[tuple[str, bytes, int, str]] = [
+    ("malformed json", b'{"model": "sim-model", "messages": [', 400, "invalid_request_error"),
+    ("not an object", b"[1, 2]", 400, "invalid_request_error"),
+    ("missing messages", orjson.dumps({"model": TEST_MODEL}), 400, "invalid_request_error"),
+    ("empty messages", orjson.dumps({**_GOOD, "messages": []}), 400, "invalid_request_error"),
+    ("messages a string", orjson.dumps({**_GOOD, "messages": "hi"}), 400, "invalid_request_error"),
+    (
+        "role a number",
+        orjson.dumps({**_GOOD, "messages": [{"role": 1, "content": "x"}]}),
+        400,
+        "invalid_request_error",
+    ),
+    (
+        "content a number",
+        orjson.dumps({**_GOOD, "messages": [{"role": "user", "content": 5}]}),
+        400,
+        "invalid_request_error",
+    ),
+    ("stream a string", orjson.dumps({**_GOOD, "stream": "yes"}), 400, "invalid_request_error"),
+    ("model a number", orjson.dumps({**_GOOD, "model": 5}), 400, "invalid_request_error"),
+    ("unknown model", orjson.dumps({**_GOOD, "model": "gpt-9"}), 404, "invalid_request_error"),
+    (
+        "too large",
+        orjson.dumps({**_GOOD, "messages": [{"role": "user", "content": "x" * 4000}]}),
+        413,
+        "invalid_request_error",
+    ),
+]
+
+
+async def test_bad_requests_get_openai_errors_and_the_router_still_serves(
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, max_body_bytes=2048)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        statuses: Counter[str] = Counter()
+        for name, raw, status, error_type in _BAD:
+            async with http.post(
+                router.url + "/v1/chat/completions",
+                data=raw,
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                assert response.status == status, name
+                error = (await response.json())["error"]
+            assert isinstance(error["message"], str) and error["message"], name
+            assert error["type"] == error_type, name
+            assert error["code"] == ("model_not_found" if status == 404 else status), name
+            statuses[str(status)] += 1
+
+        async def chunks() -> AsyncIterator[bytes]:  # no Content-Length: read, then refused
+            for _ in range(8):
+                yield b" " * 512
+
+        async with http.post(router.url + "/v1/chat/completions", data=chunks()) as response:
+            assert response.status == 413
+            assert (await response.json())["error"]["code"] == 413
+        statuses["413"] += 1
+        async with http.post(
+            router.url + "/v1/completions", json={"model": TEST_MODEL, "prompt": [True]}
+        ) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == "prompt"
+        statuses["400"] += 1
+        async with http.get(router.url + "/v1/chat/completions") as response:
+            assert response.status == 405
+            assert (await response.json())["error"]["code"] == 405
+        for code, count in statuses.items():
+            assert (
+                await metric(http, router, "kvrouter_rejected_requests_total", status=code) == count
+            ), code
+        result = await post(http, router.url, chat_body(conversation("fine", 20, 5)))
+        assert result.status == 200 and len(result.text) == 8 * 4
+        await assert_idle(http, router)
+
+
+class _BrokenPolicy(RoundRobinPolicy):
+    """A policy with a bug: what the router does with an error nobody expected."""
+
+    def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
+        raise KeyError("a bug")
+
+
+async def test_an_unexpected_error_is_a_json_500_and_the_router_goes_on(
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        slot = router.app[STATE_KEY].router.policies
+        working = slot.current
+        assert slot.install(ActivePolicy("round_robin", {}, working.version + 1, _BrokenPolicy()))
+        result = await post(http, router.url, chat_body(conversation("bug", 10, 5)))
+        assert result.status == 500 and result.headers["Content-Type"] == "application/json"
+        error = orjson.loads(result.raw)["error"]
+        assert error["type"] == "server_error" and "a bug" not in error["message"]
+        assert slot.install(ActivePolicy(working.name, {}, working.version + 2, working.policy))
+        assert (await post(http, router.url, chat_body(conversation("ok", 10, 5)))).status == 200
+        await assert_idle(http, router)
