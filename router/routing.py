@@ -110,13 +110,13 @@ class Dispatch:
         """The request ended on this worker: the recorder hears how."""
         if not self._end(outcome):
             return
-        if outcome == "client_disconnect":
-            self._record_prompt()  # the worker may have computed it before the abort
-        if outcome == "success":
-            self._record_prompt()
-            if reply_hashes:
-                self.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
-        self._withdraw_prompt()  # refused, or failed before computing it
+        if outcome == "success" and reply_hashes:
+            # The whole history, most recent at the end, as the engine frees it; this
+            # records the prompt too if its first byte did not already.
+            self.index.touch(self.worker.name, (*self.route.block_hashes, *reply_hashes))
+        elif outcome in ("success", "client_disconnect"):
+            self._record_prompt()  # on a disconnect the worker may have computed it
+        self._withdraw_prompt()  # what is still reserved: refused, or failed before
         self.recorder.finished(self, outcome, usage, reported_prompt_tokens)
 
     def _end(self, outcome: Outcome) -> bool:
