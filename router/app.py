@@ -41,6 +41,7 @@ from router.shared.index import SharedPrefixIndex
 from router.shared.metrics import RedisMetrics
 from router.shared.sync import RedisSync
 from router.state import STATE_KEY, RouterState
+from router.upstream import UpstreamPool
 from router.workers import Fleet
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return _json(RouterError("internal error").body(), 500)
 
 
-def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> RouterState:
+def build_state(
+    config: RouterConfig, session: aiohttp.ClientSession, upstream: UpstreamPool
+) -> RouterState:
     """The router state, complete: its prober knows the workers whose capacity must be
     read from the engine (nothing is set on the state later)."""
     block_tokens = config.prefix.block_tokens
@@ -147,7 +150,7 @@ def build_state(config: RouterConfig, session: aiohttp.ClientSession) -> RouterS
         router.worker_restarted,
         config.upstream.auth_headers,
     )
-    state = RouterState(config, router, metrics, session, admission, prober)
+    state = RouterState(config, router, metrics, session, upstream, admission, prober)
     for wc in config.workers:
         state.add_worker(wc)
     return state
@@ -187,28 +190,16 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def _session(config: RouterConfig) -> aiohttp.ClientSession:
+    """The client of the probes, scrapes and discovery (requests go through the
+    ``UpstreamPool``)."""
     up = config.upstream
-    connector = aiohttp.TCPConnector(
-        limit=up.max_connections, limit_per_host=up.max_connections_per_worker
-    )
-    # No ``connect`` timeout: aiohttp counts the wait for a free pooled connection in it,
-    # and that wait is this router's load, not the worker's failure (it opened healthy
-    # workers' circuits). A new connection has sock_connect; a stream, first_byte_timeout_s.
     timeout = aiohttp.ClientTimeout(
-        total=None,
-        sock_connect=up.connect_timeout_s,
-        sock_read=up.read_timeout_s,
+        total=None, sock_connect=up.connect_timeout_s, sock_read=up.read_timeout_s
     )
-    # auto_decompress off: bodies pass through byte for byte, encoding and all.
-    # Bodies pass through as the engine sent them; it is asked for none compressed (no
-    # Accept-Encoding of aiohttp's own: the client asked for nothing of the kind).
-    # No cookie jar: this one client speaks for every client of the router, so a cookie
-    # an engine (or a proxy before it) set for one must not ride on another's requests.
+    # No cookie jar: a cookie an engine (or a proxy before it) set must not ride along.
     return aiohttp.ClientSession(
         cookie_jar=aiohttp.DummyCookieJar(),
-        connector=connector,
         timeout=timeout,
-        auto_decompress=False,
         skip_auto_headers=("Accept-Encoding",),
     )
 
@@ -249,8 +240,16 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
 
 async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     config = app[CONFIG_KEY]
-    async with _session(config) as session:
-        state = build_state(config, session)
+    up = config.upstream
+    upstream = UpstreamPool(
+        up.connect_timeout_s,
+        up.read_timeout_s,
+        up.max_connections_per_worker,
+        up.max_connections,
+    )
+    async with _session(config) as session, contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(upstream.aclose)
+        state = build_state(config, session, upstream)
         app[STATE_KEY] = state
         prober = state.prober
         await prober.probe_all()

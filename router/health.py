@@ -251,8 +251,9 @@ class HealthProber:
             body = orjson.loads(raw)
             data = body.get("data") if isinstance(body, dict) else None
             if isinstance(data, list):
-                worker.models = frozenset(
-                    str(m["id"]) for m in data if isinstance(m, dict) and "id" in m
+                self._fleet.set_models(
+                    worker,
+                    frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m),
                 )
 
     async def _read_metrics(self, worker: Worker) -> None:

@@ -190,7 +190,7 @@ class Learner:
         predicted = min(dispatch.decision.predicted_cached_tokens, usage.prompt_tokens)
         worker = dispatch.worker
         self.calibrator.observe(worker, predicted, usage.cached_tokens, usage.prompt_tokens)
-        self._metrics.residency_share.labels(worker.name).set(self.calibrator.share(worker.name))
+        self._metrics.worker(worker.name).residency_share.set(self.calibrator.share(worker.name))
         self._report_turn(dispatch, usage, predicted)
 
     def _report_turn(self, dispatch: Dispatch, usage: EngineUsage, predicted: int) -> None:
@@ -206,12 +206,12 @@ class Learner:
             predicted,
         )
         metrics = self._metrics
-        metrics.turns.labels(report.outcome).inc()
+        metrics.bound(metrics.turns, report.outcome).inc()
         if report.cause is not None:
-            metrics.lost_turns.labels(report.cause).inc()
-            metrics.lost_tokens.labels(report.cause).inc(report.lost_tokens)
+            metrics.bound(metrics.lost_turns, report.cause).inc()
+            metrics.bound(metrics.lost_tokens, report.cause).inc(report.lost_tokens)
         if dispatch.ttft is not None:
-            metrics.turn_ttft.labels(report.outcome).observe(dispatch.ttft)
+            metrics.bound(metrics.turn_ttft, report.outcome).observe(dispatch.ttft)
         self.sessions.remember(
             key,
             SessionMemory(

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -25,17 +24,18 @@ from router.capture import ReplyCapture
 from router.clock import monotonic
 from router.config import UpstreamConfig
 from router.errors import (
-    ModelNotFound,
     NoEligibleWorker,
     PayloadTooLarge,
     RouterError,
     UpstreamError,
     UpstreamTimeout,
 )
+from router.lifecycle import RequestLifecycle
 from router.parse import Kind, parse_request
 from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER, ChainExtender
 from router.routing import Dispatch, EngineUsage
 from router.state import STATE_KEY, RouterState
+from router.upstream import ConnectFailed, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ WORKER_HEADER = "X-Kvrouter-Worker"
 REQUEST_ID_HEADER = "X-Request-Id"
 # Non-streaming responses are read whole before they are sent on; this bounds them.
 MAX_WHOLE_RESPONSE_BYTES = 64 * 1024 * 1024
-UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
+UPSTREAM_ERRORS = (TimeoutError, ConnectionError)
+CHAT_PATH, COMPLETION_PATH = b"/v1/chat/completions", b"/v1/completions"
 # What the client reads when its worker fails mid-stream (the details go to the log; a
 # worker's address is not the client's business).
 MID_STREAM_ERROR_EVENT = (
@@ -103,20 +104,24 @@ class _Retry(Exception):
 
 def _forward_headers(
     headers: Mapping[str, str], request_id: str, upstream: UpstreamConfig
-) -> CIMultiDict[str]:
+) -> list[tuple[str, str]]:
     """The client's headers an engine is meant to see: an allow-list, so its credentials
     (Authorization, Cookie) stay here and the body's Content-Encoding, which aiohttp
     undid on reading, is not claimed for the plain body sent on."""
-    out = CIMultiDict((k, v) for k, v in headers.items() if k.lower() in FORWARDED_HEADERS)
-    out[REQUEST_ID_HEADER] = request_id
-    out.update(upstream.auth_headers)
+    out = [(k, v) for k, v in headers.items() if k.lower() in FORWARDED_HEADERS]
+    out.append((REQUEST_ID_HEADER, request_id))
+    out.extend(upstream.auth_headers.items())
     return out
 
 
 def _response_headers(
-    http: web.Request, upstream: aiohttp.ClientResponse, worker: str, request_id: str
+    http: web.Request, upstream: UpstreamResponse, worker: str, request_id: str
 ) -> CIMultiDict[str]:
-    out = CIMultiDict((k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.headers:
+        key = name.decode("latin-1")
+        if key.lower() not in HOP_BY_HOP:
+            out.add(key, value.decode("latin-1"))
     if http.app[STATE_KEY].config.worker_header:
         out[WORKER_HEADER] = worker
     out[REQUEST_ID_HEADER] = request_id
@@ -153,30 +158,23 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
         config.prefix.block_bytes,
         config.limits,
     )
-    if not state.router.fleet.serves(request.model):
-        raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
-    request_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
-    route = state.router.route_request(request, request_id)
-    limit = state.admission.limit
-    await state.admission.wait_for_room(lambda: state.router.has_room(request.model, limit))
-    tried: list[str] = []
+    request_id = http.headers.get(REQUEST_ID_HEADER) or secrets.token_hex(16)
+    lifecycle = RequestLifecycle(state.router, state.admission, request, request_id, arrived)
+    await lifecycle.admit()
     failure: _Retry | None = None
     for _ in range(config.upstream.max_attempts):
         if failure is not None and monotonic() - arrived > config.upstream.retry_deadline_s:
             break  # too late to try again
         try:
-            dispatch = state.router.dispatch(request, route, tried, arrived)
+            dispatch = lifecycle.dispatch()
         except NoEligibleWorker:
             if failure is None:
                 raise
             break
-        if tried:  # this dispatch retries the attempt that failed before it
-            state.metrics.retries.labels(tried[-1]).inc()
         try:
-            return await _attempt(http, state, dispatch, request_id)
+            return await _attempt(http, state, lifecycle, dispatch)
         except _Retry as retry:
             failure = retry
-            tried.append(dispatch.worker.name)
             log.warning(
                 "request %s failed on %s before the first byte: %s",
                 request_id,
@@ -184,8 +182,7 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
                 retry.error.message,
             )
     assert failure is not None
-    model = state.router.fleet.model_label(request.model)
-    state.metrics.requests.labels(model, tried[-1], failure.outcome).inc()
+    lifecycle.gave_up(failure.outcome)
     if failure.fallback is not None:
         fb = failure.fallback
         return web.Response(status=fb.status, body=fb.body, content_type=fb.content_type)
@@ -194,20 +191,21 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
 
 async def _open(
     state: RouterState, dispatch: Dispatch, http: web.Request, request_id: str
-) -> aiohttp.ClientResponse:
-    path = "/v1/chat/completions" if dispatch.request.kind == "chat" else "/v1/completions"
+) -> UpstreamResponse:
+    path = CHAT_PATH if dispatch.request.kind == "chat" else COMPLETION_PATH
     try:
-        return await state.session.post(
-            dispatch.worker.url + path,
-            data=dispatch.request.body,
-            headers=_forward_headers(http.headers, request_id, state.config.upstream),
+        return await state.upstream.post(
+            dispatch.worker.origin,
+            path,
+            _forward_headers(http.headers, request_id, state.config.upstream),
+            dispatch.request.body,
         )
     except TimeoutError as exc:
         raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} timed out")) from exc
-    except (aiohttp.ClientError, ConnectionError) as exc:
+    except ConnectionError as exc:
         # Only a refused or failed new connection says the worker is down; a pooled
         # connection the engine closed while idle says nothing about its health.
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, ConnectFailed):
             state.mark_unreachable(dispatch.worker)
         raise _Retry(UpstreamError(f"worker {dispatch.worker.name} unreachable: {exc}")) from exc
 
@@ -215,10 +213,10 @@ async def _open(
 async def _attempt(
     http: web.Request,
     state: RouterState,
+    lifecycle: RequestLifecycle,
     dispatch: Dispatch,
-    request_id: str,
 ) -> web.StreamResponse:
-    request = dispatch.request
+    request, request_id = dispatch.request, dispatch.route.request_id
     header = CHAT_REPLY_HEADER if request.kind == "chat" else COMPLETION_REPLY_HEADER
     extender = (
         ChainExtender(request.key, state.config.prefix.block_bytes, header)
@@ -262,7 +260,7 @@ async def _attempt(
                 sent = True
                 return response
             finally:
-                upstream.close()
+                upstream.release()
     except _Retry as retry:
         outcome = retry.outcome
         raise
@@ -283,24 +281,23 @@ async def _attempt(
     finally:
         if prefilled is not None:
             prefilled.cancel()
-        _record(state, dispatch, capture, outcome, sent)
+        if sent:
+            _finished(lifecycle, dispatch, capture, outcome)
+        else:
+            lifecycle.failed(dispatch, outcome)
 
 
-def _record(
-    state: RouterState, dispatch: Dispatch, capture: ReplyCapture, outcome: Outcome, sent: bool
+def _finished(
+    lifecycle: RequestLifecycle, dispatch: Dispatch, capture: ReplyCapture, outcome: Outcome
 ) -> None:
-    if not sent:
-        dispatch.fail(outcome)
-    else:
-        prompt, cached = capture.prompt_tokens, capture.cached_tokens
-        usage = (
-            EngineUsage(prompt, cached, capture.completion_tokens)
-            if prompt is not None and cached is not None
-            else None
-        )
-        reply = capture.reply_hashes() if outcome == "success" else []
-        dispatch.finish(outcome, reply, usage, prompt)
-    state.admission.notify()  # after the lease is released: there is room now
+    prompt, cached = capture.prompt_tokens, capture.cached_tokens
+    usage = (
+        EngineUsage(prompt, cached, capture.completion_tokens)
+        if prompt is not None and cached is not None
+        else None
+    )
+    reply = capture.reply_hashes() if outcome == "success" else []
+    lifecycle.finished(dispatch, outcome, reply, usage, prompt)
 
 
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
@@ -309,11 +306,10 @@ def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
     return _Retry(error(f"worker {dispatch.worker.name} {what}: {exc!r}"))
 
 
-async def _read_whole(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> bytes:
-    """The whole body (``content.read(n)`` would return only what is buffered so far)."""
+async def _read_whole(dispatch: Dispatch, upstream: UpstreamResponse) -> bytes:
     body = bytearray()
     try:
-        async for chunk in upstream.content.iter_any():
+        while chunk := await upstream.read_chunk():
             body += chunk
             if len(body) > MAX_WHOLE_RESPONSE_BYTES:
                 raise UpstreamError(
@@ -325,9 +321,9 @@ async def _read_whole(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> b
     return bytes(body)
 
 
-async def _first_chunk(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> bytes:
+async def _first_chunk(dispatch: Dispatch, upstream: UpstreamResponse) -> bytes:
     try:
-        chunk = await upstream.content.readany()
+        chunk = await upstream.read_chunk()
     except UPSTREAM_ERRORS as exc:
         raise _failed(dispatch, "failed before its first byte", exc) from exc
     if not chunk:
@@ -340,7 +336,7 @@ async def _first_chunk(dispatch: Dispatch, upstream: aiohttp.ClientResponse) -> 
 async def _relay_stream(
     http: web.Request,
     dispatch: Dispatch,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     capture: ReplyCapture,
     request_id: str,
     first_byte: asyncio.Timeout,
@@ -360,7 +356,7 @@ async def _relay_stream(
     outcome: Outcome = "success"
     while True:
         try:
-            chunk = await upstream.content.readany()
+            chunk = await upstream.read_chunk()
         except UPSTREAM_ERRORS as exc:
             outcome = "timeout" if isinstance(exc, TimeoutError) else "upstream_error"
             log.warning(
@@ -415,7 +411,7 @@ class WholeEvents:
 async def _relay_whole(
     http: web.Request,
     dispatch: Dispatch,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     capture: ReplyCapture,
     request_id: str,
 ) -> tuple[web.StreamResponse, Outcome]:

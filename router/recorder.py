@@ -32,7 +32,16 @@ class Recorder:
         self.log_requests = log_requests
 
     def first_byte(self, dispatch: Dispatch, ttft: float) -> None:
-        self._metrics.ttft.labels(dispatch.worker.name).observe(ttft)
+        self._metrics.worker(dispatch.worker.name).ttft.observe(ttft)
+
+    def retried(self, worker: str) -> None:
+        """A dispatch is retried elsewhere after failing on ``worker``."""
+        self._metrics.worker(worker).retries.inc()
+
+    def gave_up(self, model: str, worker: str, outcome: Outcome) -> None:
+        """No worker served the request: its last attempt, on ``worker``, ended it."""
+        label = self._fleet.model_label(model)
+        self._metrics.worker(worker).requests(label, outcome).inc()
 
     def finished(
         self,
@@ -46,19 +55,18 @@ class Recorder:
         count when it gave one."""
         if outcome == "success" and usage is not None:
             self.learner.learn(dispatch, usage)
-        worker, metrics = dispatch.worker.name, self._metrics
+        series = self._metrics.worker(dispatch.worker.name)
         latency = monotonic() - dispatch.arrived
-        model = self._fleet.model_label(dispatch.request.model)
-        metrics.requests.labels(model, worker, outcome).inc()
-        metrics.latency.labels(worker).observe(latency)
-        metrics.prompt_tokens.labels(worker).inc(
+        series.requests(self._fleet.model_label(dispatch.request.model), outcome).inc()
+        series.latency.observe(latency)
+        series.prompt_tokens.inc(
             dispatch.route.prompt_tokens
             if reported_prompt_tokens is None
             else reported_prompt_tokens
         )
         if usage is not None:
-            metrics.engine_cached_tokens.labels(worker).inc(usage.cached_tokens)
-            metrics.usage_prompt_tokens.labels(worker).inc(usage.prompt_tokens)
+            series.engine_cached_tokens.inc(usage.cached_tokens)
+            series.usage_prompt_tokens.inc(usage.prompt_tokens)
         if self.log_requests:
             request_log.write(
                 request_log.request_line(dispatch, outcome, usage, latency, dispatch.attempt)

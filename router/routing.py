@@ -166,17 +166,24 @@ class Router:
             prompt_tokens=max(1, -(-request.key.total_bytes // BYTES_PER_TOKEN_ESTIMATE)),
         )
 
+    def eligible(self, model: str, exclude: list[str]) -> list[Worker]:
+        """The workers that may take a request for ``model`` now, but those in ``exclude``."""
+        return self.fleet.eligible(model, exclude, self.stale_after_s)
+
     def dispatch(
         self,
         request: ClientRequest,
         route: RouteRequest,
         exclude: list[str],
         arrived: float | None = None,
+        candidates: list[Worker] | None = None,
     ) -> Dispatch:
-        """Choose a worker for ``request`` among those not in ``exclude`` (the ones tried
-        already) and take what the dispatch holds until it ends."""
+        """Choose a worker for ``request`` among ``candidates`` (default: the eligible
+        ones not in ``exclude``, the ones tried already) and take what the dispatch holds
+        until it ends."""
         started = time.perf_counter()
-        candidates = self.fleet.eligible(request.model, exclude, self.stale_after_s)
+        if candidates is None:
+            candidates = self.eligible(request.model, exclude)
         if not candidates:
             raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
         now = monotonic()
@@ -191,11 +198,13 @@ class Router:
         worker.demand.add(route.prompt_tokens, now)
         self.index.reserve(worker.name, route.block_hashes)
         active.policy.on_dispatch(route, worker.name)
-        self.metrics.decision_seconds.observe(time.perf_counter() - started)
-        self.metrics.decisions.labels(active.name, decision.reason).inc()
+        metrics = self.metrics
+        metrics.decision_seconds.observe(time.perf_counter() - started)
+        metrics.bound(metrics.decisions, active.name, decision.reason).inc()
         best = max(v.matched_tokens for v in views)
-        self.metrics.best_cached_tokens.labels(worker.name).inc(best)
-        self.metrics.predicted_cached_tokens.labels(worker.name).inc(matched)
+        series = metrics.worker(worker.name)
+        series.best_cached_tokens.inc(best)
+        series.predicted_cached_tokens.inc(matched)
         return Dispatch(
             self.index,
             self.recorder,
@@ -212,12 +221,13 @@ class Router:
             len(exclude) + 1,
         )
 
-    def has_room(self, model: str, limit: int) -> bool:
-        """Some eligible worker has fewer than ``limit`` requests outstanding."""
+    @staticmethod
+    def room_among(candidates: list[Worker], limit: int) -> bool:
+        """Some of ``candidates`` has fewer than ``limit`` requests outstanding."""
         return any(
             max(w.outstanding_requests + w.remote_requests, w.engine_running + w.engine_waiting)
             < limit
-            for w in self.fleet.eligible(model, (), self.stale_after_s)
+            for w in candidates
         )
 
     def add_worker(self, worker: Worker) -> None:

@@ -14,6 +14,7 @@ from router.health import HealthProber
 from router.metrics import RouterMetrics
 from router.provision import new_worker
 from router.routing import Router
+from router.upstream import UpstreamPool
 from router.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,8 @@ class RouterState:
     config: RouterConfig
     router: Router
     metrics: RouterMetrics
-    session: aiohttp.ClientSession
+    session: aiohttp.ClientSession  # probes, scrapes and discovery
+    upstream: UpstreamPool  # requests forwarded to the workers
     admission: Admission
     prober: HealthProber
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from router.breaker import CircuitBreaker
 from router.clock import monotonic
 from router.demand import RecentDemand
+from router.upstream import Origin
 
 
 @dataclass(slots=True)
@@ -39,6 +40,10 @@ class Worker:
     engine_kv_usage: float = 0.0
     metrics_at: float | None = None
     demand: RecentDemand = field(default_factory=RecentDemand)  # prompt tokens sent lately
+    origin: Origin = field(init=False)  # the URL, parsed once for the upstream client
+
+    def __post_init__(self) -> None:
+        self.origin = Origin.of(self.url)
 
     def saturated(self, now: float, stale_after_s: float) -> bool:
         """Metrics missing or stale: assume the worst."""
@@ -92,12 +97,21 @@ class Fleet:
     """The workers this router routes to, by name."""
 
     workers: dict[str, Worker] = field(default_factory=dict)
+    _models: frozenset[str] | None = None  # every worker's models, kept until one changes
 
     def add(self, worker: Worker) -> None:
         self.workers[worker.name] = worker
+        self._models = None
 
     def remove(self, name: str) -> None:
         self.workers.pop(name, None)
+        self._models = None
+
+    def set_models(self, worker: Worker, models: frozenset[str]) -> None:
+        """What the worker's /v1/models listed (the one way a worker's models change)."""
+        if models != worker.models:
+            worker.models = models
+            self._models = None
 
     def all(self) -> list[Worker]:
         return list(self.workers.values())
@@ -123,8 +137,10 @@ class Fleet:
         fresh = [w for w in found if not w.saturated(now, stale_after_s)]
         return fresh or found
 
-    def models(self) -> set[str]:
-        return {m for w in self.workers.values() for m in w.models}
+    def models(self) -> frozenset[str]:
+        if self._models is None:
+            self._models = frozenset(m for w in self.workers.values() for m in w.models)
+        return self._models
 
     def serves(self, model: str) -> bool:
         """Some worker lists ``model``; before any worker's list is known (a /v1/models
