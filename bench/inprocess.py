@@ -77,9 +77,12 @@ def _cli_args(argv: Sequence[str]) -> Any:
 
 
 @contextlib.asynccontextmanager
-async def inprocess_fleet(n: int, base_port: int, flags: Sequence[str],
-                          per_engine_flags: Sequence[Sequence[str]] = (),
-                          ) -> AsyncIterator[list[InProcessEngine]]:
+async def inprocess_fleet(
+    n: int,
+    base_port: int,
+    flags: Sequence[str],
+    per_engine_flags: Sequence[Sequence[str]] = (),
+) -> AsyncIterator[list[InProcessEngine]]:
     """``n`` simulated engines from ``kvrouter sim engine`` flags, in this process, on
     consecutive ports: fixed ports give workers the same names (host:port) every run,
     and names order the router's ties."""
@@ -93,7 +96,8 @@ async def inprocess_fleet(n: int, base_port: int, flags: Sequence[str],
             args = _cli_args(["sim", "engine", "--engine-id", str(i), *flags, *extra])
             config = engine_config(args, str(i))
             url = await stack.enter_async_context(
-                serve_on_loopback(create_app(config), base_port + i))
+                serve_on_loopback(create_app(config), base_port + i)
+            )
             engines.append(InProcessEngine(str(i), url))
         yield engines
 
@@ -103,8 +107,9 @@ def router_argv(command: Sequence[str]) -> list[str]:
     try:
         start = list(command).index("router.cli") + 1
     except ValueError:
-        raise ValueError(f"not a kvrouter command, cannot run in virtual time: "
-                         f"{' '.join(command)}") from None
+        raise ValueError(
+            f"not a kvrouter command, cannot run in virtual time: {' '.join(command)}"
+        ) from None
     return list(command[start:])
 
 
@@ -115,10 +120,11 @@ async def inprocess_router(command: Sequence[str], port: int) -> AsyncIterator[s
     from router.app import create_app
     from router.config import load_config
     from router.serve_cli import flag_overrides
+    from router.server import RouterRunner
 
     args = _cli_args(router_argv(command))
     if args.command != "serve":
         raise ValueError(f"expected a 'serve' command, got {args.command!r}")
     config = load_config(args.config, flag_overrides(args), environ={})
-    async with serve_on_loopback(create_app(config), port) as url:
+    async with serve_on_loopback(create_app(config), port, RouterRunner) as url:
         yield url

@@ -22,18 +22,29 @@ from bench.sim.fleet import fleet, start_engine, stop, wait_healthy
 from bench.textgen import text_for
 from router.app import create_app
 from router.config import HealthConfig, RouterConfig, WorkerConfig
+from router.server import RouterRunner
 from router.state import STATE_KEY
 
 FLAGS = ["--kv-tokens", "50000", "--time-scale", "10", "--served-model-name", "m"]
 
 
-async def _client(http: aiohttp.ClientSession, url: str, key: str, stop_at: float,
-                  records: list[tuple[float, float | None, str]]) -> None:
+async def _client(
+    http: aiohttp.ClientSession,
+    url: str,
+    key: str,
+    stop_at: float,
+    records: list[tuple[float, float | None, str]],
+) -> None:
     turn = 0
     while time.monotonic() < stop_at:
-        body = {"model": "m", "stream": True, "max_tokens": 32, "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-                "messages": [{"role": "user", "content": text_for(f"{key}{turn}", 300)}]}
+        body = {
+            "model": "m",
+            "stream": True,
+            "max_tokens": 32,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": text_for(f"{key}{turn}", 300)}],
+        }
         start, first, outcome = time.monotonic(), None, "ok"
         try:
             async with http.post(url + "/v1/chat/completions", json=body) as response:
@@ -54,18 +65,22 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
 
-async def run_kill(clients: int, before_s: float, after_s: float,
-                   base_port: int) -> dict[str, Any]:
+async def run_kill(clients: int, before_s: float, after_s: float, base_port: int) -> dict[str, Any]:
     probes = HealthConfig(interval_s=1.0, timeout_s=1.0)
     async with fleet(2, "127.0.0.1", base_port, FLAGS) as engines:
         workers = tuple(WorkerConfig(e.url, name=f"w{i}") for i, e in enumerate(engines))
         app = create_app(RouterConfig(workers=workers, policy="least_load", health=probes))
-        async with serve_on_loopback(app) as url, aiohttp.ClientSession() as http:
+        async with (
+            serve_on_loopback(app, runner_class=RouterRunner) as url,
+            aiohttp.ClientSession() as http,
+        ):
             fleet_state = app[STATE_KEY].router.fleet
             records: list[tuple[float, float | None, str]] = []
             stop_at = time.monotonic() + before_s + after_s
-            load = [asyncio.create_task(_client(http, url, f"c{i}-", stop_at, records))
-                    for i in range(clients)]
+            load = [
+                asyncio.create_task(_client(http, url, f"c{i}-", stop_at, records))
+                for i in range(clients)
+            ]
             await asyncio.sleep(before_s)
             engines[0].kill()
             killed = time.monotonic()
@@ -89,10 +104,14 @@ async def run_kill(clients: int, before_s: float, after_s: float,
     return {
         "requests": len(records),
         "outcomes": dict(Counter(o for _, _, o in records)),
-        "ttft_ms_p50_before": _p(before, 0.5), "ttft_ms_p99_before": _p(before, 0.99),
-        "ttft_ms_p50_after_kill": _p(after, 0.5), "ttft_ms_p99_after_kill": _p(after, 0.99),
+        "ttft_ms_p50_before": _p(before, 0.5),
+        "ttft_ms_p99_before": _p(before, 0.99),
+        "ttft_ms_p50_after_kill": _p(after, 0.5),
+        "ttft_ms_p99_after_kill": _p(after, 0.99),
         "ttft_p99_ratio_after_over_before": _p(after, 0.99) / _p(before, 0.99),
-        "eject_s": eject_s, "probe_interval_s": probes.interval_s, "readmit_s": readmit_s,
+        "eject_s": eject_s,
+        "probe_interval_s": probes.interval_s,
+        "readmit_s": readmit_s,
         "median_ttft_ms": statistics.median(before + after) * 1000,
     }
 

@@ -11,12 +11,15 @@ SHUTDOWN_TIMEOUT_S = 5.0
 
 
 @contextlib.asynccontextmanager
-async def serve_on_loopback(app: web.Application, port: int = 0) -> AsyncIterator[str]:
+async def serve_on_loopback(
+    app: web.Application, port: int = 0, runner_class: type[web.AppRunner] = web.AppRunner
+) -> AsyncIterator[str]:
     """Run ``app`` on 127.0.0.1 and ``port`` (0: a free one); yields its base URL; stops
-    it on exit."""
+    it on exit. The router's app runs on ``router.server.RouterRunner``."""
     # A short graceful shutdown: a test that leaves a stream open should not wait 60 s.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = runner_class(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", port)

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import orjson
 from aiohttp import hdrs, web
-from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 
 from router import __version__, discovery
@@ -36,6 +35,7 @@ from router.parse import header_bytes
 from router.policy_slot import PolicySlot
 from router.proxy import handle_chat, handle_completions
 from router.routing import Router
+from router.server import MALFORMED_HTTP_FILTER
 from router.shared.connect import connect
 from router.shared.index import SharedPrefixIndex
 from router.shared.metrics import RedisMetrics
@@ -51,26 +51,6 @@ CONFIG_KEY = web.AppKey("kvrouter_config", RouterConfig)
 FINAL_FLUSH_TIMEOUT_S = 2.0
 SYNC_STOP_TIMEOUT_S = 5.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class _MalformedHttpFilter(logging.Filter):
-    """aiohttp logs every request its HTTP parser refuses (a bad request line, header or
-    chunk) at ERROR with a traceback, though it has answered 400 and nothing failed here:
-    one client sending garbage would fill the log. Those records are kept only when
-    ``aiohttp.server`` logs at DEBUG, and then without the traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info is None or not isinstance(record.exc_info[1], HttpProcessingError):
-            return True
-        if not logging.getLogger(record.name).isEnabledFor(logging.DEBUG):
-            return False
-        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-        record.msg = f"{record.msg}: {record.exc_info[1]!r}"
-        record.exc_info = None
-        return True
-
-
-MALFORMED_HTTP_FILTER = _MalformedHttpFilter()
 
 
 def _json(body: object, status: int = 200) -> web.Response:

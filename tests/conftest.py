@@ -20,6 +20,7 @@ from bench.sim.server import ENGINE_KEY, create_app
 from router.app import create_app as create_router_app
 from router.capacity import gpu, load_model
 from router.config import HealthConfig, RouterConfig, WorkerConfig
+from router.server import RouterRunner
 
 TEST_MODEL = "sim-model"
 # Fast enough for CI, slow enough that the roofline still orders events.
@@ -103,7 +104,7 @@ def router_config(engines: Sequence[RunningEngine], **overrides: Any) -> RouterC
 async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     """A router app on a free loopback port, stopped on exit."""
     app = create_router_app(config)
-    async with serve_on_loopback(app) as url:
+    async with serve_on_loopback(app, runner_class=RouterRunner) as url:
         yield RunningRouter(url, app, config)
 
 

@@ -230,6 +230,36 @@ async def test_requests_aiohttp_cannot_parse_do_not_fill_the_log(
     assert noisy == []  # aiohttp answered 400 itself: nothing failed here
 
 
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /\x00bad HTTP/1.1\r\nHost: x\r\n\r\n",  # a control byte in the target
+        b"POST /v1/chat/completions HTTP/1.1\r\nNo colon here\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n",  # > 8190
+        b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 TLS hello\r\n\r\n",
+    ],
+)
+async def test_http_aiohttp_cannot_parse_is_refused_as_openai_json(
+    engine_factory: EngineFactory, request_bytes: bytes
+) -> None:
+    # Found: aiohttp's own refusals were plain text ("400, message: ..."), unlike every
+    # other answer of the router.
+    async with engines(engine_factory, 1) as fleet, serve_router(router_config(fleet)) as router:
+        host, port = router.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request_bytes)
+        await writer.drain()
+        answer = await reader.read()  # the router closes the connection after refusing
+        writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0].split(b" ")[1] == b"400", answer[:200]
+        assert b"content-type: application/json" in head.lower()
+        error = orjson.loads(body)["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == 400
+        assert "malformed HTTP request" in error["message"]
+
+
 # -- bad requests and bugs of ours ---------------------------------------------------------
 
 _GOOD = {"model": TEST_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
