@@ -206,12 +206,12 @@ class Learner:
             predicted,
         )
         metrics = self._metrics
-        metrics.bound(metrics.turns, report.outcome).inc()
+        metrics.counter(metrics.turns, report.outcome).inc()
         if report.cause is not None:
-            metrics.bound(metrics.lost_turns, report.cause).inc()
-            metrics.bound(metrics.lost_tokens, report.cause).inc(report.lost_tokens)
+            metrics.counter(metrics.lost_turns, report.cause).inc()
+            metrics.counter(metrics.lost_tokens, report.cause).inc(report.lost_tokens)
         if dispatch.ttft is not None:
-            metrics.bound(metrics.turn_ttft, report.outcome).observe(dispatch.ttft)
+            metrics.histogram(metrics.turn_ttft, report.outcome).observe(dispatch.ttft)
         self.sessions.remember(
             key,
             SessionMemory(

@@ -200,7 +200,7 @@ class Router:
         active.policy.on_dispatch(route, worker.name)
         metrics = self.metrics
         metrics.decision_seconds.observe(time.perf_counter() - started)
-        metrics.bound(metrics.decisions, active.name, decision.reason).inc()
+        metrics.counter(metrics.decisions, active.name, decision.reason).inc()
         best = max(v.matched_tokens for v in views)
         series = metrics.worker(worker.name)
         series.best_cached_tokens.inc(best)
