@@ -5,7 +5,9 @@ Stand-in engines (``bench/standin.py``: one process, one port per worker) answer
 completion at once with a fixed reply, so what is measured is the router: a closed loop
 of ``--connections`` keep-alive connections (``wrk``, else a Python client) sends short
 chat requests (a shared 600-byte system prompt, a user message unique to each request)
-through kvrouter (``round_robin`` and ``cache_aware``) and, with ``--peer-bin``, through
+through kvrouter (``round_robin`` and ``cache_aware``; with ``--kvrouter-processes 1,2`` also
+as ``kvrouter serve --processes 2``, the rows ``kvrouter round_robin ×2``: the supervisor,
+its processes and their Valkey all count as the router's CPU) and, with ``--peer-bin``, through
 SMG (``smg launch``) and vllm-router with ``--policy round_robin`` and ``cache_aware``,
 each with the flags ``bench peers`` gives it. ``direct`` is the same load sent straight
 to one stand-in: the ceiling the harness allows on this machine.
@@ -70,6 +72,7 @@ class ThroughputConfig:
     rounds: int = DEFAULT_ROUNDS
     engines: int = DEFAULT_ENGINES
     policies: tuple[str, ...] = DEFAULT_POLICIES
+    kvrouter_processes: tuple[int, ...] = (1,)  # one kvrouter target per count
     variants: tuple[Variant, ...] = DEFAULT_VARIANTS
     peer_bin: Path | None = None
     generator: Generator = "wrk"
@@ -84,6 +87,8 @@ class ThroughputConfig:
     def __post_init__(self) -> None:
         if self.connections < 1 or self.rounds < 1 or self.engines < 1:
             raise ValueError("connections, rounds and engines must be at least 1")
+        if not self.kvrouter_processes or min(self.kvrouter_processes) < 1:
+            raise ValueError("--kvrouter-processes: counts of at least 1")
         if self.duration_s <= 0 or self.warmup_s < 0:
             raise ValueError("duration must be > 0 and warm-up >= 0")
 
@@ -105,10 +110,12 @@ class Target:
     policy: str
     command: tuple[str, ...] | None
     port: int
+    processes: int = 1  # kvrouter serve --processes
 
     @property
     def label(self) -> str:
-        return f"{self.router} {self.policy}".strip()
+        label = f"{self.router} {self.policy}".strip()
+        return label if self.processes == 1 else f"{label} ×{self.processes}"
 
 
 def with_policy(command: Sequence[str], policy: str) -> tuple[str, ...]:
@@ -122,10 +129,11 @@ def targets(config: ThroughputConfig) -> list[Target]:
     urls, port = config.engine_urls, config.router_port
     demo = DemoConfig(host=config.host, router_port=port)
     found = [Target("direct", "", None, config.base_port)] if config.direct else []
-    found += [
-        Target("kvrouter", policy, kvrouter_command(demo, policy, urls, port), port)
-        for policy in config.policies
-    ]
+    for policy in config.policies:
+        for n in config.kvrouter_processes:
+            extra = ("--processes", str(n)) if n > 1 else ()
+            command = kvrouter_command(demo, policy, urls, port, *extra)
+            found.append(Target("kvrouter", policy, command, port, n))
     if config.peer_bin is None:
         return found
     smg, vllm = config.peer_bin / "smg", config.peer_bin / "vllm-router"
@@ -160,6 +168,23 @@ async def wait_routing(url: str, timeout_s: float = READY_TIMEOUT_S) -> None:
                 await asyncio.sleep(0.1)
 
 
+async def wait_processes(url: str, count: int, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Until every process of a ``--processes`` kvrouter answers its /metrics: one that
+    is not yet listening would leave the load's connections to the others."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url + "/metrics") as reply:
+                    text = await reply.text()
+                up = [ln for ln in text.splitlines() if ln.startswith("kvrouter_process_up{")]
+                if len(up) == count and all(ln.endswith(" 1.0") for ln in up):
+                    return
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"not every process of {url} serves after {timeout_s:g} s")
+            await asyncio.sleep(0.1)
+
+
 @contextlib.asynccontextmanager
 async def started(command: Sequence[str], log_path: Path) -> AsyncIterator[int]:
     """``command`` running, its output in ``log_path``; yields its pid."""
@@ -179,10 +204,12 @@ async def serving(target: Target, config: ThroughputConfig) -> AsyncIterator[lis
         await wait_routing(url)
         yield []
         return
-    log_path = config.out / f"{target.label.replace(' ', '-')}.log"
+    log_path = config.out / f"{target.label.replace(' ', '-').replace('×', 'x')}.log"
     async with started(target.command, log_path) as pid:
         try:
             await wait_routing(url)
+            if target.processes > 1:
+                await wait_processes(url, target.processes)
         except TimeoutError as exc:
             raise RuntimeError(f"{target.label} did not start routing: see {log_path}") from exc
         yield [pid]
@@ -289,6 +316,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     )
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     parser.add_argument(
+        "--kvrouter-processes",
+        default="1",
+        metavar="N,N",
+        help="kvrouter serve --processes counts to measure, e.g. 1,2 (rows 'kvrouter "
+        "round_robin ×2'; the processes share state through their own Valkey)",
+    )
+    parser.add_argument(
         "--variants", default=",".join(DEFAULT_VARIANTS), help="whole and/or stream"
     )
     parser.add_argument(
@@ -329,6 +363,13 @@ def variants_of(text: str) -> tuple[Variant, ...]:
     return tuple(known[v] for v in names)
 
 
+def processes_of(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(n) for n in text.split(",") if n)
+    except ValueError:
+        raise ValueError(f"--kvrouter-processes: counts such as 1,2, not {text!r}") from None
+
+
 def config_of(args: argparse.Namespace) -> ThroughputConfig:
     generator: Generator = "wrk" if loadgen.wrk_available() else "python"
     if args.load_generator is not None:
@@ -340,6 +381,7 @@ def config_of(args: argparse.Namespace) -> ThroughputConfig:
         rounds=args.rounds,
         engines=args.engines,
         policies=tuple(p for p in args.policies.split(",") if p),
+        kvrouter_processes=processes_of(args.kvrouter_processes),
         variants=variants_of(args.variants),
         peer_bin=args.peer_bin,
         generator=generator,

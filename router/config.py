@@ -287,6 +287,10 @@ class RouterConfig:
     workers: tuple[WorkerConfig, ...] = ()
     host: str = "0.0.0.0"
     port: int = DEFAULT_PORT
+    # Processes serving the port together (router/processes/): one is the single-process
+    # router; more share the prefix index and load as replicas do, through state.url or,
+    # without one, a Valkey the router starts for itself.
+    processes: int = 1
     policy: str = DEFAULT_POLICY
     policy_knobs: dict[str, Any] = field(default_factory=dict)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
@@ -318,6 +322,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("port: must be 0-65535")
+        if self.processes < 1:
+            raise ConfigError("processes: must be >= 1")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes: must be >= 1024")
         names = [w.name for w in self.workers]

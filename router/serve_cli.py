@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
+import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -18,6 +21,7 @@ from aiohttp import web
 from policies.registry import policy_names
 from router.config import RouterConfig, load_config
 from router.errors import ConfigError
+from router.processes.slot import ProcessSlot, read_config
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,15 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "(redis://host:port/db, rediss://, redis+sentinel://, "
         "redis+cluster://)",
     )
+    serve.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="N processes serving the port together, sharing state through --state or, "
+        "without it, a Valkey of their own (default 1; Linux)",
+    )
+    # Internal: set by the supervisor of --processes N on each of its processes.
+    serve.add_argument("--process-slot", metavar="INDEX:DIR", help=argparse.SUPPRESS)
     serve.set_defaults(func=run_serve)
 
     check = commands.add_parser("check-config", help="validate a config file and exit")
@@ -119,6 +132,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["worker_header"] = True
     if args.state is not None:
         values["state"] = {"url": args.state}
+    if args.processes is not None:
+        values["processes"] = args.processes
     return values
 
 
@@ -148,16 +163,27 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
-async def serve(config: RouterConfig) -> None:
+async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
+    """The router on ``config.port`` until SIGINT or SIGTERM; with ``slot``, as one
+    process of a ``--processes N`` group (router/processes/)."""
     from router.app import create_app
+    from router.server import RouterRunner
 
-    runner = web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+    app = create_app(config)
+    if slot is not None:
+        from router.processes.siblings import attach
+
+        attach(app, slot)
+    runner = RouterRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = web.TCPSite(runner, config.host, config.port, reuse_port=slot is not None)
     await site.start()
+    if slot is not None:  # last: the supervisor counts a process up once this accepts
+        await web.UnixSite(runner, str(slot.own_socket)).start()
     tune_gc()
     log.info(
-        "kvrouter on http://%s:%d routing to %d workers with policy %s",
+        "kvrouter%s on http://%s:%d routing to %d workers with policy %s",
+        "" if slot is None else f" process {slot.index}",
         config.host,
         config.port,
         len(config.workers),
@@ -173,9 +199,26 @@ async def serve(config: RouterConfig) -> None:
         await runner.cleanup()
 
 
+def _process_slot(args: argparse.Namespace) -> tuple[RouterConfig, ProcessSlot | None]:
+    """The config, and the slot when this is one process of a group (read from the
+    supervisor's file alone: flags and environment are in it already)."""
+    if args.process_slot is None:
+        return load_config(args.config, flag_overrides(args)), None
+    if args.config is None:
+        raise ConfigError("--process-slot: needs the supervisor's --config")
+    config = read_config(args.config)
+    try:
+        slot = ProcessSlot.parse(args.process_slot, config.processes)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if config.seed is not None:  # processes drawing in lockstep would pick alike
+        config = dataclasses.replace(config, seed=config.seed + slot.index)
+    return config, slot
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config, flag_overrides(args))
+        config, slot = _process_slot(args)
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
@@ -195,11 +238,46 @@ def run_serve(args: argparse.Namespace) -> int:
     ):
         print("error: no workers: give --worker URL (repeatable) or 'workers' in --config")
         return 2
+    if config.processes > 1 and slot is None:
+        from router.processes.supervisor import supervise
+
+        try:
+            return supervise(config, logging.getLevelName(logging.getLogger().level))
+        except ConfigError as exc:
+            print(f"error: {exc}")
+            return 2
+    if slot is not None:
+        _label_log(slot)
+    supervisor = os.getppid()
     with contextlib.suppress(KeyboardInterrupt):
         try:
             import uvloop
         except ImportError:
-            asyncio.run(serve(config))
+            asyncio.run(serve(config, slot))
         else:
-            uvloop.run(serve(config))
+            uvloop.run(serve(config, slot))
+    if slot is not None and os.getppid() != supervisor:
+        # The supervisor was killed (this process stopped on PR_SET_PDEATHSIG), so nobody
+        # else will remove its run directory, and the config there holds the secrets.
+        shutil.rmtree(slot.run_dir, ignore_errors=True)
     return 0
+
+
+class _ProcessLabel(logging.Filter):
+    """Starts each message with the process's index: the processes share one stderr."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self._prefix = f"[process {index}] "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "kvrouter_labelled", False):  # once, whatever the handlers
+            record.msg = self._prefix + str(record.msg)
+            record.kvrouter_labelled = True
+        return True
+
+
+def _label_log(slot: ProcessSlot) -> None:
+    label = _ProcessLabel(slot.index)
+    for handler in logging.getLogger().handlers:  # not the request log's: bare JSON lines
+        handler.addFilter(label)

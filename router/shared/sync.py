@@ -75,6 +75,7 @@ class RedisSync:
         self._config = config
         self._metrics = metrics
         self.replica = uuid.uuid4().hex[:12]
+        self._replica_bytes = self.replica.encode()
         ns = f"kvr:{{{config.namespace}}}"
         self._res_prefix = f"{ns}:res:"
         self._stream = f"{ns}:events"
@@ -200,28 +201,44 @@ class RedisSync:
             self._metrics.events.labels("out").inc(len(batch))
 
     async def _send(self, batch: list[IndexEvent]) -> None:
+        """One pipeline: each event on the stream, and the residency sets changed as the
+        events say in order. A worker's touches in a batch become one ZADD (a later
+        touch's scores win, as they would one after another) and one trim: nearly every
+        event is a touch, and its three commands were most of the sync's CPU."""
         pipe = self._redis.pipeline(transaction=False)
         now = time.time() * 1000
         oldest = f"{int(now - self._config.stream_retention_s * 1000)}-0"
+        touched: dict[str, dict[bytes, float]] = {}
+
+        def write_touches(worker: str) -> None:
+            mapping = touched.pop(worker, None)
+            if mapping:
+                key = self._res_prefix + worker
+                pipe.zadd(key, mapping)
+                self._trim(pipe, worker, key)
+
         for event in batch:
-            key = self._res_prefix + event.worker
             if event.op == "touch":
                 n = len(event.hashes)
                 # Head blocks get the newest scores: a prefix's tail is trimmed first.
-                pipe.zadd(
-                    key, {_member(h): now + (n - i) * 1e-3 for i, h in enumerate(event.hashes)}
+                touched.setdefault(event.worker, {}).update(
+                    {_member(h): now + (n - i) * 1e-3 for i, h in enumerate(event.hashes)}
                 )
-                self._trim(pipe, event.worker, key)
-            elif event.op == "forget":
-                pipe.zrem(key, *(_member(h) for h in event.hashes))
             else:
-                pipe.delete(key)
+                write_touches(event.worker)  # before a forget or purge of the same worker
+                key = self._res_prefix + event.worker
+                if event.op == "forget":
+                    pipe.zrem(key, *(_member(h) for h in event.hashes))
+                else:
+                    pipe.delete(key)
             pipe.xadd(
                 self._stream,
                 encode(event, self.replica),  # type: ignore[arg-type]
                 minid=oldest,
                 approximate=True,
             )
+        for worker in list(touched):
+            write_touches(worker)
         await pipe.execute()
 
     # -- subscriber -----------------------------------------------------------------------
@@ -234,8 +251,10 @@ class RedisSync:
         for _, entries in response or ():
             for entry_id, fields in entries:
                 self._cursor = entry_id.decode()
+                if fields.get(b"r") == self._replica_bytes:
+                    continue  # our own, read back: not even unpacked
                 decoded = decode(fields)
-                if decoded is None or decoded[0] == self.replica:
+                if decoded is None:
                     continue
                 self._index.apply(decoded[1])
                 self._metrics.events.labels("in").inc()
