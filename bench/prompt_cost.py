@@ -21,6 +21,7 @@ import orjson
 from bench.textgen import text_for
 from router.config import DEFAULT_KV_TOKENS, RouterConfig
 from router.index import LocalPrefixIndex
+from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.parse import ClientRequest, parse_request
 from router.policy_slot import PolicySlot
@@ -77,8 +78,9 @@ def prompt_cost(
     fleet, index = Fleet(), LocalPrefixIndex()
     metrics = RouterMetrics(fleet, index, block_tokens)
     router = Router(fleet, index, PolicySlot(policy, {}, 0, metrics), block_tokens, metrics)
+    membership = Membership(fleet, index, metrics, router.learner, block_tokens)
     for w in range(workers):
-        router.add_worker(Worker(f"w{w}", f"http://w{w}", DEFAULT_KV_TOKENS))
+        membership.add(Worker(f"w{w}", f"http://w{w}", DEFAULT_KV_TOKENS))
 
     def parse() -> ClientRequest:
         return parse_request("chat", body, None, fields, block_bytes, limits)

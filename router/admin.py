@@ -152,7 +152,7 @@ async def add_worker(request: web.Request) -> web.Response:
 async def remove_worker(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     worker = _worker(state, request.match_info["name"])
-    state.router.remove_worker(worker.name)
+    state.membership.remove(worker.name)
     return _json({"removed": worker.name})
 
 
@@ -174,7 +174,7 @@ async def migrate(request: web.Request) -> web.Response:
     target = _worker(state, target_name)
     if target is source:
         raise BadRequest("'to' must be another worker", param="to")
-    moved = state.router.migrate(source.name, target.name)
+    moved = state.membership.migrate(source.name, target.name)
     return _json(
         {"from": source.name, "to": target.name, "moved_tokens": moved * state.router.block_tokens}
     )

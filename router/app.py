@@ -30,6 +30,7 @@ from router.errors import (
 )
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
+from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.parse import header_bytes
 from router.policy_slot import PolicySlot
@@ -120,6 +121,7 @@ def build_state(
     admission = Admission(
         limits.max_outstanding_per_worker, limits.queue_size, limits.queue_timeout_s
     )
+    membership = Membership(fleet, index, metrics, router.learner, block_tokens)
     prober = HealthProber(
         fleet,
         index,
@@ -127,10 +129,12 @@ def build_state(
         config.health,
         block_tokens,
         set(),
-        router.worker_restarted,
+        membership.worker_restarted,
         config.upstream.auth_headers,
     )
-    state = RouterState(config, router, metrics, session, upstream, admission, prober)
+    state = RouterState(
+        config, router, metrics, membership, session, upstream, admission, prober
+    )
     for wc in config.workers:
         state.add_worker(wc)
     return state

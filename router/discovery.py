@@ -241,7 +241,7 @@ class Reconciler:
         )
 
     def _remove(self, name: str) -> None:
-        self._state.router.remove_worker(name)
+        self._state.membership.remove(name)
         self.managed.discard(name)
 
     def _add(self, config: WorkerConfig) -> None:

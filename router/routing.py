@@ -8,7 +8,8 @@ first byte means the worker computed them: they are recorded then (``first_byte`
 entries with the reply so the session's next turn matches its whole history, and hands
 what the engine reported to the ``Learner`` (router.learning); a dispatch that failed or
 was refused releases its reservation and leaves the model as it was. A ``Dispatch``
-holds the index and the learner, not the ``Router`` that made it.
+holds the index and the recorder, not the ``Router`` that made it. Which workers exist
+is ``router.membership``'s; what becomes of a request, ``router.lifecycle``'s.
 """
 
 from __future__ import annotations
@@ -229,32 +230,6 @@ class Router:
             < limit
             for w in candidates
         )
-
-    def add_worker(self, worker: Worker) -> None:
-        self.fleet.add(worker)
-        self.metrics.worker_added(worker.name)
-        self.index.add_worker(worker.name, max(1, worker.capacity_tokens // self.block_tokens))
-
-    def remove_worker(self, name: str) -> None:
-        self.fleet.remove(name)
-        self.metrics.worker_removed(name)
-        self.index.remove_worker(name)
-        self.learner.forget(name)
-
-    def migrate(self, source: str, target: str) -> int:
-        """``source``'s KV state now lives on ``target`` (checkpointed and restored): its
-        index entries move there, so sessions' next turns hit on ``target``. Returns the
-        number of blocks moved."""
-        moved = self.index.migrate(source, target)
-        self.learner.calibrator.reset(source)
-        return moved
-
-    def worker_restarted(self, worker: Worker) -> None:
-        """The engine restarted: its cache is gone, so is everything the index says of it."""
-        self.index.purge(worker.name)
-        self.learner.forget(worker.name)
-        worker.epoch += 1
-        self.metrics.worker_restarts.labels(worker.name).inc()
 
     def _view(self, worker: Worker, route: RouteRequest, now: float) -> WorkerView:
         matched_blocks = self.index.match(worker.name, route.block_hashes)

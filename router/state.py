@@ -11,6 +11,7 @@ from aiohttp import web
 from router.admission import Admission
 from router.config import RouterConfig, WorkerConfig
 from router.health import HealthProber
+from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.provision import new_worker
 from router.routing import Router
@@ -25,6 +26,7 @@ class RouterState:
     config: RouterConfig
     router: Router
     metrics: RouterMetrics
+    membership: Membership
     session: aiohttp.ClientSession  # probes, scrapes and discovery
     upstream: UpstreamPool  # requests forwarded to the workers
     admission: Admission
@@ -35,7 +37,7 @@ class RouterState:
         built with its capacity (or its capacity to be read from the engine's /metrics
         by the prober), added to the fleet and the index."""
         worker, known = new_worker(self.config, config)
-        self.router.add_worker(worker)
+        self.membership.add(worker)
         if not known:
             self.prober.discover_capacity(worker.name)
         return worker

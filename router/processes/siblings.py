@@ -176,7 +176,7 @@ def take_membership(state: RouterState, listed: list[dict[str, Any]]) -> None:
     discovery = config.discovery
     if not (discovery.file or discovery.dns or discovery.kubernetes.selector):
         for name in [n for n, w in fleet.workers.items() if theirs.get(n, {}).get("url") != w.url]:
-            state.router.remove_worker(name)  # gone there, or there under another URL
+            state.membership.remove(name)  # gone there, or there under another URL
         for name, worker in theirs.items():
             if name not in fleet.workers:
                 state.add_worker(WorkerConfig(url=worker["url"], name=name))
