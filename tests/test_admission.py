@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
+import pytest
 
 from router.config import AdmissionConfig
+from router.workers import Fleet, Worker
 from tests.conftest import EngineFactory, router_config, serve_router
 from tests.router_client import chat_body, engines, held_stream, post
 
@@ -49,3 +52,28 @@ async def test_off_by_default(engine_factory: EngineFactory) -> None:
                 aiohttp.ClientSession() as http, held_stream(http, router.url, LONG)):
         result = await asyncio.wait_for(post(http, router.url, SHORT), 5)
         assert result.status == 200
+
+
+async def test_admission_and_the_choice_share_one_eligibility_check(
+    engine_factory: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found: with admission on, Fleet.eligible ran for the room check and again for the
+    # choice; a request's lifecycle now computes it once (a retry looks again).
+    limits = AdmissionConfig(max_outstanding_per_worker=4, queue_size=4, queue_timeout_s=10)
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, admission=limits)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        calls = 0
+        eligible = Fleet.eligible
+
+        def counted(self: Fleet, *args: Any, **kwargs: Any) -> list[Worker]:
+            nonlocal calls
+            calls += 1
+            return eligible(self, *args, **kwargs)
+
+        monkeypatch.setattr(Fleet, "eligible", counted)
+        for _ in range(3):
+            assert (await post(http, router.url, SHORT)).status == 200
+        assert calls == 3
