@@ -17,6 +17,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         perf,
         replicas,
         rescore,
+        soak,
         sweep,
         throughput,
     )
@@ -38,3 +39,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     throughput.register(sub)
     dashboards.register(sub)
     fuzz.register(sub)
+    soak.register(sub)

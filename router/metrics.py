@@ -14,6 +14,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.index import PrefixIndex
+from router.loop_metrics import EventLoopCollector, running_loop
 from router.metric_types import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from router.outcomes import CAUSES, OUTCOMES
 from router.workers import Fleet
@@ -270,6 +271,7 @@ class RouterMetrics:
         self._counters: dict[tuple[str, tuple[str, ...]], CounterChild] = {}
         self._histograms: dict[tuple[str, tuple[str, ...]], HistogramChild] = {}
         r.register(_FleetCollector(fleet, index, block_tokens))
+        r.register(EventLoopCollector(running_loop()))
         # Series for every fixed label value from the start, so rates and dashboards
         # read 0 rather than "no data" before the first event.
         for outcome in OUTCOMES:

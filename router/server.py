@@ -6,7 +6,8 @@ header too long) with a plain-text 400 and logs each at ERROR with a traceback. 
 answer of the router is OpenAI-shaped JSON, so ``RouterRunner`` serves the app with a
 request handler whose refusals are too, and ``MALFORMED_HTTP_FILTER`` keeps those
 refusals out of the log unless ``aiohttp.server`` logs at DEBUG: one client sending
-garbage would otherwise fill it.
+garbage would otherwise fill it. A handler that ends on ``ConnectionResetError`` (the
+client left while the proxy wrote to it) ends its connection without a logged error.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class _JsonRefusals(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        if isinstance(exc, ConnectionResetError):
+            # The client went away and a write to it said so before aiohttp's own
+            # connection_lost did: a disconnect (the proxy counted it), not an error.
+            # aiohttp ends the connection quietly on a ConnectionError from here.
+            raise ConnectionError("the client went away") from exc
         response = super().handle_error(request, status, exc, message)  # logs; may raise
         if isinstance(exc, HttpProcessingError) and exc.message:
             message = exc.message

@@ -91,7 +91,7 @@ def _body(model: str, request: ChatRequest) -> dict[str, Any]:
     }
 
 
-def _stream_error(chunk: Any) -> str | None:
+def stream_error(chunk: Any) -> str | None:
     """The message of an in-stream error chunk (vLLM and SGLang shapes), else None."""
     if not isinstance(chunk, dict):
         return "malformed chunk"
@@ -132,7 +132,7 @@ async def _read_stream(
         except orjson.JSONDecodeError:
             outcome.error = f"undecodable chunk: {event.data[:MAX_ERROR_CHARS]}"
             return
-        outcome.error = _stream_error(chunk)
+        outcome.error = stream_error(chunk)
         if event.event == "error" and outcome.error is None:
             outcome.error = f"stream error: {event.data[:MAX_ERROR_CHARS]}"
         if outcome.error is not None:
