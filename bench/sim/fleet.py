@@ -11,6 +11,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import aiohttp
 
@@ -33,10 +34,16 @@ class EngineProcess:
 
 
 async def start_engine(
-    engine_id: str, host: str, port: int, flags: Sequence[str], source: Path | None = None
+    engine_id: str,
+    host: str,
+    port: int,
+    flags: Sequence[str],
+    source: Path | None = None,
+    log: IO[bytes] | None = None,
 ) -> EngineProcess:
     """Start one engine process; ``source`` runs the engine of another checkout (its
-    ``router.cli``), as the benchmarks that compare engine versions do."""
+    ``router.cli``), as the benchmarks that compare engine versions do; ``log`` takes its
+    stderr (default: this process's)."""
     env = None if source is None else _running_from(source)
     process = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -55,6 +62,7 @@ async def start_engine(
         host,
         env=env,
         cwd=source,
+        stderr=log,
     )
     return EngineProcess(engine_id, f"http://{host}:{port}", port, process)
 
