@@ -244,6 +244,8 @@ class HealthProber:
                 "worker %s is %s (%s)", worker.name, "healthy" if healthy else "unhealthy", why
             )
         worker.healthy = healthy
+        if not healthy:
+            worker.abandon_unanswered()
 
     async def _learn_models(self, worker: Worker) -> None:
         status, raw = await self._get(worker.url + "/v1/models")

@@ -235,13 +235,18 @@ async def _attempt(
             dispatch.expected_prefill_s(), dispatch.lease.prefill_done
         )
     )
-    # Cleared once the first chunk is in hand (_relay_stream); a whole reply has none.
+    # Cleared once the first chunk is in hand (_relay_stream); a whole reply has none,
+    # but is given up on too if its worker fails a health probe before its headers.
     first_byte = asyncio.timeout(
         state.config.upstream.first_byte_timeout_s if request.stream else None
     )
+    unanswered = dispatch.worker.unanswered
     try:
         async with first_byte:
+            unanswered.add(first_byte)
             upstream = await _open(state, dispatch, http, request_id)
+            if not request.stream:
+                unanswered.discard(first_byte)  # a whole reply's headers are its answer
             try:
                 if upstream.status >= 500:
                     body = await _read_whole(dispatch, upstream)
@@ -271,14 +276,15 @@ async def _attempt(
     except TimeoutError as exc:
         outcome = "timeout"
         if first_byte.expired():  # the worker said nothing at all: another may
-            raise _Retry(
-                UpstreamTimeout(
-                    f"worker {dispatch.worker.name} sent nothing in "
-                    f"{state.config.upstream.first_byte_timeout_s:g} s"
-                )
-            ) from exc
+            why = (
+                "failed its health probe before answering"
+                if not dispatch.worker.healthy
+                else f"sent nothing in {state.config.upstream.first_byte_timeout_s:g} s"
+            )
+            raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} {why}")) from exc
         raise
     finally:
+        unanswered.discard(first_byte)
         if prefilled is not None:
             prefilled.cancel()
         if sent:
@@ -343,6 +349,7 @@ async def _relay_stream(
 ) -> tuple[web.StreamResponse, Outcome]:
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
+    dispatch.worker.unanswered.discard(first_byte)
     dispatch.first_byte()
     response = web.StreamResponse(
         status=upstream.status,

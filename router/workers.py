@@ -7,6 +7,7 @@ is a no-op. Broken accounting is what makes cache-aware routers collapse onto on
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,9 +42,21 @@ class Worker:
     metrics_at: float | None = None
     demand: RecentDemand = field(default_factory=RecentDemand)  # prompt tokens sent lately
     origin: Origin = field(init=False)  # the URL, parsed once for the upstream client
+    # The first-byte bounds of the attempts sent to it that it has not begun to answer.
+    unanswered: set[asyncio.Timeout] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.origin = Origin.of(self.url)
+
+    def abandon_unanswered(self) -> None:
+        """The worker failed its health probe: the requests it has not begun to answer
+        are given up on now, so that their attempts fail over to another worker, and not
+        when their timeouts run out (a whole reply's is ``read_timeout_s``, longer than
+        the retry deadline)."""
+        if self.unanswered:
+            now = asyncio.get_running_loop().time()
+            for bound in self.unanswered:
+                bound.reschedule(now)
 
     def saturated(self, now: float, stale_after_s: float) -> bool:
         """Metrics missing or stale: assume the worst."""

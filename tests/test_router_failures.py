@@ -15,7 +15,9 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.loopback import serve_on_loopback
 from router.config import HealthConfig, UpstreamConfig, WorkerConfig
+from router.state import STATE_KEY
 from tests.conftest import (
     TEST_MODEL,
     EngineFactory,
@@ -453,6 +455,60 @@ async def test_a_worker_that_sends_nothing_is_retried_after_the_first_byte_timeo
             assert result.status == 200 and result.worker == "w1"
         assert await metric(http, router, "kvrouter_retries_total", worker="w0") >= 1
         assert await metric(http, router, "kvrouter_requests_total", outcome="success") == 2
+        await assert_idle(http, router)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_worker_that_fails_its_probe_gives_up_its_unanswered_requests(
+    engine_factory: EngineFactory, stream: bool
+) -> None:
+    # Found by the soak: a whole reply has no first-byte bound, only read_timeout_s
+    # (600 s), longer than the retry deadline, so a request on a worker that hung was
+    # answered 504 after ten minutes while another worker could have served it.
+    received, failing = asyncio.Event(), asyncio.Event()
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=503 if failing.is_set() else 200)
+
+    async def hang(request: web.Request) -> web.StreamResponse:
+        received.set()
+        await asyncio.Event().wait()
+        raise AssertionError
+
+    async def metrics(request: web.Request) -> web.Response:  # fresh and idle: eligible
+        return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n")
+
+    hung_app = web.Application()
+    hung_app.router.add_get("/health", health)
+    hung_app.router.add_get("/metrics", metrics)
+    hung_app.router.add_post("/v1/chat/completions", hang)
+    async with (
+        serve_on_loopback(hung_app) as hung,
+        engine_factory() as sim,
+        serve_router(
+            router_config(
+                [],
+                policy="round_robin",  # one of the first two requests goes to w0
+                workers=(WorkerConfig(hung, name="w0"), WorkerConfig(sim.url, name="w1")),
+            )
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        body = chat_body(conversation("probe", 20, 5), stream=stream)
+        for _ in range(2):
+            sent = asyncio.create_task(post(http, router.url, body))
+            arrived = asyncio.create_task(received.wait())
+            await asyncio.wait({sent, arrived}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+            if received.is_set():
+                break
+            arrived.cancel()
+            assert (await sent).worker == "w1"
+        assert received.is_set()
+        failing.set()
+        await router.app[STATE_KEY].prober.probe_all()  # the next health round
+        result = await asyncio.wait_for(sent, 10)  # a safety bound: without the fix, 60-600 s
+        assert result.status == 200 and result.worker == "w1"
+        assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 1
         await assert_idle(http, router)
 
 
