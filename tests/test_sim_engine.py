@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -13,9 +14,23 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.textgen import text_for
 from bench.tokenizer import encode_piece
-from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine
+from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine, engine_config
+from tests.sim_servers import FRONTS, factory_on, serve_engine_on
 
 BLOCK = 16
+
+
+@pytest.fixture(params=FRONTS)
+async def sim(request: pytest.FixtureRequest) -> AsyncIterator[RunningEngine]:
+    """``conftest.sim`` behind each HTTP front-end in turn."""
+    async with serve_engine_on(request.param, engine_config()) as running:
+        yield running
+
+
+@pytest.fixture(params=FRONTS)
+def engine_factory(request: pytest.FixtureRequest) -> EngineFactory:
+    """``conftest.engine_factory`` behind each HTTP front-end in turn."""
+    return factory_on(request.param)
 
 
 async def chat(

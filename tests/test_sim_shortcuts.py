@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 import orjson
@@ -21,7 +21,16 @@ from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.request import DRAW_AHEAD_TOKENS, SimRequest
 from bench.textgen import generated_text
 from bench.tokenizer import TOKEN_BYTES
-from tests.conftest import TEST_MODEL, RunningEngine
+from tests.conftest import TEST_MODEL, RunningEngine, engine_config
+from tests.sim_servers import FRONTS, serve_engine_on
+
+
+@pytest.fixture(params=FRONTS)
+async def sim(request: pytest.FixtureRequest) -> AsyncIterator[RunningEngine]:
+    """``conftest.sim`` behind each HTTP front-end in turn."""
+    async with serve_engine_on(request.param, engine_config()) as running:
+        yield running
+
 
 BLOCK = 16
 

@@ -3,14 +3,31 @@ real loopback HTTP: the ids are the engine's own tokens, so they hit its cache."
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.textgen import text_for
 from bench.tokenizer import GENERATION_PROMPT, IM_END, encode_piece, num_tokens, render_chat
-from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine
+from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine, engine_config
+from tests.sim_servers import FRONTS, factory_on, serve_engine_on
+
+
+@pytest.fixture(params=FRONTS)
+async def sim(request: pytest.FixtureRequest) -> AsyncIterator[RunningEngine]:
+    """``conftest.sim`` behind each HTTP front-end in turn."""
+    async with serve_engine_on(request.param, engine_config()) as running:
+        yield running
+
+
+@pytest.fixture(params=FRONTS)
+def engine_factory(request: pytest.FixtureRequest) -> EngineFactory:
+    """``conftest.engine_factory`` behind each HTTP front-end in turn."""
+    return factory_on(request.param)
+
 
 BLOCK = 16
 MESSAGES = [

@@ -167,7 +167,7 @@ def _run(coro: Any) -> int:
 
 def run_engine(args: argparse.Namespace) -> int:
     from bench.sim.engine import kv_capacity_tokens
-    from bench.sim.server import serve
+    from bench.sim.http1 import serve
 
     try:
         config = engine_config(args, args.engine_id)

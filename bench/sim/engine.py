@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import logging
 import math
+import operator
 import random
 import time
 from collections.abc import AsyncIterator
@@ -281,11 +282,15 @@ class Engine:
 
     async def _wait_for_change(self, timeout_s: float) -> None:
         """Until a request arrives or leaves, or ``timeout_s`` (wall-clock) passes.
-        ``asyncio.timeout`` rather than ``wait_for``: no task created per wait."""
+        The timeout is a timer that sets the wake-up event, not ``asyncio.timeout``:
+        a decode span waits like this at every flush and mostly times out, and a
+        timeout cancelled the task and raised through it each time."""
         self._wake.clear()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._wake.wait()
+        timer = asyncio.get_running_loop().call_later(timeout_s, self._wake.set)
+        try:
+            await self._wake.wait()
+        finally:
+            timer.cancel()
 
     def record_gauges(self) -> None:
         self.metrics.record_step(
@@ -307,7 +312,7 @@ class Engine:
                 or (request.output_tokens // interval > request.published_tokens // interval)
             ):
                 request.published_tokens = request.output_tokens
-                request.updated.set()
+                request.notify()
 
     def _record_finished(self, request: SimRequest, now: float) -> None:
         scheduled = request.scheduled_at if request.scheduled_at is not None else now
@@ -321,7 +326,9 @@ class Engine:
             queue_s=scheduled - request.arrival,
             prefill_s=first - scheduled,
             decode_s=now - first,
-            inter_token_s=[b - a for a, b in itertools.pairwise(times)],
+            # The gaps between consecutive token times (``map`` of C ``sub``: a third
+            # cheaper than a comprehension over ``pairwise``; the same floats).
+            inter_token_s=list(map(operator.sub, times[1:], times)),
         )
 
 

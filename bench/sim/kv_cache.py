@@ -81,14 +81,14 @@ class BlockPool:
     def prefix_hit(self, hashes: Sequence[int], max_blocks: int) -> tuple[list[int], int]:
         """``cached_prefix`` and, in the same pass, ``free_among`` of its blocks."""
         found: list[int] = []
-        cached, ref = self._cached, self._ref
+        append, get, ref = found.append, self._cached.get, self._ref
         free = 0
         for h in hashes[:max_blocks]:
-            block = cached.get(h)
+            block = get(h)
             if block is None:
                 break
-            found.append(block)
-            if ref[block] == 0:
+            append(block)
+            if not ref[block]:
                 free += 1
         return found, free
 
@@ -100,34 +100,42 @@ class BlockPool:
     def touch(self, blocks: Sequence[int]) -> None:
         """Pin cached blocks for a request that hit them."""
         ref, entry = self._ref, self._entry
+        taken = 0
         for b in blocks:
-            if ref[b] == 0:
+            count = ref[b]
+            if not count:
                 entry[b] = NOT_FREE
-                self._num_free -= 1
-            ref[b] += 1
+                taken += 1
+            ref[b] = count + 1
+        self._num_free -= taken
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` blocks from the LRU head, evicting their cached contents."""
         if count > self._num_free:
             raise MemoryError(f"need {count} blocks, {self._num_free} free")
         blocks: list[int] = []
-        queue, entry, mask = self._queue, self._entry, self._id_mask
-        ref, hashes, cached = self._ref, self._hash, self._cached
-        while len(blocks) < count:
-            e = queue.popleft()
+        append, popleft = blocks.append, self._queue.popleft
+        entry, mask, ref, hashes = self._entry, self._id_mask, self._ref, self._hash
+        for _ in range(count):
+            e = popleft()
             b = e & mask
-            if entry[b] != e:
-                continue  # taken out by a hit since it was queued
+            while entry[b] != e:  # taken out by a hit since it was queued
+                e = popleft()
+                b = e & mask
             entry[b] = NOT_FREE
-            h = hashes[b]
-            if h != NO_HASH:
-                if cached.get(h) == b:
-                    del cached[h]
-                hashes[b] = NO_HASH
             ref[b] = 1
-            blocks.append(b)
+            if hashes[b] != NO_HASH:
+                self._evict(b)
+            append(b)
         self._num_free -= count
         return blocks
+
+    def _evict(self, block: int) -> None:
+        """Forget what a block being handed out held."""
+        h = self._hash[block]
+        if self._cached.get(h) == block:
+            del self._cached[h]
+        self._hash[block] = NO_HASH
 
     def register(self, block: int, block_hash: int) -> None:
         """Record that a full block now holds the prefix named by ``block_hash``."""
@@ -146,16 +154,17 @@ class BlockPool:
     def release(self, blocks: Sequence[int]) -> None:
         """Unpin a request's blocks; the unreferenced go to the free tail, last block first."""
         ref, entry, queue = self._ref, self._entry, self._queue
+        append = queue.append
         self._releases += 1
         tag = self._releases << self._id_bits
-        freed = 0
+        before = len(queue)
         for b in reversed(blocks):
-            ref[b] -= 1
-            if ref[b] == 0:
+            left = ref[b] - 1
+            ref[b] = left
+            if not left:
                 entry[b] = e = tag | b
-                queue.append(e)
-                freed += 1
-        self._num_free += freed
+                append(e)
+        self._num_free += len(queue) - before
         if len(queue) > 2 * self.num_blocks:
             self._compact()
 

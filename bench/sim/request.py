@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from enum import Enum
 
 from bench.block_hash import chain_hashes
@@ -46,6 +47,7 @@ class SimRequest:
         "first_token_at",
         "hashes",
         "id",
+        "listener",
         "max_output",
         "num_computed",
         "num_preemptions",
@@ -97,6 +99,9 @@ class SimRequest:
         self.finish_reason: str | None = None
         self.token_times: list[float] = []
         self.updated = asyncio.Event()
+        # Called with the request instead of setting ``updated`` while it streams; it
+        # returns False to have ``updated`` set after all (see ``notify``).
+        self.listener: Callable[[SimRequest], bool] | None = None
         # Tokens sampled ahead of the output (``_draw_ahead``), from ``_drawn_at`` on.
         self._drawn = b""
         self._drawn_at = 0
@@ -113,6 +118,24 @@ class SimRequest:
     @property
     def finished(self) -> bool:
         return self.status is FINISHED
+
+    @property
+    def dropped(self) -> bool:
+        """The engine lost the request (a simulated restart): its connection ends
+        abruptly rather than with an answer."""
+        return self.status is FINISHED and self.finish_reason == "abort"
+
+    async def next_update(self) -> None:
+        """Wait for ``updated``, and take it down."""
+        await self.updated.wait()
+        self.updated.clear()
+
+    def notify(self) -> None:
+        """Tell the handler its request advanced: through the listener, which can act at
+        once (a stream writes the new tokens), or else by setting ``updated``."""
+        listener = self.listener
+        if listener is None or not listener(self):
+            self.updated.set()
 
     def append_generated(self, block_tokens: int, count: int = 1) -> None:
         """Append ``count`` sampled tokens and hash the blocks they fill."""

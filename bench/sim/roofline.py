@@ -79,8 +79,10 @@ class Roofline:
         seconds: list[float] = []
         for j in range(steps):
             flops = flops_fixed + pair * (context_tokens + batch * (j + 0.5))
-            traffic = self.weight_bytes + self.kv_bytes_per_token * (context_tokens
-                                                                     + batch * (j + 1))
-            seconds.append(self.step_overhead_s + max(flops / flops_per_second,
-                                                      traffic / bytes_per_second))
+            traffic = self.weight_bytes + self.kv_bytes_per_token * (
+                context_tokens + batch * (j + 1)
+            )
+            seconds.append(
+                self.step_overhead_s + max(flops / flops_per_second, traffic / bytes_per_second)
+            )
         return seconds

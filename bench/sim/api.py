@@ -1,0 +1,339 @@
+"""The simulated engine's HTTP API (vLLM's OpenAI API and SGLang's extras), apart from
+the server that carries it.
+
+An endpoint takes the engine and an :class:`Exchange` (the request body, and the way to
+start a streamed reply) and returns a whole :class:`Reply` or the :class:`Stream` it
+wrote. Two front-ends carry the same endpoints: ``bench/sim/server.py`` on aiohttp (the
+engine inside another program's event loop: tests, in-process benchmarks) and
+``bench/sim/http1.py`` on httptools (the engine's own process, where a seventh of the
+CPU a request cost went to aiohttp). ``tests/test_sim_http.py`` checks that the two send
+the same bytes.
+
+A request the engine drops (a simulated restart) raises ``ConnectionResetError``: the
+front-end answers 500 if nothing was sent yet, else ends the connection mid-stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from bench.sim.engine import Engine
+from bench.sim.openai_api import (
+    ApiError,
+    Kind,
+    ParsedRequest,
+    full_response,
+    models_body,
+    new_id,
+    parse_request,
+    usage,
+)
+from bench.sim.request import SimRequest
+from bench.sim.sse import stream_completion
+from bench.sim.tokenize import detokenize, render, tokenize
+
+VLLM_VERSION = "0.11.0"
+SGLANG_VERSION = "0.5.3"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+JSON = "application/json"
+Headers = Sequence[tuple[str, str]]
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A whole response. ``content_type`` None: the body (if any) goes without one."""
+
+    status: int = 200
+    body: bytes = b""
+    content_type: str | None = None
+
+
+class Stream(Protocol):
+    """A streamed response whose head is sent: the body in pieces, then the end."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self, data: bytes) -> None:
+        """Send ``data`` and end the body, in one write."""
+
+    def ready(self) -> bool:
+        """Whether ``write_nowait`` may be called: the front-end can write without
+        awaiting, and the client's socket buffer has room."""
+
+    def write_nowait(self, data: bytes) -> None:
+        """``write`` without awaiting; only when ``ready()``."""
+
+
+class Exchange(Protocol):
+    """One request as an endpoint sees it."""
+
+    async def read(self) -> bytes:
+        """The request body; ``ApiError`` 413 past ``MAX_BODY_BYTES``."""
+
+    async def stream(self, headers: Headers) -> Stream:
+        """Send a 200 head with ``headers`` and return the stream for the body."""
+
+
+Endpoint = Callable[[Engine, Exchange], Awaitable[Reply | Stream]]
+
+
+def json_reply(body: Any, status: int = 200) -> Reply:
+    return Reply(status, orjson.dumps(body), JSON)
+
+
+def error_reply(exc: ApiError) -> Reply:
+    return json_reply(exc.body(), exc.status)
+
+
+def too_large() -> ApiError:
+    return ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+
+
+def unauthorized() -> Reply:
+    """The 401 of ``api_key_check`` (as aiohttp's ``json_response`` encoded it)."""
+    return Reply(401, b'{"error": "Unauthorized"}', "application/json; charset=utf-8")
+
+
+def api_key_check(api_key: str) -> Callable[[str, str, str], bool]:
+    """vLLM's ``AuthenticationMiddleware`` (``--api-key``) as ``allowed(method, path,
+    authorization)``: a request to a path under /v1, other than OPTIONS, needs
+    ``Authorization: Bearer <key>`` (the scheme in any case); /health, /metrics and the
+    rest are open. The digests are compared, so the time does not tell the key."""
+    wanted = hashlib.sha256(api_key.encode()).digest()
+
+    def allowed(method: str, path: str, authorization: str) -> bool:
+        if method == "OPTIONS" or not path.startswith("/v1"):
+            return True
+        scheme, _, token = authorization.partition(" ")
+        given = hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, wanted)
+
+    return allowed
+
+
+async def _read_json(exchange: Exchange) -> Any:
+    try:
+        return orjson.loads(await exchange.read())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+
+
+# -- completions ------------------------------------------------------------------------
+
+
+async def chat_completions(engine: Engine, exchange: Exchange) -> Reply | Stream:
+    return await _completion(engine, exchange, "chat")
+
+
+async def completions(engine: Engine, exchange: Exchange) -> Reply | Stream:
+    return await _completion(engine, exchange, "completion")
+
+
+async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply | Stream:
+    faults = engine.faults.state
+    try:
+        if faults.fail_requests:
+            raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
+        parsed = parse_request(
+            kind, await _read_json(exchange), engine.config.served_model_name, engine.max_model_len
+        )
+    except ApiError as exc:
+        return error_reply(exc)
+    sim = engine.submit(
+        parsed.prompt, parsed.max_tokens, parsed.exact_length, parsed.seed, parsed.cache_salt
+    )
+    try:
+        if parsed.stream:
+            return await stream_completion(exchange, parsed, sim)
+        return await _respond_whole(parsed, sim)
+    finally:
+        engine.abort(sim)  # no-op when it finished; frees blocks when the client left
+
+
+async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
+    while not sim.finished:
+        await sim.next_update()
+    if sim.dropped:
+        raise ConnectionResetError("engine restarted")
+    body = full_response(
+        parsed.kind,
+        new_id(parsed.kind),
+        parsed.model,
+        int(time.time()),
+        sim.output_text(),
+        sim.finish_reason or "length",
+        usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens),
+    )
+    return json_reply(body)
+
+
+# -- tokenizer endpoints ----------------------------------------------------------------
+
+
+async def tokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
+    """vLLM's ``POST /tokenize``, chat or completion body (``bench/sim/tokenize.py``)."""
+    try:
+        body = await _read_json(exchange)
+        return json_reply(tokenize(body, engine.config.served_model_name, engine.max_model_len))
+    except ApiError as exc:
+        return error_reply(exc)
+
+
+async def detokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
+    try:
+        body = await _read_json(exchange)
+        return json_reply(detokenize(body, engine.config.served_model_name))
+    except ApiError as exc:
+        return error_reply(exc)
+
+
+async def render_chat(engine: Engine, exchange: Exchange) -> Reply:
+    return await _render(engine, exchange, "chat")
+
+
+async def render_completion(engine: Engine, exchange: Exchange) -> Reply:
+    return await _render(engine, exchange, "completion")
+
+
+async def _render(engine: Engine, exchange: Exchange, kind: Kind) -> Reply:
+    """vLLM's render endpoints: the request validated and tokenized exactly as its
+    completion would be, answered as a ``GenerateRequest`` (for completions a list of
+    one), with nothing submitted to the engine."""
+    try:
+        body = await _read_json(exchange)
+        parsed = parse_request(kind, body, engine.config.served_model_name, engine.max_model_len)
+    except ApiError as exc:
+        return error_reply(exc)
+    rendered = render(kind, parsed, body.get("model"))
+    return json_reply(rendered if kind == "chat" else [rendered])
+
+
+# -- probes -----------------------------------------------------------------------------
+
+
+async def list_models(engine: Engine, exchange: Exchange) -> Reply:
+    owner = "vllm" if engine.config.flavor == "vllm" else "sglang"
+    return json_reply(models_body(engine.config.served_model_name, engine.max_model_len, owner))
+
+
+async def health(engine: Engine, exchange: Exchange) -> Reply:
+    if engine.faults.state.stall:
+        await engine.faults.wait_unstalled()
+    return Reply(503 if engine.faults.state.fail_health else 200)
+
+
+async def health_generate(engine: Engine, exchange: Exchange) -> Reply:
+    """SGLang's deep health check: run a one-token generation through the engine."""
+    sim = engine.submit(b"ping", 1, True)
+    try:
+        while not sim.finished:
+            await sim.next_update()
+    finally:
+        engine.abort(sim)
+    return Reply(200 if not sim.dropped else 503)
+
+
+async def metrics(engine: Engine, exchange: Exchange) -> Reply:
+    if engine.faults.state.fail_metrics:
+        return Reply(503)
+    engine.record_gauges()
+    body, content_type = engine.metrics.render()
+    return Reply(200, body, content_type)
+
+
+async def version(engine: Engine, exchange: Exchange) -> Reply:
+    flavor = engine.config.flavor
+    return json_reply({"version": VLLM_VERSION if flavor == "vllm" else SGLANG_VERSION})
+
+
+async def model_info(engine: Engine, exchange: Exchange) -> Reply:
+    name = engine.config.served_model_name
+    return json_reply({"model_path": name, "tokenizer_path": name, "is_generation": True})
+
+
+async def server_info(engine: Engine, exchange: Exchange) -> Reply:
+    config = engine.config
+    return json_reply(
+        {
+            "model_path": config.served_model_name,
+            "served_model_name": config.served_model_name,
+            "tp_size": config.tensor_parallel_size,
+            "page_size": config.block_tokens,
+            "chunked_prefill_size": config.max_num_batched_tokens,
+            "max_running_requests": config.max_num_seqs,
+            "context_length": engine.max_model_len,
+            "max_total_num_tokens": engine.num_blocks * engine.block_tokens,
+            "mem_fraction_static": config.gpu_memory_utilization,
+            "version": SGLANG_VERSION,
+            "internal_states": [{"last_gen_throughput": 0.0}],
+        }
+    )
+
+
+# -- the simulator's own controls --------------------------------------------------------
+
+
+async def get_faults(engine: Engine, exchange: Exchange) -> Reply:
+    return json_reply(engine.faults.as_dict())
+
+
+async def set_faults(engine: Engine, exchange: Exchange) -> Reply:
+    try:
+        changes = await _read_json(exchange)
+        if not isinstance(changes, dict):
+            raise ApiError(400, "expected a JSON object of faults")
+        engine.faults.update(changes)
+    except ApiError as exc:
+        return error_reply(exc)
+    except ValueError as exc:
+        return error_reply(ApiError(400, str(exc)))
+    return json_reply(engine.faults.as_dict())
+
+
+async def restart(engine: Engine, exchange: Exchange) -> Reply:
+    """Simulate a process restart: in-flight requests dropped, cache empty, counters reset."""
+    dropped = engine.restart()
+    return json_reply(
+        {"dropped_requests": len(dropped), "process_start_time_seconds": engine.start_time}
+    )
+
+
+_COMMON: dict[tuple[str, str], Endpoint] = {
+    ("POST", "/v1/chat/completions"): chat_completions,
+    ("POST", "/v1/completions"): completions,
+    ("GET", "/v1/models"): list_models,
+    ("GET", "/health"): health,
+    ("GET", "/metrics"): metrics,
+    ("GET", "/version"): version,
+    ("GET", "/sim/faults"): get_faults,
+    ("POST", "/sim/faults"): set_faults,
+    ("POST", "/sim/restart"): restart,
+}
+_FLAVORED: dict[str, dict[tuple[str, str], Endpoint]] = {
+    "vllm": {
+        ("POST", "/tokenize"): tokenize_handler,
+        ("POST", "/detokenize"): detokenize_handler,
+        ("POST", "/v1/chat/completions/render"): render_chat,
+        ("POST", "/v1/completions/render"): render_completion,
+    },
+    "sglang": {
+        ("GET", "/model_info"): model_info,
+        ("GET", "/get_model_info"): model_info,
+        ("GET", "/server_info"): server_info,
+        ("GET", "/get_server_info"): server_info,
+        ("GET", "/health_generate"): health_generate,
+    },
+}
+
+
+def routes(flavor: str) -> Mapping[tuple[str, str], Endpoint]:
+    """(method, path) to endpoint for an engine of ``flavor``. A GET route answers HEAD
+    too (the front-ends' business: the body is left out)."""
+    return {**_COMMON, **_FLAVORED[flavor]}
