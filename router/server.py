@@ -63,7 +63,7 @@ class _JsonRefusals(RequestHandler):
             # connection_lost did: a disconnect (the proxy counted it), not an error.
             # aiohttp ends the connection quietly on a ConnectionError from here.
             raise ConnectionError("the client went away") from exc
-        response = super().handle_error(request, status, exc, message)  # logs; may raise
+        super().handle_error(request, status, exc, message)  # logs it; raises if answered
         if isinstance(exc, HttpProcessingError) and exc.message:
             message = exc.message
         json = web.Response(
@@ -72,7 +72,6 @@ class _JsonRefusals(RequestHandler):
             content_type="application/json",
         )
         json.force_close()  # as aiohttp's: the connection's bytes cannot be trusted
-        del response
         return json
 
 

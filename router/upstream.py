@@ -118,12 +118,6 @@ class _Connection(asyncio.Protocol):
             return
         self._fail(UpstreamClosed("the worker closed the connection" + (f": {exc}" if exc else "")))
 
-    def pause_writing(self) -> None:  # requests are written whole; nothing to pause
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
