@@ -23,7 +23,6 @@ change reaches every replica (``router/shared/policy.py``).
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +32,7 @@ from aiohttp import web
 
 from policies.base import PolicyConfigError
 from policies.registry import policy_class
+from router.auth import authorized, bearers
 from router.config import WorkerConfig, build
 from router.errors import BadRequest, RouterError
 from router.parse import header_bytes
@@ -62,7 +62,7 @@ def _authorized(handler: Handler) -> Handler:
     async def check(request: web.Request) -> web.Response:
         token = request.app[STATE_KEY].config.admin_token
         given = header_bytes(request.headers.get("Authorization", ""))
-        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        if not authorized(given, bearers([token])):
             raise Unauthorized("missing or wrong admin bearer token")
         return await handler(request)
 

@@ -28,6 +28,9 @@ class TooManyRequests(RouterError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": retry_after_header(self.retry_after_s)}
+
 
 class Overloaded(TooManyRequests):
     status: ClassVar[int] = 503

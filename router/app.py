@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -19,7 +18,9 @@ from aiohttp.typedefs import Middleware
 
 from router import __version__, discovery
 from router.admin import add_routes
-from router.admission import Admission, TooManyRequests, retry_after_header
+from router.admission import Admission
+from router.aio_proxy import handle_chat, handle_completions
+from router.auth import Unauthenticated, authorized, bearers
 from router.config import RouterConfig
 from router.errors import (
     BadRequest,
@@ -34,7 +35,6 @@ from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.parse import header_bytes
 from router.policy_slot import PolicySlot
-from router.proxy import handle_chat, handle_completions
 from router.routing import Router
 from router.server import MALFORMED_HTTP_FILTER
 from router.shared.connect import connect
@@ -67,10 +67,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if STATE_KEY in request.app and exc.status >= 400:
             request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
         response = _json(exc.body(), exc.status)
-        if isinstance(exc, TooManyRequests):
-            response.headers["Retry-After"] = retry_after_header(exc.retry_after_s)
-        if isinstance(exc, RequestTimeout):
-            response.force_close()  # the rest of the body may still be on its way
+        response.headers.update(exc.headers())
+        if exc.closes_connection:
+            response.force_close()
         return response
     except web.HTTPRequestEntityTooLarge:
         return _json(PayloadTooLarge("request body too large").body(), 413)
@@ -258,26 +257,19 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
                     await task
 
 
-class Unauthenticated(RouterError):
-    status = 401
-    error_type = "authentication_error"
-    code = "invalid_api_key"
-
-
 def _bearer_matches(request: web.Request, token: str) -> bool:
-    given = header_bytes(request.headers.get("Authorization", ""))
-    return hmac.compare_digest(given, f"Bearer {token}".encode())
+    return authorized(header_bytes(request.headers.get("Authorization", "")), bearers([token]))
 
 
 def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
     """With ``api_keys`` set, /v1/ requests need ``Authorization: Bearer <one of them>``."""
-    accepted = [f"Bearer {k}".encode() for k in keys]
+    accepted = bearers(keys)
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
             given = header_bytes(request.headers.get("Authorization", ""))
-            if not any(hmac.compare_digest(given, a) for a in accepted):
+            if not authorized(given, accepted):
                 raise Unauthenticated("missing or invalid API key")
         return await handler(request)
 

@@ -11,8 +11,10 @@
     └── UpstreamError                502 server_error
         └── UpstreamTimeout          504 server_error
 
-Third-party errors are translated where they happen (``raise ... from exc``); the app's
-error middleware turns any ``RouterError`` into its JSON body and status.
+Third-party errors are translated where they happen (``raise ... from exc``); each
+server (``router.front``, the aiohttp app's error middleware) turns a ``RouterError`` into
+its answer: ``status``, ``body()``, ``headers()``, and a closed connection where
+``closes_connection`` says so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class RouterError(Exception):
     status: ClassVar[int] = 500
     error_type: ClassVar[str] = "server_error"
     code: ClassVar[str | None] = None
+    # The rest of the client's request may still be on its way: its connection cannot
+    # carry another.
+    closes_connection: ClassVar[bool] = False
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -40,6 +45,10 @@ class RouterError(Exception):
             }
         }
 
+    def headers(self) -> dict[str, str]:
+        """Headers the answer carries besides its Content-Type."""
+        return {}
+
 
 class BadRequest(RouterError):
     status = 400
@@ -52,6 +61,7 @@ class PayloadTooLarge(BadRequest):
 
 class RequestTimeout(BadRequest):
     status = 408
+    closes_connection = True
 
 
 class ExpectationFailed(BadRequest):

@@ -118,8 +118,9 @@ def header_bytes(value: str) -> bytes:
         return value.encode("utf-8", "surrogatepass")
 
 
-def _session_digest(key: str, param: str | None, max_bytes: int) -> str:
-    raw = header_bytes(key)  # a body field holds no surrogates: orjson refuses them
+def _session_digest(key: str | bytes, param: str | None, max_bytes: int) -> str:
+    # A body field holds no surrogates: orjson refuses them.
+    raw = key if isinstance(key, bytes) else header_bytes(key)
     if len(raw) > max_bytes:
         where = f"'{param}'" if param else "the session header"
         raise BadRequest(
@@ -131,7 +132,7 @@ def _session_digest(key: str, param: str | None, max_bytes: int) -> str:
 
 def session_key_of(
     body: Mapping[str, Any],
-    header: str | None,
+    header: str | bytes | None,
     fields: Sequence[str],
     max_bytes: int = DEFAULT_LIMITS.max_session_key_bytes,
 ) -> str | None:
@@ -150,7 +151,7 @@ def session_key_of(
 def parse_request(
     kind: Kind,
     raw: bytes,
-    session_header: str | None,
+    session_header: str | bytes | None,
     session_fields: Sequence[str],
     block_bytes: int,
     limits: RequestLimits = DEFAULT_LIMITS,

@@ -1,5 +1,9 @@
 """The request path: parse -> hash -> choose -> forward -> stream back -> record.
 
+``serve`` is the same whichever server the request came in on (``router.front``'s, or the
+aiohttp app's for what the front hands it): it gets the body and the raw headers, and
+answers through a ``Reply``.
+
 Failures before the first byte reaches the client (connection refused, timeout, an
 upstream 5xx, a stream that ends before its first chunk) are retried on another worker,
 up to ``upstream.max_attempts`` workers; after the first byte, a broken upstream ends the
@@ -12,20 +16,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
-from aiohttp import web
-from multidict import CIMultiDict
 
 from policies.base import Outcome
 from router.capture import ReplyCapture
 from router.clock import monotonic
-from router.config import UpstreamConfig
 from router.errors import (
     NoEligibleWorker,
-    PayloadTooLarge,
     RouterError,
     UpstreamError,
     UpstreamTimeout,
@@ -34,39 +35,41 @@ from router.lifecycle import RequestLifecycle
 from router.parse import Kind, parse_request
 from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER, ChainExtender
 from router.routing import Dispatch, EngineUsage
-from router.state import STATE_KEY, RouterState
+from router.state import RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 HOP_BY_HOP = frozenset(
     {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
     }
 )
 # Request headers passed on to the engine (lower case); everything else stays here.
 FORWARDED_HEADERS = frozenset(
     {
-        "content-type",
-        "accept",
-        "user-agent",
-        "traceparent",
-        "tracestate",
-        "baggage",  # W3C trace context: vLLM's --otlp-traces-endpoint
+        b"content-type",
+        b"accept",
+        b"user-agent",
+        b"traceparent",
+        b"tracestate",
+        b"baggage",  # W3C trace context: vLLM's --otlp-traces-endpoint
     }
 )
-WORKER_HEADER = "X-Kvrouter-Worker"
-REQUEST_ID_HEADER = "X-Request-Id"
+WORKER_HEADER = b"X-Kvrouter-Worker"
+REQUEST_ID_HEADER = b"X-Request-Id"
+_REQUEST_ID = REQUEST_ID_HEADER.lower()
+Headers = Sequence[tuple[bytes, bytes]]
 # Non-streaming responses are read whole before they are sent on; this bounds them.
 MAX_WHOLE_RESPONSE_BYTES = 64 * 1024 * 1024
 UPSTREAM_ERRORS = (TimeoutError, ConnectionError)
@@ -86,7 +89,7 @@ class _Fallback:
 
     status: int
     body: bytes
-    content_type: str
+    content_type: bytes
 
 
 class _Retry(Exception):
@@ -102,65 +105,77 @@ class _Retry(Exception):
         return "timeout" if isinstance(self.error, UpstreamTimeout) else "upstream_error"
 
 
-def _forward_headers(
-    headers: Mapping[str, str], request_id: str, upstream: UpstreamConfig
-) -> list[tuple[str, str]]:
-    """The client's headers an engine is meant to see: an allow-list, so its credentials
-    (Authorization, Cookie) stay here and the body's Content-Encoding, which aiohttp
-    undid on reading, is not claimed for the plain body sent on."""
-    out = [(k, v) for k, v in headers.items() if k.lower() in FORWARDED_HEADERS]
-    out.append((REQUEST_ID_HEADER, request_id))
-    out.extend(upstream.auth_headers.items())
-    return out
+class Reply(Protocol):
+    """The client's side of one request: how ``serve`` answers it, whichever server it
+    arrived on. Either ``whole`` once, or ``start``, any ``write``s and ``end``; a write
+    to a client that went away raises ``ConnectionResetError``."""
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None: ...
+
+    async def start(self, status: int, headers: Headers) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _ClientHeaders:
+    """What the proxy reads of the client's headers, in one pass over them."""
+
+    forwarded: bytes  # the header lines an engine is meant to see
+    request_id: str | None
+    session: bytes | None
+
+
+def _read_headers(raw: Headers, session_header: bytes) -> _ClientHeaders:
+    """An allow-list, so the client's credentials (Authorization, Cookie) stay here and a
+    Content-Encoding its server undid on reading is not claimed for the plain body sent
+    on. ``session_header`` is lower case."""
+    lines: list[bytes] = []
+    request_id: str | None = None
+    session: bytes | None = None
+    for name, value in raw:
+        key = name.lower()
+        if key in FORWARDED_HEADERS:
+            lines.append(b"%s: %s\r\n" % (name, value))
+        elif key == _REQUEST_ID:
+            request_id = request_id or value.decode("latin-1") or None
+        elif key == session_header and session is None:
+            session = value
+    return _ClientHeaders(b"".join(lines), request_id, session)
 
 
 def _response_headers(
-    http: web.Request, upstream: UpstreamResponse, worker: str, request_id: str
-) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in upstream.headers:
-        key = name.decode("latin-1")
-        if key.lower() not in HOP_BY_HOP:
-            out.add(key, value.decode("latin-1"))
-    if http.app[STATE_KEY].config.worker_header:
-        out[WORKER_HEADER] = worker
-    out[REQUEST_ID_HEADER] = request_id
+    upstream: UpstreamResponse, worker: str, request_id: str, worker_header: bool
+) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_BY_HOP]
+    if worker_header:
+        out.append((WORKER_HEADER, worker.encode()))
+    out.append((REQUEST_ID_HEADER, request_id.encode("latin-1")))
     return out
 
 
-async def handle_chat(http: web.Request) -> web.StreamResponse:
-    return await _handle(http, "chat")
-
-
-async def handle_completions(http: web.Request) -> web.StreamResponse:
-    return await _handle(http, "completion")
-
-
-async def _read_body(http: web.Request, limit: int) -> bytes:
-    if http.content_length is not None and http.content_length > limit:
-        raise PayloadTooLarge(f"request body is larger than {limit} bytes")
-    try:
-        return await http.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body is larger than {limit} bytes") from None
-
-
-async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
-    state = http.app[STATE_KEY]
+async def serve(
+    state: RouterState, kind: Kind, raw: bytes, raw_headers: Headers, reply: Reply
+) -> None:
+    """Serves one client request whose whole body is ``raw``; a ``RouterError`` raised
+    here is the client's answer (its server renders it)."""
     config = state.config
     arrived = monotonic()
-    raw = await _read_body(http, config.max_body_bytes)
+    headers = _read_headers(raw_headers, state.session_header)
     request = parse_request(
         kind,
         raw,
-        http.headers.get(config.session_header),
+        headers.session,
         config.session_body_fields,
         config.prefix.block_bytes,
         config.limits,
     )
-    request_id = http.headers.get(REQUEST_ID_HEADER) or secrets.token_hex(16)
+    request_id = headers.request_id or secrets.token_hex(16)
     lifecycle = RequestLifecycle(state.router, state.admission, request, request_id, arrived)
     await lifecycle.admit()
+    client = _Client(reply, headers.forwarded + state.upstream_auth, request_id)
     failure: _Retry | None = None
     for _ in range(config.upstream.max_attempts):
         if failure is not None and monotonic() - arrived > config.upstream.retry_deadline_s:
@@ -172,7 +187,8 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
                 raise
             break
         try:
-            return await _attempt(http, state, lifecycle, dispatch)
+            await _attempt(client, state, lifecycle, dispatch)
+            return
         except _Retry as retry:
             failure = retry
             log.warning(
@@ -185,20 +201,24 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     lifecycle.gave_up(failure.outcome)
     if failure.fallback is not None:
         fb = failure.fallback
-        return web.Response(status=fb.status, body=fb.body, content_type=fb.content_type)
+        await reply.whole(fb.status, ((b"Content-Type", fb.content_type),), fb.body)
+        return
     raise failure.error
 
 
-async def _open(
-    state: RouterState, dispatch: Dispatch, http: web.Request, request_id: str
-) -> UpstreamResponse:
+@dataclass(frozen=True, slots=True)
+class _Client:
+    reply: Reply
+    forwarded: bytes  # header lines for the engine, the router's own credentials included
+    request_id: str
+
+
+async def _open(state: RouterState, dispatch: Dispatch, client: _Client) -> UpstreamResponse:
     path = CHAT_PATH if dispatch.request.kind == "chat" else COMPLETION_PATH
+    headers = client.forwarded + b"%s: %s\r\n" % (REQUEST_ID_HEADER, client.request_id.encode())
     try:
         return await state.upstream.post(
-            dispatch.worker.origin,
-            path,
-            _forward_headers(http.headers, request_id, state.config.upstream),
-            dispatch.request.body,
+            dispatch.worker.origin, path, headers, dispatch.request.body
         )
     except TimeoutError as exc:
         raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} timed out")) from exc
@@ -211,12 +231,12 @@ async def _open(
 
 
 async def _attempt(
-    http: web.Request,
+    client: _Client,
     state: RouterState,
     lifecycle: RequestLifecycle,
     dispatch: Dispatch,
-) -> web.StreamResponse:
-    request, request_id = dispatch.request, dispatch.route.request_id
+) -> None:
+    request = dispatch.request
     header = CHAT_REPLY_HEADER if request.kind == "chat" else COMPLETION_REPLY_HEADER
     extender = (
         ChainExtender(request.key, state.config.prefix.block_bytes, header)
@@ -244,7 +264,7 @@ async def _attempt(
     try:
         async with first_byte:
             unanswered.add(first_byte)
-            upstream = await _open(state, dispatch, http, request_id)
+            upstream = await _open(state, dispatch, client)
             if not request.stream:
                 unanswered.discard(first_byte)  # a whole reply's headers are its answer
             try:
@@ -252,18 +272,16 @@ async def _attempt(
                     body = await _read_whole(dispatch, upstream)
                     raise _Retry(
                         UpstreamError(f"worker {dispatch.worker.name} answered {upstream.status}"),
-                        _Fallback(upstream.status, body, upstream.content_type),
+                        _Fallback(upstream.status, body, upstream.content_type.encode()),
                     )
+                worker_header = state.config.worker_header
                 if request.stream and upstream.status == 200:
-                    response, outcome = await _relay_stream(
-                        http, dispatch, upstream, capture, request_id, first_byte
+                    outcome = await _relay_stream(
+                        client, dispatch, upstream, capture, first_byte, worker_header
                     )
                 else:
-                    response, outcome = await _relay_whole(
-                        http, dispatch, upstream, capture, request_id
-                    )
+                    outcome = await _relay_whole(client, dispatch, upstream, capture, worker_header)
                 sent = True
-                return response
             finally:
                 upstream.release()
     except _Retry as retry:
@@ -340,26 +358,26 @@ async def _first_chunk(dispatch: Dispatch, upstream: UpstreamResponse) -> bytes:
 
 
 async def _relay_stream(
-    http: web.Request,
+    client: _Client,
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
-    request_id: str,
     first_byte: asyncio.Timeout,
-) -> tuple[web.StreamResponse, Outcome]:
+    worker_header: bool,
+) -> Outcome:
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
     dispatch.worker.unanswered.discard(first_byte)
     dispatch.first_byte()
-    response = web.StreamResponse(
-        status=upstream.status,
-        headers=_response_headers(http, upstream, dispatch.worker.name, request_id),
+    reply, request_id = client.reply, client.request_id
+    await reply.start(
+        upstream.status,
+        _response_headers(upstream, dispatch.worker.name, request_id, worker_header),
     )
-    await response.prepare(http)
     events = WholeEvents()
     capture.feed_stream(first)
     if whole := events.cut(first):
-        await response.write(whole)
+        await reply.write(whole)
     outcome: Outcome = "success"
     while True:
         try:
@@ -370,19 +388,19 @@ async def _relay_stream(
                 "request %s: worker %s failed mid-stream: %r", request_id, dispatch.worker.name, exc
             )
             # The half event it sent is dropped: the client reads only whole events.
-            await response.write(MID_STREAM_ERROR_EVENT)
+            await reply.write(MID_STREAM_ERROR_EVENT)
             break
         if not chunk:
             if rest := events.rest():
-                await response.write(rest)
+                await reply.write(rest)
             break
         capture.feed_stream(chunk)
         if whole := events.cut(chunk):
-            await response.write(whole)  # a client that went away raises here
+            await reply.write(whole)  # a client that went away raises here
     if capture.errored:
         outcome = "upstream_error"
-    await response.write_eof()
-    return response, outcome
+    await reply.end()
+    return outcome
 
 
 # The most of an unfinished event the relay holds back (a worker that never ends one
@@ -416,20 +434,20 @@ class WholeEvents:
 
 
 async def _relay_whole(
-    http: web.Request,
+    client: _Client,
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
-    request_id: str,
-) -> tuple[web.StreamResponse, Outcome]:
+    worker_header: bool,
+) -> Outcome:
     body = await _read_whole(dispatch, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
     dispatch.first_byte(observe=False, computed=upstream.status < 400)
     if upstream.status == 200:
         capture.feed_whole(body)
-    response = web.Response(
-        status=upstream.status,
-        body=body,
-        headers=_response_headers(http, upstream, dispatch.worker.name, request_id),
+    await client.reply.whole(
+        upstream.status,
+        _response_headers(upstream, dispatch.worker.name, client.request_id, worker_header),
+        body,
     )
-    return response, "success" if upstream.status < 400 else "rejected"
+    return "success" if upstream.status < 400 else "rejected"

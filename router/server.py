@@ -1,27 +1,30 @@
-"""The aiohttp server the router runs on: what aiohttp answers and logs by itself, before
-any of the router's handlers or middlewares see a request.
+"""The server the router runs on: ``RouterRunner`` serves the aiohttp app with a
+``FrontConnection`` (router.front) for every client connection, which serves the two
+completion routes itself and hands everything else to the app (router.bridge).
 
-aiohttp refuses HTTP its parser cannot read (a bad request line, header or chunk, a
-header too long) with a plain-text 400 and logs each at ERROR with a traceback. Every
-answer of the router is OpenAI-shaped JSON, so ``RouterRunner`` serves the app with a
-request handler whose refusals are too, and ``MALFORMED_HTTP_FILTER`` keeps those
-refusals out of the log unless ``aiohttp.server`` logs at DEBUG: one client sending
-garbage would otherwise fill it. A handler that ends on ``ConnectionResetError`` (the
-client left while the proxy wrote to it) ends its connection without a logged error.
+aiohttp refuses HTTP its parser cannot read with a plain-text 400 and logs each at ERROR
+with a traceback. The front refuses malformed HTTP before aiohttp sees it, as JSON; what
+aiohttp still refuses itself is JSON too (``bridge.JsonRefusals``), and
+``MALFORMED_HTTP_FILTER`` keeps those refusals out of the log unless ``aiohttp.server``
+logs at DEBUG: one client sending garbage would otherwise fill it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
-import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestHandler
-from aiohttp.web_request import BaseRequest
 
-from router.errors import BadRequest, RouterError
+from router.bridge import Bridge
+from router.front import FrontConnection
+from router.state import STATE_KEY
+
+# The bridged handler never closes an idle connection itself: the front times it out.
+_BRIDGE_KEEPALIVE_S = 10.0 * 365 * 86400
 
 
 class _MalformedHttpFilter(logging.Filter):
@@ -39,60 +42,44 @@ class _MalformedHttpFilter(logging.Filter):
 MALFORMED_HTTP_FILTER = _MalformedHttpFilter()
 
 
-def refusal_body(status: int, message: str | None) -> bytes:
-    """The JSON body of a refusal aiohttp makes itself (its own text says only which
-    rule the bytes broke; none of the request is echoed)."""
-    if status >= 500:
-        return orjson.dumps(RouterError("internal error").body())
-    error = BadRequest(f"malformed HTTP request: {message or 'unreadable'}")
-    body = error.body()
-    body["error"]["code"] = status
-    return orjson.dumps(body)
+class _FrontServer(web.Server):
+    """aiohttp's server, making a ``FrontConnection`` for each client connection."""
 
+    def __init__(self, app: web.Application, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._app = app
+        self._fronts: set[FrontConnection] = set()
 
-class _JsonRefusals(RequestHandler):
-    def handle_error(
-        self,
-        request: BaseRequest,
-        status: int = 500,
-        exc: BaseException | None = None,
-        message: str | None = None,
-    ) -> web.StreamResponse:
-        if isinstance(exc, ConnectionResetError):
-            # The client went away and a write to it said so before aiohttp's own
-            # connection_lost did: a disconnect (the proxy counted it), not an error.
-            # aiohttp ends the connection quietly on a ConnectionError from here.
-            raise ConnectionError("the client went away") from exc
-        super().handle_error(request, status, exc, message)  # logs it; raises if answered
-        if isinstance(exc, HttpProcessingError) and exc.message:
-            message = exc.message
-        json = web.Response(
-            status=status,
-            body=refusal_body(status, message),
-            content_type="application/json",
-        )
-        json.force_close()  # as aiohttp's: the connection's bytes cannot be trusted
-        return json
+    def __call__(self) -> FrontConnection:  # type: ignore[override]
+        front = FrontConnection(self._app.get(STATE_KEY), self._bridge, self._fronts.discard)
+        self._fronts.add(front)
+        return front
 
+    def _bridge(self, responded: Callable[[bool], None]) -> Bridge:
+        kwargs = {**self._kwargs, "keepalive_timeout": _BRIDGE_KEEPALIVE_S}
+        return Bridge(self, responded, **kwargs)
 
-class _JsonRefusalServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        return _JsonRefusals(self, loop=self._loop, **self._kwargs)
+    def pre_shutdown(self) -> None:
+        for front in self._fronts:
+            front.close()
+        super().pre_shutdown()
+
+    async def shutdown(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        await asyncio.gather(*(front.shutdown(timeout) for front in list(self._fronts)))
+        await super().shutdown(timeout)
 
 
 class RouterRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections refuse malformed HTTP with JSON."""
+    """``web.AppRunner`` whose connections are the router's own (router.front)."""
 
     async def _make_server(self) -> web.Server:
-        return _rebuilt(await super()._make_server())
-
-
-def _rebuilt(server: web.Server) -> web.Server:
-    kwargs: dict[str, Any] = dict(server._kwargs)
-    return _JsonRefusalServer(
-        server.request_handler,
-        request_factory=server.request_factory,
-        handler_cancellation=server.handler_cancellation,
-        loop=server._loop,
-        **kwargs,
-    )
+        server = await super()._make_server()
+        kwargs: dict[str, Any] = dict(server._kwargs)
+        return _FrontServer(
+            self.app,
+            server.request_handler,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            loop=server._loop,
+            **kwargs,
+        )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from router.admission import Admission
+from router.auth import bearers
 from router.config import RouterConfig, WorkerConfig
 from router.health import HealthProber
 from router.membership import Membership
@@ -31,6 +32,19 @@ class RouterState:
     upstream: UpstreamPool  # requests forwarded to the workers
     admission: Admission
     prober: HealthProber
+    # Rendered once for the request path: the session header's name in lower case, and
+    # the header lines that authenticate the router to its engines.
+    session_header: bytes = field(init=False)
+    upstream_auth: bytes = field(init=False)
+    accepted_bearers: tuple[bytes, ...] = field(init=False)  # "Bearer <api key>", if any
+
+    def __post_init__(self) -> None:
+        self.session_header = self.config.session_header.lower().encode("latin-1")
+        self.upstream_auth = b"".join(
+            b"%s: %s\r\n" % (name.encode(), value.encode())
+            for name, value in self.config.upstream.auth_headers.items()
+        )
+        self.accepted_bearers = bearers(self.config.api_keys)
 
     def add_worker(self, config: WorkerConfig) -> Worker:
         """The one way a worker joins, from the config file, the admin API or discovery:

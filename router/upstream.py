@@ -28,7 +28,6 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import urlsplit
@@ -294,23 +293,17 @@ class UpstreamPool:
         self._reaper: asyncio.TimerHandle | None = None
 
     async def post(
-        self, origin: Origin, path: bytes, headers: Iterable[tuple[str, str]], body: bytes
+        self, origin: Origin, path: bytes, header_lines: bytes, body: bytes
     ) -> UpstreamResponse:
-        """Sends ``body`` to ``origin`` and returns once the response's headers are in."""
+        """Sends ``body`` to ``origin`` and returns once the response's headers are in;
+        ``header_lines`` are whole header lines, each ending in CRLF (Host and
+        Content-Length are added here)."""
         connection = await self._acquire(origin)
-        head = b"".join(
-            (
-                b"POST ",
-                path,
-                b" HTTP/1.1\r\nHost: ",
-                origin.host_header,
-                b"\r\n",
-                *(
-                    b"%s: %s\r\n" % (k.encode("latin-1"), v.encode("utf-8", "surrogateescape"))
-                    for k, v in headers
-                ),
-                b"Content-Length: %d\r\n\r\n" % len(body),
-            )
+        head = b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+            path,
+            origin.host_header,
+            header_lines,
+            len(body),
         )
         try:
             await connection.send(head, body, self.read_timeout_s)

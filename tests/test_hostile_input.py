@@ -212,7 +212,7 @@ def _head(port: int, request_line: bytes, header: tuple[bytes, bytes]) -> bytes:
         return sock.makefile("rb").read().split(b"\r\n\r\n")[0] + b"\r\n"
 
 
-async def test_requests_aiohttp_cannot_parse_do_not_fill_the_log(
+async def test_requests_that_are_not_http_do_not_fill_the_log(
     engine_factory: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with engines(engine_factory, 1) as fleet, serve_router(router_config(fleet)) as router:
@@ -221,13 +221,13 @@ async def test_requests_aiohttp_cannot_parse_do_not_fill_the_log(
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(b"GET /\x00bad HTTP/1.1\r\nHost: x\r\n\r\n")
             await writer.drain()
-            assert (await reader.read(64)).startswith(b"HTTP/1.0 400")
+            assert (await reader.read(64)).startswith(b"HTTP/1.1 400")
             writer.close()
             await writer.wait_closed()
         async with aiohttp.ClientSession() as http, http.get(router.url + "/health") as response:
             assert response.status == 200
-    noisy = [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= 30]
-    assert noisy == []  # aiohttp answered 400 itself: nothing failed here
+    noisy = [r for r in caplog.records if r.levelno >= 30]
+    assert noisy == []  # the router answered 400 itself: nothing failed here
 
 
 @pytest.mark.parametrize(

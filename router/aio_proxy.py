@@ -1,0 +1,69 @@
+"""The two completion routes on the aiohttp app. The router's own server
+(``router.front``) serves them itself in their common shape; what it hands the app (a
+Content-Encoding, HTTP/1.0) is served here by the same ``router.proxy.serve``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.errors import PayloadTooLarge
+from router.parse import Kind
+from router.proxy import Headers, serve
+from router.state import STATE_KEY
+
+
+class AiohttpReply:
+    """``router.proxy.Reply`` on an aiohttp request: ``response`` is the handler's."""
+
+    __slots__ = ("_http", "response")
+
+    def __init__(self, http: web.Request) -> None:
+        self._http = http
+        self.response: web.StreamResponse | None = None
+
+    async def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        self.response = web.Response(status=status, body=body, headers=_decoded(headers))
+
+    async def start(self, status: int, headers: Headers) -> None:
+        response = web.StreamResponse(status=status, headers=_decoded(headers))
+        self.response = response
+        await response.prepare(self._http)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()
+
+
+def _decoded(headers: Headers) -> CIMultiDict[str]:
+    return CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
+
+
+async def handle_chat(http: web.Request) -> web.StreamResponse:
+    return await _handle(http, "chat")
+
+
+async def handle_completions(http: web.Request) -> web.StreamResponse:
+    return await _handle(http, "completion")
+
+
+async def _read_body(http: web.Request, limit: int) -> bytes:
+    if http.content_length is not None and http.content_length > limit:
+        raise PayloadTooLarge(f"request body is larger than {limit} bytes")
+    try:
+        return await http.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body is larger than {limit} bytes") from None
+
+
+async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
+    state = http.app[STATE_KEY]
+    raw = await _read_body(http, state.config.max_body_bytes)
+    reply = AiohttpReply(http)
+    await serve(state, kind, raw, http.raw_headers, reply)
+    assert reply.response is not None, "serve answers or raises"
+    return reply.response

@@ -1,0 +1,498 @@
+"""The router's HTTP/1.1 server: one ``FrontConnection`` per client connection.
+
+httptools parses every request. ``POST /v1/chat/completions`` and ``POST
+/v1/completions`` over HTTP/1.1 with a plain body are served here, by
+``router.proxy.serve``; every other request (other routes, HTTP/1.0, a Content-Encoding)
+is handed to the aiohttp app through ``router.bridge``, which answers as it always has.
+The hot path so costs what httptools and the router's own work cost, without aiohttp's
+request and response objects, middleware chain and route table.
+
+What no request may exceed is enforced here, for every route, before either server sees
+it (aiohttp's own limits where it has them):
+
+* the request target and each header name and value: 8,190 bytes; 128 headers; the head
+  as a whole 1 MiB (httptools would buffer an unterminated header without end);
+* the body: ``max_body_bytes`` (413), within ``clients.body_timeout_s`` of the headers
+  (408); either closes the connection, since the rest of the body may still come;
+* idle, or still sending its request line and headers: ``clients.keepalive_timeout_s``;
+* ``Expect``: ``100-continue`` is answered, any other expectation refused (417);
+* bytes that are not HTTP: a JSON 400, and the connection closed.
+
+Requests on one connection are answered in order (pipelined ones wait their turn; the
+connection stops reading while they do). A client that leaves cancels its request, as
+aiohttp's ``handler_cancellation`` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import httptools
+import orjson
+from aiohttp.tcp_helpers import tcp_keepalive
+
+from router import wire
+from router.auth import Unauthenticated, authorized
+from router.errors import (
+    BadRequest,
+    ExpectationFailed,
+    PayloadTooLarge,
+    RequestTimeout,
+    RouterError,
+)
+from router.parse import Kind
+from router.proxy import serve
+from router.state import RouterState
+
+if TYPE_CHECKING:
+    from router.bridge import Bridge
+
+log = logging.getLogger(__name__)
+
+MAX_TARGET_BYTES = 8190
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 128
+MAX_HEAD_BYTES = 1 << 20
+HOT_ROUTES: dict[bytes, Kind] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completion"}
+_JSON = ((b"Content-Type", b"application/json"),)
+_DROPPED_WHEN_BRIDGED = frozenset({b"content-length", b"transfer-encoding", b"expect"})
+
+
+class _Refused(Exception):
+    """A request the front answers itself, with ``error``, and closes after."""
+
+    def __init__(self, error: RouterError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(slots=True)
+class _Message:
+    """One request as it arrives."""
+
+    url: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    body: list[bytes] = field(default_factory=list)
+    body_bytes: int = 0
+    method: bytes = b""
+    version: str = "1.1"
+    keep_alive: bool = True
+    kind: Kind | None = None  # a hot route in its common shape: served by the front
+    expects_continue: bool = False
+
+
+class FrontConnection(asyncio.Protocol):
+    def __init__(
+        self,
+        state: RouterState | None,
+        make_bridge: Callable[[Callable[[bool], None]], Bridge],
+        on_closed: Callable[[FrontConnection], None],
+    ) -> None:
+        self._state = state
+        self._make_bridge = make_bridge
+        self._on_closed = on_closed
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._message: _Message | None = None  # the one being received
+        self._in_head = False
+        self._head_bytes = 0
+        self._queue: deque[_Message | _Refused] = deque()  # received, awaiting their turn
+        self._busy = False  # a request of this connection is being answered
+        self._task: asyncio.Task[None] | None = None
+        self._bridge: Bridge | None = None
+        self._refused = False  # no more requests are read
+        self._closing = False  # close once the current request is answered
+        self._reading_paused = False
+        self._write_paused = False
+        self._drained: asyncio.Future[None] | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._idle_until = 0.0
+        self._done: asyncio.Future[None] | None = None  # for shutdown: set when idle
+
+    # -- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        tcp_keepalive(self._transport)  # as aiohttp's server: dead peers are found
+        self._arm_idle()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._transport = None
+        for timer in (self._idle_timer, self._body_timer):
+            if timer is not None:
+                timer.cancel()
+        if self._task is not None:
+            self._task.cancel()  # the client left: its request ends (handler_cancellation)
+        if self._bridge is not None:
+            self._bridge.connection_lost(exc)
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_exception(ConnectionResetError("the client went away"))
+        self._queue.clear()
+        self._on_closed(self)
+        self._set_done()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self._bridge is not None:
+            self._bridge.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        if self._bridge is not None:
+            self._bridge.resume_writing()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # An Upgrade the router does not do: the request is answered (by the app,
+            # which refuses it) and the connection ends there.
+            self._stop_reading()
+        except httptools.HttpParserCallbackError as exc:
+            refused = exc.__context__
+            if not isinstance(refused, _Refused):
+                log.error("unexpected error reading a request", exc_info=refused)
+                refused = _Refused(RouterError("internal error"))
+            self._refuse(refused)
+        except httptools.HttpParserError as exc:
+            log.debug("malformed HTTP request: %s", exc)
+            self._refuse(_Refused(BadRequest(f"malformed HTTP request: {exc}")))
+        else:
+            if self._in_head and self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(_Refused(BadRequest("malformed HTTP request: the head is too long")))
+            elif self._message is not None and not self._in_head and self._body_timer is None:
+                self._arm_body_timer()
+
+    # -- httptools callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._message = _Message()
+        self._in_head = True
+
+    def on_url(self, url: bytes) -> None:
+        message = self._message
+        assert message is not None
+        message.url += url
+        if len(message.url) > MAX_TARGET_BYTES:
+            raise _Refused(BadRequest("malformed HTTP request: the request target is too long"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        message = self._message
+        assert message is not None
+        if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
+            raise _Refused(BadRequest("malformed HTTP request: a header is too long"))
+        if len(message.headers) >= MAX_HEADERS:
+            raise _Refused(BadRequest("malformed HTTP request: too many headers"))
+        message.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        message = self._message
+        assert message is not None
+        self._in_head = False
+        self._head_bytes = 0
+        parser = self._parser
+        message.method = parser.get_method()
+        message.version = parser.get_http_version()
+        message.keep_alive = parser.should_keep_alive()
+        state = self._state
+        length: int | None = None
+        plain = True
+        for name, value in message.headers:
+            key = name.lower()
+            if key == b"content-length":
+                length = int(value) if value.isdigit() else None  # llhttp checked it
+            elif key == b"expect":
+                if value.lower() != b"100-continue":
+                    error = ExpectationFailed(
+                        f"unknown Expect {value.decode('latin-1')!r}: "
+                        "only 100-continue is understood"
+                    )
+                    raise _Refused(error)
+                message.expects_continue = message.version == "1.1"
+            elif key == b"content-encoding" and value.lower() != b"identity":
+                plain = False
+        if state is not None and length is not None and length > state.config.max_body_bytes:
+            raise _Refused(self._too_large())
+        if plain and message.method == b"POST" and message.version == "1.1":
+            message.kind = HOT_ROUTES.get(message.url.partition(b"?")[0])
+        if message.expects_continue and not self._busy and self._transport is not None:
+            self._transport.write(wire.CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        message = self._message
+        assert message is not None
+        message.body.append(body)
+        message.body_bytes += len(body)
+        state = self._state
+        if state is not None and message.body_bytes > state.config.max_body_bytes:
+            raise _Refused(self._too_large())
+
+    def on_message_complete(self) -> None:
+        message, self._message = self._message, None
+        assert message is not None
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        self._queue.append(message)
+        if self._busy:
+            self._pause_reading()  # one waits its turn; read no more behind it
+        else:
+            self._next()
+
+    # -- answering, in order ------------------------------------------------------------
+
+    def _next(self) -> None:
+        """Answers the next request received, if the connection is free for it."""
+        if self._busy or self._transport is None:
+            return
+        if not self._queue:
+            if self._closing:
+                self._close()
+                return
+            self._arm_idle()
+            if self._reading_paused:
+                self._reading_paused = False
+                self._transport.resume_reading()
+            self._set_done()
+            return
+        item = self._queue.popleft()
+        self._busy = True
+        self._disarm_idle()
+        if isinstance(item, _Refused):
+            self._answer_error(item.error, close=True)
+            self._close()
+        elif item.kind is not None and self._state is not None:
+            self._task = self._loop.create_task(self._serve(item, item.kind, self._state))
+        else:
+            self._hand_to_app(item)
+
+    def _finished(self, keep_alive: bool) -> None:
+        self._busy = False
+        self._task = None
+        if not keep_alive:
+            self._closing = True
+        self._next()
+
+    async def _serve(self, message: _Message, kind: Kind, state: RouterState) -> None:
+        reply = _Reply(self, message.keep_alive and not self._closing)
+        body = message.body[0] if len(message.body) == 1 else b"".join(message.body)
+        try:
+            bearers = state.accepted_bearers
+            if bearers and not _authorized(message.headers, bearers):
+                raise Unauthenticated("missing or invalid API key")
+            await serve(state, kind, body, message.headers, reply)
+        except RouterError as exc:
+            if reply.started:  # a bug of ours: errors are raised before the answer starts
+                log.error("error after the answer began: %r", exc)
+                reply.keep_alive = False
+                return
+            if exc.status >= 400:
+                state.metrics.rejected.labels(str(exc.status)).inc()
+            reply.keep_alive = reply.keep_alive and not exc.closes_connection
+            self._answer_error(exc, close=not reply.keep_alive)
+            reply.ended = True
+        except (asyncio.CancelledError, ConnectionError):
+            reply.keep_alive = False  # the client went away (the proxy counted it)
+        except Exception:
+            log.exception("unexpected error serving POST %s", message.url.decode("latin-1"))
+            reply.keep_alive = False
+            if not reply.started:
+                state.metrics.rejected.labels("500").inc()
+                self._answer_error(RouterError("internal error"), close=True)
+        finally:
+            self._finished(reply.keep_alive and reply.ended)
+
+    def _hand_to_app(self, message: _Message) -> None:
+        if self._bridge is None:
+            assert self._transport is not None
+            self._bridge = self._make_bridge(self._finished)
+            self._bridge.attach(self._transport, self._bridge_closed)
+            if self._write_paused:
+                self._bridge.pause_writing()
+        self._bridge.data_received(_as_bytes(message))
+
+    def _bridge_closed(self) -> None:
+        """The app closed the connection it was given: so does the front (after what it
+        wrote, which the transport flushes first)."""
+        self._queue.clear()
+        self._close()
+
+    def _answer_error(self, error: RouterError, close: bool) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        headers = [*_JSON, *((k.encode(), v.encode()) for k, v in error.headers().items())]
+        body = orjson.dumps(error.body())
+        transport.write(
+            wire.head(error.status, headers, wire.content_length(len(body)), close) + body
+        )
+
+    def _too_large(self) -> RouterError:
+        assert self._state is not None
+        limit = self._state.config.max_body_bytes
+        return PayloadTooLarge(f"request body is larger than {limit} bytes")
+
+    # -- the connection -----------------------------------------------------------------
+
+    def _refuse(self, refused: _Refused) -> None:
+        """The rest of what the client sends is not read: its refusal is answered in
+        its turn, and the connection closed."""
+        self._stop_reading()
+        self._message = None
+        self._in_head = False
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+        if refused.error.status >= 400 and self._state is not None:
+            self._state.metrics.rejected.labels(str(refused.error.status)).inc()
+        self._queue.append(refused)
+        self._next()
+
+    def _stop_reading(self) -> None:
+        self._refused = True
+        self._closing = True
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def _close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    async def drain(self) -> None:
+        if self._write_paused:
+            if self._transport is None:
+                raise ConnectionResetError("the client went away")
+            self._drained = self._loop.create_future()
+            await self._drained
+
+    def write(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        transport.write(data)
+
+    # -- timers -------------------------------------------------------------------------
+
+    def _arm_idle(self) -> None:
+        if self._state is None:
+            return
+        self._idle_until = self._loop.time() + self._state.config.clients.keepalive_timeout_s
+        if self._idle_timer is None:
+            self._idle_timer = self._loop.call_at(self._idle_until, self._idle_expired)
+
+    def _disarm_idle(self) -> None:
+        self._idle_until = 0.0  # the timer, when it fires, finds the connection busy
+
+    def _idle_expired(self) -> None:
+        self._idle_timer = None
+        if self._busy or self._idle_until == 0.0:
+            return
+        if self._loop.time() < self._idle_until:
+            self._idle_timer = self._loop.call_at(self._idle_until, self._idle_expired)
+        elif self._message is None or self._in_head:
+            self._close()  # idle, or its head still arriving after all this time
+        # else its body is arriving: the body timer bounds that
+
+    def _arm_body_timer(self) -> None:
+        if self._state is not None:
+            timeout = self._state.config.clients.body_timeout_s
+            self._body_timer = self._loop.call_later(timeout, self._body_expired, timeout)
+
+    def _body_expired(self, timeout: float) -> None:
+        self._body_timer = None
+        if self._message is not None and not self._in_head:
+            error = RequestTimeout(f"the request body did not arrive within {timeout:g} s")
+            self._refuse(_Refused(error))
+
+    # -- shutdown (aiohttp's web.Server calls these on every connection) ----------------
+
+    def close(self) -> None:
+        """No more requests: the connection closes once the current one is answered."""
+        self._closing = True
+        self._stop_reading()
+        if not self._busy:
+            self._close()
+
+    async def shutdown(self, timeout: float | None) -> None:  # noqa: ASYNC109 (aiohttp's)
+        """Waits up to ``timeout`` for the request being answered, then ends it."""
+        self.close()
+        if self._busy:
+            self._done = self._loop.create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._done), timeout)
+        if self._task is not None:
+            self._task.cancel()
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _set_done(self) -> None:
+        if self._done is not None and not self._done.done():
+            self._done.set_result(None)
+
+
+class _Reply:
+    """``router.proxy.Reply`` on a front connection."""
+
+    __slots__ = ("_connection", "ended", "keep_alive", "started")
+
+    def __init__(self, connection: FrontConnection, keep_alive: bool) -> None:
+        self._connection = connection
+        self.keep_alive = keep_alive
+        self.started = False
+        self.ended = False
+
+    async def whole(self, status: int, headers: wire.Headers, body: bytes) -> None:
+        self.started = True
+        close = not self.keep_alive
+        self._connection.write(
+            wire.head(status, headers, wire.content_length(len(body)), close) + body
+        )
+        self.ended = True
+
+    async def start(self, status: int, headers: wire.Headers) -> None:
+        self.started = True
+        self._connection.write(wire.head(status, headers, wire.CHUNKED, not self.keep_alive))
+
+    async def write(self, data: bytes) -> None:
+        connection = self._connection
+        connection.write(wire.chunk(data))
+        await connection.drain()
+
+    async def end(self) -> None:
+        self._connection.write(wire.LAST_CHUNK)
+        self.ended = True
+
+
+def _authorized(headers: list[tuple[bytes, bytes]], accepted: tuple[bytes, ...]) -> bool:
+    given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+    return authorized(given, accepted)
+
+
+def _as_bytes(message: _Message) -> bytes:
+    """The request as the app is to read it: its body whole, behind a Content-Length
+    (the front read the body and answered any Expect)."""
+    body = b"".join(message.body)
+    lines = [b"%s %s HTTP/%s\r\n" % (message.method, message.url, message.version.encode())]
+    lines.extend(
+        b"%s: %s\r\n" % (k, v) for k, v in message.headers if k.lower() not in _DROPPED_WHEN_BRIDGED
+    )
+    lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
+    lines.append(body)
+    return b"".join(lines)
