@@ -42,8 +42,9 @@ RECHECK_S = 0.05
 
 
 class Admission:
-    def __init__(self, max_outstanding_per_worker: int, queue_size: int,
-                 queue_timeout_s: float) -> None:
+    def __init__(
+        self, max_outstanding_per_worker: int, queue_size: int, queue_timeout_s: float
+    ) -> None:
         self.limit = max_outstanding_per_worker
         self.queue_size = queue_size
         self.queue_timeout_s = queue_timeout_s
@@ -59,8 +60,9 @@ class Admission:
         if not self.enabled or has_room():
             return
         if self.waiting >= self.queue_size:
-            raise TooManyRequests("every worker is at its limit and the queue is full",
-                                  self.queue_timeout_s)
+            raise TooManyRequests(
+                "every worker is at its limit and the queue is full", self.queue_timeout_s
+            )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.queue_timeout_s
         self.waiting += 1
@@ -68,8 +70,10 @@ class Admission:
             while not has_room():
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    raise Overloaded(f"no worker had room within {self.queue_timeout_s:g} s",
-                                     self.queue_timeout_s)
+                    raise Overloaded(
+                        f"no worker had room within {self.queue_timeout_s:g} s",
+                        self.queue_timeout_s,
+                    )
                 self._changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), min(remaining, RECHECK_S))

@@ -34,9 +34,9 @@ class AiohttpReply:
         assert self.response is not None
         await self.response.write(data)
 
-    async def end(self) -> None:
+    async def end(self, last: bytes = b"") -> None:
         assert self.response is not None
-        await self.response.write_eof()
+        await self.response.write_eof(last)
 
 
 def _decoded(headers: Headers) -> CIMultiDict[str]:

@@ -131,9 +131,7 @@ def build_state(
         membership.worker_restarted,
         config.upstream.auth_headers,
     )
-    state = RouterState(
-        config, router, metrics, membership, session, upstream, admission, prober
-    )
+    state = RouterState(config, router, metrics, membership, session, upstream, admission, prober)
     for wc in config.workers:
         state.add_worker(wc)
     return state

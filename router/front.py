@@ -448,15 +448,17 @@ class FrontConnection(asyncio.Protocol):
 
 
 class _Reply:
-    """``router.proxy.Reply`` on a front connection."""
+    """``router.proxy.Reply`` on a front connection. A stream's head waits for its first
+    data, so that both leave in one write."""
 
-    __slots__ = ("_connection", "ended", "keep_alive", "started")
+    __slots__ = ("_connection", "_head", "ended", "keep_alive", "started")
 
     def __init__(self, connection: FrontConnection, keep_alive: bool) -> None:
         self._connection = connection
         self.keep_alive = keep_alive
         self.started = False
         self.ended = False
+        self._head = b""
 
     async def whole(self, status: int, headers: wire.Headers, body: bytes) -> None:
         self.started = True
@@ -468,15 +470,21 @@ class _Reply:
 
     async def start(self, status: int, headers: wire.Headers) -> None:
         self.started = True
-        self._connection.write(wire.head(status, headers, wire.CHUNKED, not self.keep_alive))
+        self._head = wire.head(status, headers, wire.CHUNKED, not self.keep_alive)
 
     async def write(self, data: bytes) -> None:
         connection = self._connection
-        connection.write(wire.chunk(data))
+        if self._head:
+            head, self._head = self._head, b""
+            connection.write(head + wire.chunk(data))
+        else:
+            connection.write(wire.chunk(data))
         await connection.drain()
 
-    async def end(self) -> None:
-        self._connection.write(wire.LAST_CHUNK)
+    async def end(self, last: bytes = b"") -> None:
+        head, self._head = self._head, b""
+        tail = wire.chunk(last) + wire.LAST_CHUNK if last else wire.LAST_CHUNK
+        self._connection.write(head + tail)
         self.ended = True
 
 

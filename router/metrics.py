@@ -7,7 +7,7 @@ Per-worker gauges (load, resident tokens, health) are read from the fleet at scr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -270,6 +270,7 @@ class RouterMetrics:
         self._series: dict[str, WorkerSeries] = {}
         self._counters: dict[tuple[str, tuple[str, ...]], CounterChild] = {}
         self._histograms: dict[tuple[str, tuple[str, ...]], HistogramChild] = {}
+        self._fleet = fleet
         r.register(_FleetCollector(fleet, index, block_tokens))
         r.register(EventLoopCollector(running_loop()))
         # Series for every fixed label value from the start, so rates and dashboards
@@ -284,9 +285,13 @@ class RouterMetrics:
         self._series[worker] = WorkerSeries(self, worker)
 
     def worker(self, name: str) -> WorkerSeries:
-        """The worker's series, their labels looked up once."""
+        """The worker's series, their labels looked up once. For a worker no longer in
+        the fleet (a request in flight when it was removed ends after it), series that
+        count nowhere: made now, they would be scraped for as long as the router runs."""
         series = self._series.get(name)
         if series is None:
+            if name not in self._fleet.workers:
+                return WorkerSeries(self, name, detached=True)
             series = self._series[name] = WorkerSeries(self, name)
         return series
 
@@ -306,6 +311,10 @@ class RouterMetrics:
             child = self._histograms[(metric.name, values)] = metric.labels(*values)
         return child
 
+    @property
+    def fleet_workers(self) -> Mapping[str, object]:
+        return self._fleet.workers
+
     def worker_removed(self, worker: str) -> None:
         """Drop the worker's series: a removed worker would otherwise be scraped forever
         (and with workers coming and going through discovery, the series would pile up)."""
@@ -321,6 +330,7 @@ class WorkerSeries:
     """One worker's per-request series, their label values bound when it joined."""
 
     __slots__ = (
+        "_detached",
         "_metrics",
         "_name",
         "_requests",
@@ -335,9 +345,10 @@ class WorkerSeries:
         "usage_prompt_tokens",
     )
 
-    def __init__(self, metrics: RouterMetrics, name: str) -> None:
+    def __init__(self, metrics: RouterMetrics, name: str, detached: bool = False) -> None:
         self._metrics = metrics
         self._name = name
+        self._detached = detached
         self._requests: dict[tuple[str, str], CounterChild] = {}
         self.retries = metrics.retries.labels(name)
         self.prompt_tokens = metrics.prompt_tokens.labels(name)
@@ -348,6 +359,7 @@ class WorkerSeries:
         self.ttft = metrics.ttft.labels(name)
         self.latency = metrics.latency.labels(name)
         self.residency_share = metrics.residency_share.labels(name)
+        self._detach()
 
     def requests(self, model: str, outcome: str) -> CounterChild:
         """``model`` is a bounded label value already (``Fleet.model_label``)."""
@@ -355,4 +367,11 @@ class WorkerSeries:
         child = self._requests.get(key)
         if child is None:
             child = self._requests[key] = self._metrics.requests.labels(model, self._name, outcome)
+            self._detach()
         return child
+
+    def _detach(self) -> None:
+        """A detached series' children leave their metrics as soon as they are made
+        (unless the worker has joined again since: then they are its own)."""
+        if self._detached and self._name not in self._metrics.fleet_workers:
+            self._metrics.worker_removed(self._name)

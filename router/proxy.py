@@ -107,8 +107,10 @@ class _Retry(Exception):
 
 class Reply(Protocol):
     """The client's side of one request: how ``serve`` answers it, whichever server it
-    arrived on. Either ``whole`` once, or ``start``, any ``write``s and ``end``; a write
-    to a client that went away raises ``ConnectionResetError``."""
+    arrived on. Either ``whole`` once, or ``start``, any ``write``s and ``end`` (which
+    may carry the last data: one write for what arrived together); a server may hold
+    the head back until the first data. A write to a client that went away raises
+    ``ConnectionResetError``."""
 
     async def whole(self, status: int, headers: Headers, body: bytes) -> None: ...
 
@@ -116,7 +118,7 @@ class Reply(Protocol):
 
     async def write(self, data: bytes) -> None: ...
 
-    async def end(self) -> None: ...
+    async def end(self, last: bytes = b"") -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +217,8 @@ class _Client:
 
 async def _open(state: RouterState, dispatch: Dispatch, client: _Client) -> UpstreamResponse:
     path = CHAT_PATH if dispatch.request.kind == "chat" else COMPLETION_PATH
-    headers = client.forwarded + b"%s: %s\r\n" % (REQUEST_ID_HEADER, client.request_id.encode())
+    request_id = client.request_id.encode("latin-1")
+    headers = client.forwarded + b"%s: %s\r\n" % (REQUEST_ID_HEADER, request_id)
     try:
         return await state.upstream.post(
             dispatch.worker.origin, path, headers, dispatch.request.body
@@ -375,11 +378,16 @@ async def _relay_stream(
         _response_headers(upstream, dispatch.worker.name, request_id, worker_header),
     )
     events = WholeEvents()
-    capture.feed_stream(first)
-    if whole := events.cut(first):
-        await reply.write(whole)
+    chunk = first
     outcome: Outcome = "success"
     while True:
+        capture.feed_stream(chunk)
+        whole = events.cut(chunk)
+        if upstream.ended:  # what came last came with the end: one write
+            await reply.end(whole + events.rest())
+            break
+        if whole:
+            await reply.write(whole)  # a client that went away raises here
         try:
             chunk = await upstream.read_chunk()
         except UPSTREAM_ERRORS as exc:
@@ -388,19 +396,9 @@ async def _relay_stream(
                 "request %s: worker %s failed mid-stream: %r", request_id, dispatch.worker.name, exc
             )
             # The half event it sent is dropped: the client reads only whole events.
-            await reply.write(MID_STREAM_ERROR_EVENT)
+            await reply.end(MID_STREAM_ERROR_EVENT)
             break
-        if not chunk:
-            if rest := events.rest():
-                await reply.write(rest)
-            break
-        capture.feed_stream(chunk)
-        if whole := events.cut(chunk):
-            await reply.write(whole)  # a client that went away raises here
-    if capture.errored:
-        outcome = "upstream_error"
-    await reply.end()
-    return outcome
+    return "upstream_error" if capture.errored else outcome
 
 
 # The most of an unfinished event the relay holds back (a worker that never ends one

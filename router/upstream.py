@@ -255,6 +255,12 @@ class UpstreamResponse:
         """What arrived since the last call, waiting for something; ``b""`` at the end."""
         return await self._connection.read_chunk(self._read_timeout_s)
 
+    @property
+    def ended(self) -> bool:
+        """The whole body has arrived and been read: ``read_chunk`` has nothing more."""
+        connection = self._connection
+        return connection.complete and not connection._body
+
     def release(self) -> None:
         if not self._released:
             self._released = True

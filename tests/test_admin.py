@@ -146,3 +146,22 @@ async def test_migrate_makes_the_next_turn_hit_on_the_new_worker(
         assert (
             await admin(http, router, "POST", f"/admin/workers/{source}/migrate", {"to": source})
         )[0] == 400
+
+
+async def test_a_request_that_ends_after_its_worker_left_leaves_no_series_behind(
+    engine_factory: EngineFactory,
+) -> None:
+    # Found: the end of a request in flight when its worker was removed made the
+    # worker's series again, scraped for as long as the router ran.
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, admin_token=TOKEN, policy="round_robin")) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        body = {**chat_body([{"role": "user", "content": "hi"}], max_tokens=400), "stream": True}
+        async with held_stream(http, router.url, body) as (response, _):
+            worker = response.headers["X-Kvrouter-Worker"]
+            assert (await admin(http, router, "DELETE", f"/admin/workers/{worker}"))[0] == 200
+            await response.read()  # the stream ends on the removed worker
+        samples = await router_samples(http, router)
+        assert not [labels for _, labels, _ in samples if labels.get("worker") == worker]
