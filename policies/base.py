@@ -1,7 +1,9 @@
 """The one interface every routing policy implements.
 
-A policy only decides. It gets a frozen ``RouteRequest`` (built once per request) and a
-snapshot of every eligible worker (``WorkerView``), and returns a ``Decision``. Health,
+A policy only decides. It gets a ``RouteRequest`` (built once per request) and a
+snapshot of every eligible worker (``WorkerView``), and returns a ``Decision``: immutable
+values, named tuples because the router makes one view per eligible worker per request
+(a frozen dataclass costs three times as much to make). Health,
 retries, I/O, the prefix index and metrics live in the router; every number a policy
 needs (load, matched prefix, learned prefill rate) arrives in the views, so a policy is
 testable with plain values.
@@ -11,8 +13,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, NamedTuple
 
 # Why a worker was chosen; a small fixed set, used as a metric label.
 Reason = Literal["prefix", "load", "session", "rotation", "random", "ttft", "only_choice"]
@@ -27,8 +28,7 @@ REASONS: tuple[Reason, ...] = (
 )
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
+class RouteRequest(NamedTuple):
     """What the router knows of a request before choosing a worker."""
 
     request_id: str
@@ -41,8 +41,7 @@ class RouteRequest:
     prompt_tokens: int  # estimated tokens of the whole prompt
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerView:
+class WorkerView(NamedTuple):
     """One eligible worker as the policy sees it for this request."""
 
     name: str
@@ -60,8 +59,7 @@ class WorkerView:
     recent_prompt_tokens: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     worker: str
     reason: Reason
     # Tokens of the prompt the chosen worker is predicted to hold.

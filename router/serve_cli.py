@@ -169,6 +169,11 @@ async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
     from router.app import create_app
     from router.server import RouterRunner
 
+    # First: a signal while the router starts stops it once started, cleanly.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     app = create_app(config)
     if slot is not None:
         from router.processes.siblings import attach
@@ -189,10 +194,6 @@ async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
         len(config.workers),
         config.policy,
     )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:
@@ -249,18 +250,27 @@ def run_serve(args: argparse.Namespace) -> int:
     if slot is not None:
         _label_log(slot)
     supervisor = os.getppid()
-    with contextlib.suppress(KeyboardInterrupt):
-        try:
-            import uvloop
-        except ImportError:
-            asyncio.run(serve(config, slot))
-        else:
-            uvloop.run(serve(config, slot))
-    if slot is not None and os.getppid() != supervisor:
-        # The supervisor was killed (this process stopped on PR_SET_PDEATHSIG), so nobody
-        # else will remove its run directory, and the config there holds the secrets.
-        shutil.rmtree(slot.run_dir, ignore_errors=True)
+    # Until the event loop takes SIGTERM over: one that comes while this process starts
+    # (a supervisor killed then) ends it through the ``finally`` below, not at once.
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            try:
+                import uvloop
+            except ImportError:
+                asyncio.run(serve(config, slot))
+            else:
+                uvloop.run(serve(config, slot))
+    finally:
+        if slot is not None and os.getppid() != supervisor:
+            # The supervisor was killed (this process stopped on PR_SET_PDEATHSIG), so
+            # nobody else will remove its run directory, and its config holds the secrets.
+            shutil.rmtree(slot.run_dir, ignore_errors=True)
     return 0
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 class _ProcessLabel(logging.Filter):
