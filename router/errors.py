@@ -4,6 +4,7 @@
     ├── BadRequest                   400 invalid_request_error
     │   ├── PayloadTooLarge          413 invalid_request_error
     │   ├── RequestTimeout           408 invalid_request_error (the body came too slowly)
+    │   ├── UnsupportedEncoding      415 invalid_request_error (a Content-Encoding not decoded)
     │   └── ExpectationFailed        417 invalid_request_error (an Expect other than 100-continue)
     ├── ModelNotFound                404 invalid_request_error (code model_not_found)
     ├── NoEligibleWorker             503 server_error
@@ -62,6 +63,11 @@ class PayloadTooLarge(BadRequest):
 class RequestTimeout(BadRequest):
     status = 408
     closes_connection = True
+
+
+class UnsupportedEncoding(BadRequest):
+    status = 415
+    closes_connection = True  # its body is refused unread
 
 
 class ExpectationFailed(BadRequest):

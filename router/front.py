@@ -16,6 +16,8 @@ it (aiohttp's own limits where it has them):
   (408); either closes the connection, since the rest of the body may still come;
 * idle, or still sending its request line and headers: ``clients.keepalive_timeout_s``;
 * ``Expect``: ``100-continue`` is answered, any other expectation refused (417);
+* ``Content-Encoding``: one aiohttp decodes (gzip, deflate; br and zstd with their
+  packages), else 415;
 * bytes that are not HTTP: a JSON 400, and the connection closed.
 
 Requests on one connection are answered in order (pipelined ones wait their turn; the
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, cast
 
 import httptools
 import orjson
+from aiohttp import compression_utils
 from aiohttp.tcp_helpers import tcp_keepalive
 
 from router import wire
@@ -45,6 +48,7 @@ from router.errors import (
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
+    UnsupportedEncoding,
 )
 from router.parse import Kind
 from router.proxy import serve
@@ -62,6 +66,13 @@ MAX_HEAD_BYTES = 1 << 20
 HOT_ROUTES: dict[bytes, Kind] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completion"}
 _JSON = ((b"Content-Type", b"application/json"),)
 _DROPPED_WHEN_BRIDGED = frozenset({b"content-length", b"transfer-encoding", b"expect"})
+# The request bodies' Content-Encodings aiohttp decodes here (it would take any other
+# body as it is, whatever it claims).
+DECODED_CODINGS = frozenset(
+    {b"identity", b"gzip", b"deflate"}
+    | ({b"br"} if compression_utils.HAS_BROTLI else set())
+    | ({b"zstd"} if compression_utils.HAS_ZSTD else set())
+)
 
 
 class _Refused(Exception):
@@ -223,8 +234,11 @@ class FrontConnection(asyncio.Protocol):
                     )
                     raise _Refused(error)
                 message.expects_continue = message.version == "1.1"
-            elif key == b"content-encoding" and value.lower() != b"identity":
-                plain = False
+            elif key == b"content-encoding":
+                coding = value.strip().lower()
+                if coding not in DECODED_CODINGS:
+                    raise _Refused(_undecodable(value))
+                plain = plain and coding == b"identity"
         if state is not None and length is not None and length > state.config.max_body_bytes:
             raise _Refused(self._too_large())
         if plain and message.method == b"POST" and message.version == "1.1":
@@ -486,6 +500,14 @@ class _Reply:
         tail = wire.chunk(last) + wire.LAST_CHUNK if last else wire.LAST_CHUNK
         self._connection.write(head + tail)
         self.ended = True
+
+
+def _undecodable(coding: bytes) -> UnsupportedEncoding:
+    known = ", ".join(sorted(c.decode() for c in DECODED_CODINGS))
+    return UnsupportedEncoding(
+        f"the request's Content-Encoding {coding.decode('latin-1')!r} is not one the router "
+        f"decodes ({known})"
+    )
 
 
 def _authorized(headers: list[tuple[bytes, bytes]], accepted: tuple[bytes, ...]) -> bool:

@@ -16,12 +16,14 @@ import pytest
 from bench.fuzz_client import Answer, RawRequest, send
 from policies.base import Decision, RouteRequest, WorkerView
 from policies.round_robin import RoundRobinPolicy
+from router.front import DECODED_CODINGS
 from router.parse import parse_request
 from router.policy_slot import ActivePolicy
 from router.state import STATE_KEY
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import assert_idle, chat_body, conversation, engines, metric, post
 
+DECODED_CODINGS_TEXT = {c.decode() for c in DECODED_CODINGS}
 API_KEY = "key-1"
 ADMIN_TOKEN = "admin-1"
 JSON = (b"Content-Type", b"application/json")
@@ -120,6 +122,22 @@ async def test_a_body_that_is_not_in_its_content_encoding_is_a_400(
             error = error_of(answer)
             assert error["type"] == "invalid_request_error"
             assert "Content-Encoding" in str(error["message"]), error
+
+
+@pytest.mark.parametrize("encoding", [b"x-unknown", b"gzip, gzip", b"br", b"zstd"])
+async def test_a_content_encoding_the_router_cannot_decode_is_a_415(
+    engine_factory: EngineFactory, encoding: bytes
+) -> None:
+    # Found: aiohttp took a body whose Content-Encoding it does not decode as it was
+    # (an unknown coding, a list of codings, br or zstd without their packages).
+    if encoding.decode() in DECODED_CODINGS_TEXT:
+        pytest.skip(f"{encoding!r} is decoded here (its package is installed)")
+    encoded = (b"Content-Encoding", encoding)
+    async with guarded_router(engine_factory) as router:
+        for path, auth in ((b"/v1/chat/completions", CLIENT), (b"/admin/workers", ADMIN)):
+            answer = await raw(router, RawRequest(b"POST", path, (JSON, auth, encoded), CHAT))
+            assert answer.status == 415, (path, answer)
+            assert "Content-Encoding" in str(error_of(answer)["message"])
 
 
 @pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/health", b"/admin/policy"])
