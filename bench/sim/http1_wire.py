@@ -5,14 +5,13 @@ whole replies, and chunked streams (``Exchange``, the ``api.Exchange`` and
 
 from __future__ import annotations
 
-import time
-from email.utils import formatdate
 from http import HTTPStatus
 from typing import Protocol
 
 from aiohttp.http import SERVER_SOFTWARE
 
 from bench.sim.api import Headers, Reply, Stream, too_large
+from router.wire import http_date
 
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()
@@ -22,36 +21,18 @@ TEXT = "text/plain; charset=utf-8"
 FAILED = Reply(500, b"500 Internal Server Error\n\nServer got itself in trouble", TEXT)
 
 
-class _Date:
-    """The ``Date`` header line, formatted once a second."""
-
-    __slots__ = ("_line", "_second")
-
-    def __init__(self) -> None:
-        self._second = -1
-        self._line = b""
-
-    def line(self) -> bytes:
-        now = int(time.time())
-        if now != self._second:
-            self._second = now
-            self._line = f"Date: {formatdate(now, usegmt=True)}\r\n".encode()
-        return self._line
-
-
 class Heads:
-    """Response heads, with the status lines and the date kept between requests."""
+    """Response heads, with the status lines kept between requests."""
 
-    __slots__ = ("_date", "_status_lines")
+    __slots__ = ("_status_lines",)
 
     def __init__(self) -> None:
-        self._date = _Date()
         self._status_lines: dict[tuple[str, int], bytes] = {}
 
     def head(self, version: str, status: int, lines: list[bytes], keep_alive: bool) -> bytes:
         """Status line, ``lines``, Date, Server, then Connection where aiohttp sends one:
         ``keep-alive`` to HTTP/1.0, ``close`` to HTTP/1.1."""
-        lines.append(self._date.line())
+        lines.append(b"Date: %s\r\n" % http_date())
         lines.append(_SERVER)
         if keep_alive and version == "1.0":
             lines.append(b"Connection: keep-alive\r\n")
