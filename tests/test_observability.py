@@ -31,8 +31,12 @@ FAST = HealthConfig(interval_s=0.2, scrape_interval_s=0.2, stale_after_s=2.0)
 
 
 def panel_queries() -> list[tuple[str, str]]:
-    return [(f"{d.stem}: {p['title']}", t["expr"]) for d in DASHBOARDS
-            for p in json.loads(d.read_text())["panels"] for t in p["targets"]]
+    return [
+        (f"{d.stem}: {p['title']}", t["expr"])
+        for d in DASHBOARDS
+        for p in json.loads(d.read_text())["panels"]
+        for t in p["targets"]
+    ]
 
 
 def rules() -> list[dict[str, Any]]:
@@ -40,8 +44,13 @@ def rules() -> list[dict[str, Any]]:
 
 
 def test_promtool_accepts_the_rules() -> None:
-    result = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True,
-                            text=True, timeout=60, check=False)
+    result = subprocess.run(
+        ["promtool", "check", "rules", str(RULES)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert DASHBOARDS and len(panel_queries()) >= 15
 
@@ -52,19 +61,28 @@ def prometheus_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
 
 
-def _prometheus(folder: Path, targets: dict[str, list[str]]) -> tuple[
-        subprocess.Popen[bytes], str]:
+def _prometheus(folder: Path, targets: dict[str, list[str]]) -> tuple[subprocess.Popen[bytes], str]:
     shutil.copy(RULES, folder / "rules.yml")
-    config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-              "rule_files": ["rules.yml"],
-              "scrape_configs": [{"job_name": job, "static_configs": [{"targets": hosts}]}
-                                 for job, hosts in targets.items()]}
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": ["rules.yml"],
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": hosts}]}
+            for job, hosts in targets.items()
+        ],
+    }
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = _free_port()
     process = subprocess.Popen(
-        ["prometheus", f"--config.file={folder / 'prometheus.yml'}",
-         f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "prometheus",
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return process, f"http://127.0.0.1:{port}"
 
 
@@ -79,8 +97,10 @@ async def _traffic(http: aiohttp.ClientSession, url: str, fleet: list[RunningEng
         for key, messages in sessions.items():
             result = await post(http, url, chat_body(messages, max_tokens=16, user=key))
             assert result.status == 200
-            messages += [{"role": "assistant", "content": result.text},
-                         {"role": "user", "content": text_for(f"{key}{turn}", 400)}]
+            messages += [
+                {"role": "assistant", "content": result.text},
+                {"role": "user", "content": text_for(f"{key}{turn}", 400)},
+            ]
         await asyncio.sleep(1.5)
 
 
@@ -93,28 +113,35 @@ async def _query(http: aiohttp.ClientSession, prom: str, expr: str) -> list[Any]
 
 
 @pytest.mark.timeout(180)
-async def test_every_panel_and_rule_returns_data(engine_factory: EngineFactory,
-                                                 prometheus_dir: Path, redis_url: str) -> None:
-    async with (engines(engine_factory, 2) as fleet,
-                serve_router(router_config(fleet, health=FAST,
-                                           state=StateConfig(url=redis_url))) as router,
-                aiohttp.ClientSession() as http):
-        process, prom = _prometheus(prometheus_dir, {
-            "kvrouter": _hosts([router.url]), "engines": _hosts([e.url for e in fleet])})
+async def test_every_panel_and_rule_returns_data(
+    engine_factory: EngineFactory, prometheus_dir: Path, redis_url: str
+) -> None:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, health=FAST, state=StateConfig(url=redis_url))) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        process, prom = _prometheus(
+            prometheus_dir,
+            {"kvrouter": _hosts([router.url]), "engines": _hosts([e.url for e in fleet])},
+        )
         try:
             await _wait_ready(http, prom)
             started = time.time()
 
             async def scraping() -> bool:  # rates need samples from before the traffic
                 return len(await _query(http, prom, 'up{job="kvrouter"} == 1')) == 1
+
             await wait_for(scraping, timeout_s=20)
             await asyncio.sleep(2)
             await _traffic(http, router.url, fleet)
             await asyncio.sleep(4)  # scrapes and rule evaluations after it
-            empty = [name for name, expr in panel_queries()
-                     if not await _query(http, prom, expr)]
-            empty += [r["record"] for r in rules() if "record" in r
-                      and not await _query(http, prom, r["record"])]
+            empty = [name for name, expr in panel_queries() if not await _query(http, prom, expr)]
+            empty += [
+                r["record"]
+                for r in rules()
+                if "record" in r and not await _query(http, prom, r["record"])
+            ]
             assert empty == [], f"no data for: {empty}"
             for rule in (r for r in rules() if "alert" in r):
                 await _query(http, prom, rule["expr"])  # valid; quiet while all is well
@@ -145,3 +172,48 @@ async def _wait_ready(http: aiohttp.ClientSession, prom: str) -> None:
             pass
         await asyncio.sleep(0.1)
     raise RuntimeError("prometheus did not become ready")
+
+
+def test_the_queue_alert_counts_each_engine_once_however_many_replicas_report_it(
+    tmp_path: Path,
+) -> None:
+    # Found: the alert summed every replica's copy of an engine's waiting queue, so two
+    # replicas saw a queue of 6 as 12 and fired on it.
+    alert = next(rule for rule in rules() if rule.get("alert") == "KvrouterQueueGrowing")
+    test = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [
+                    {
+                        "series": "kvrouter_worker_engine_waiting_requests"
+                        f'{{worker="w0",instance="{replica}"}}',
+                        "values": "0+0.5x60",  # 0 to 30 over an hour, on both replicas
+                    }
+                    for replica in ("r1", "r2")
+                ],
+                # Over 10 from minute 21 (from minute 11 counted twice), for 10 minutes.
+                "alert_rule_test": [
+                    {"eval_time": "25m", "alertname": "KvrouterQueueGrowing", "exp_alerts": []},
+                    {
+                        "eval_time": "40m",
+                        "alertname": "KvrouterQueueGrowing",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning"},
+                                "exp_annotations": alert["annotations"],
+                            }
+                        ],
+                    },
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "queue_alert_test.yml"
+    path.write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
