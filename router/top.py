@@ -38,18 +38,33 @@ class Snapshot:
         return snap
 
     def by(self, name: str, label: str) -> dict[str, float]:
+        """Summed by ``label``: for what each router process (or replica) counts of its
+        own."""
         out: dict[str, float] = defaultdict(float)
         for labels, value in self.values.get(name, {}).items():
             out[dict(labels).get(label, "")] += value
+        return out
+
+    def seen(self, name: str, label: str, worst: bool = False) -> dict[str, float]:
+        """The largest value by ``label`` (the smallest with ``worst``): for what every
+        process of a ``--processes`` router sees of one worker (its health, capacity,
+        the engine's own counts), which a sum would multiply."""
+        pick = min if worst else max
+        out: dict[str, float] = {}
+        for labels, value in self.values.get(name, {}).items():
+            key = dict(labels).get(label, "")
+            out[key] = pick(out[key], value) if key in out else value
         return out
 
     def total(self, name: str) -> float:
         return sum(self.values.get(name, {}).values())
 
 
-def quantile(now: Snapshot, before: Snapshot | None, name: str, outcome: str,
-             q: float) -> float | None:
+def quantile(
+    now: Snapshot, before: Snapshot | None, name: str, outcome: str, q: float
+) -> float | None:
     """A quantile of a histogram's increase since ``before`` (upper bucket bound)."""
+
     def buckets(snap: Snapshot | None) -> dict[float, float]:
         found: dict[float, float] = {}
         for labels, value in (snap.values.get(f"{name}_bucket", {}) if snap else {}).items():
@@ -81,44 +96,65 @@ def _secs(value: float | None) -> str:
 
 def render(now: Snapshot, before: Snapshot | None) -> Group:
     workers = Table(title="workers")
-    for column in ("worker", "healthy", "circuit", "outstanding", "engine run/wait",
-                   "resident / capacity"):
+    for column in (
+        "worker",
+        "healthy",
+        "circuit",
+        "outstanding",
+        "engine run/wait",
+        "resident / capacity",
+    ):
         workers.add_column(column, justify="right" if column != "worker" else "left")
-    healthy = now.by("kvrouter_worker_healthy", "worker")
-    circuit = now.by("kvrouter_worker_circuit_state", "worker")
+    healthy = now.seen("kvrouter_worker_healthy", "worker", worst=True)
+    circuit = now.seen("kvrouter_worker_circuit_state", "worker")
     outstanding = now.by("kvrouter_worker_outstanding_requests", "worker")
-    resident = now.by("kvrouter_worker_resident_tokens", "worker")
-    capacity = now.by("kvrouter_worker_capacity_tokens", "worker")
-    engine = now.by("kvrouter_worker_engine_running_requests", "worker")
-    waiting = now.by("kvrouter_worker_engine_waiting_requests", "worker")
+    resident = now.seen("kvrouter_worker_resident_tokens", "worker")
+    capacity = now.seen("kvrouter_worker_capacity_tokens", "worker")
+    engine = now.seen("kvrouter_worker_engine_running_requests", "worker")
+    waiting = now.seen("kvrouter_worker_engine_waiting_requests", "worker")
     for name in sorted(healthy):
         workers.add_row(
-            name, "yes" if healthy[name] else "NO",
+            name,
+            "yes" if healthy[name] else "NO",
             ("closed", "half-open", "open")[int(circuit.get(name, 0))],
             f"{outstanding.get(name, 0):.0f}",
             f"{engine.get(name, 0):.0f} / {waiting.get(name, 0):.0f}",
             f"{resident.get(name, 0):,.0f} / {capacity.get(name, 0):,.0f} "
-            f"({_pct(resident.get(name, 0), capacity.get(name, 0))})")
+            f"({_pct(resident.get(name, 0), capacity.get(name, 0))})",
+        )
 
     prompt = now.total("kvrouter_usage_prompt_tokens_total")
     summary = Table(title="cache and turns")
     summary.add_column("measure")
     summary.add_column("value", justify="right")
-    summary.add_row("hit rate, engine-reported", _pct(now.total(
-        "kvrouter_engine_cached_tokens_total"), prompt))
-    summary.add_row("hit rate, predicted on the chosen worker", _pct(now.total(
-        "kvrouter_predicted_cached_tokens_total"), now.total("kvrouter_prompt_tokens_total")))
-    summary.add_row("hit rate, best any worker held", _pct(now.total(
-        "kvrouter_best_cached_tokens_total"), now.total("kvrouter_prompt_tokens_total")))
+    summary.add_row(
+        "hit rate, engine-reported", _pct(now.total("kvrouter_engine_cached_tokens_total"), prompt)
+    )
+    summary.add_row(
+        "hit rate, predicted on the chosen worker",
+        _pct(
+            now.total("kvrouter_predicted_cached_tokens_total"),
+            now.total("kvrouter_prompt_tokens_total"),
+        ),
+    )
+    summary.add_row(
+        "hit rate, best any worker held",
+        _pct(
+            now.total("kvrouter_best_cached_tokens_total"),
+            now.total("kvrouter_prompt_tokens_total"),
+        ),
+    )
     for outcome, count in sorted(now.by("kvrouter_turns_total", "outcome").items()):
         summary.add_row(f"turns: {outcome}", f"{count:,.0f}")
     for cause, count in sorted(now.by("kvrouter_lost_prefix_turns_total", "cause").items()):
         summary.add_row(f"lost prefix: {cause}", f"{count:,.0f}")
     ttft = "kvrouter_turn_time_to_first_token_seconds"
     for outcome in ("hit", "partial", "miss"):
-        summary.add_row(f"TTFT {outcome} p50 / p99 (last interval)",
-                        f"{_secs(quantile(now, before, ttft, outcome, 0.5))} / "
-                        f"{_secs(quantile(now, before, ttft, outcome, 0.99))}")
+        summary.add_row(
+            f"TTFT {outcome} p50 / p99 (last interval)",
+            f"{_secs(quantile(now, before, ttft, outcome, 0.5))} / "
+            f"{_secs(quantile(now, before, ttft, outcome, 0.99))}",
+        )
     return Group(workers, summary)
 
 

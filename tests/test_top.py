@@ -6,9 +6,10 @@ import asyncio
 
 import aiohttp
 import pytest
+from rich.console import Console
 
 from router.cli import main
-from router.top import Snapshot, quantile
+from router.top import Snapshot, quantile, render
 from tests.conftest import EngineFactory, router_config, serve_router
 from tests.router_client import chat_body, conversation, engines, post
 
@@ -26,15 +27,20 @@ def test_quantiles_come_from_the_increase_between_reads() -> None:
     assert quantile(now, now, "h", "hit", 0.5) is None
 
 
-async def test_top_once_shows_workers_and_hit_rates(engine_factory: EngineFactory,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    async with (engines(engine_factory, 2) as fleet,
-                serve_router(router_config(fleet)) as router,
-                aiohttp.ClientSession() as http):
+async def test_top_once_shows_workers_and_hit_rates(
+    engine_factory: EngineFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         messages = conversation("top", 300, 50)
         first = await post(http, router.url, chat_body(messages, max_tokens=8, user="u"))
-        messages += [{"role": "assistant", "content": first.text},
-                     {"role": "user", "content": "more"}]
+        messages += [
+            {"role": "assistant", "content": first.text},
+            {"role": "user", "content": "more"},
+        ]
         await post(http, router.url, chat_body(messages, max_tokens=8, user="u"))
         # main() runs its own event loop: give it a thread.
         code = await asyncio.to_thread(main, ["top", router.url, "--once"])
@@ -43,3 +49,26 @@ async def test_top_once_shows_workers_and_hit_rates(engine_factory: EngineFactor
     assert "w0" in out and "w1" in out
     assert "turns: first_turn" in out and "turns: hit" in out
     assert "hit rate, engine-reported" in out
+
+
+def test_what_every_process_sees_of_a_worker_is_counted_once() -> None:
+    # Found: with --processes 2, top summed each process's view of one worker: twice its
+    # capacity, and "healthy" 2.
+    text = "".join(
+        f'kvrouter_worker_{name}{{worker="w0",process="{p}"}} {value}\n'
+        for p, (healthy, outstanding) in enumerate(((1, 3), (0, 4)))
+        for name, value in (
+            ("healthy", healthy),
+            ("capacity_tokens", 50000),
+            ("resident_tokens", 1000),
+            ("outstanding_requests", outstanding),
+        )
+    )
+    snap = Snapshot.parse(text)
+    assert snap.seen("kvrouter_worker_capacity_tokens", "worker") == {"w0": 50000}
+    assert snap.seen("kvrouter_worker_healthy", "worker", worst=True) == {"w0": 0}
+    assert snap.by("kvrouter_worker_outstanding_requests", "worker") == {"w0": 7}
+    console = Console(width=200, record=True)
+    console.print(render(snap, None))
+    row = next(line for line in console.export_text().splitlines() if "w0" in line)
+    assert "NO" in row and "7" in row and "1,000 / 50,000" in row, row
