@@ -8,7 +8,11 @@ capacity (vLLM's ``cache_config_info`` num_gpu_blocks x block_size, or SGLang's
 
 Each worker is probed and scraped on its own: whatever goes wrong with one (a refused
 connection, a body that is not UTF-8, an answer nobody expected) is logged and counted
-against that worker alone, and the rounds go on for the rest of the fleet.
+against that worker alone, and the rounds go on for the rest of the fleet. A probe that
+times out while the router's own event loop stalled for half the timeout or more
+(``loop_metrics.LoopLag``) is held against nobody: the answer may have waited unread
+while the loop was busy, and an overloaded router would otherwise take every worker out
+at once.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import orjson
 from router.clock import monotonic
 from router.config import HealthConfig
 from router.index import PrefixIndex
+from router.loop_metrics import LoopLag
 from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
@@ -171,6 +176,7 @@ class HealthProber:
         self._block_tokens = block_tokens
         self._discover = set(discover_capacity)
         self._round = 0
+        self.lag = LoopLag()  # watched while the rounds run
 
     def discover_capacity(self, worker: str) -> None:
         """Read this worker's KV capacity from its /metrics (a worker added at runtime)."""
@@ -181,9 +187,13 @@ class HealthProber:
         self._round += 1
 
     async def run(self) -> None:
-        async with asyncio.TaskGroup() as group:
-            group.create_task(self._every(self._config.interval_s, self.probe_all))
-            group.create_task(self._every(self._config.scrape_interval_s, self.scrape_all))
+        self.lag.start()
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._every(self._config.interval_s, self.probe_all))
+                group.create_task(self._every(self._config.scrape_interval_s, self.scrape_all))
+        finally:
+            self.lag.stop()
 
     @staticmethod
     async def _every(seconds: float, action: Callable[[], Awaitable[None]]) -> None:
@@ -210,9 +220,21 @@ class HealthProber:
             return response.status, bytes(body)
 
     async def _probe(self, worker: Worker) -> None:
+        started = asyncio.get_running_loop().time()
         try:
             status, _ = await self._get(worker.url + "/health")
         except Exception as exc:  # any failure of one worker's probe is that worker's alone
+            stalled = self.lag.worst_since(started)
+            if isinstance(exc, TimeoutError) and stalled >= self._config.timeout_s / 2:
+                # The router's own loop was too busy to read the answer in time: an
+                # overloaded router would otherwise take every worker out at once.
+                log.warning(
+                    "health probe of %s timed out while the router's event loop stalled "
+                    "%.2f s: not held against the worker",
+                    worker.name,
+                    stalled,
+                )
+                return
             _log_unexpected("health probe", worker, exc)
             self._set_health(worker, False, repr(exc))
             return

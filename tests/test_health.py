@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import http.server
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -174,3 +178,72 @@ async def test_an_endless_metrics_body_is_cut_off_not_buffered() -> None:
         await prober.scrape_all()
         assert fleet.workers["w0"].metrics_at is None  # nothing was learnt from it
         assert sent < 4 * MAX_PROBE_BODY_BYTES  # read up to the limit, then hung up
+
+
+class _SlowHealth(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        time.sleep(0.1)  # in its own thread: the answer comes while the loop is busy
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _threaded_worker() -> Iterator[str]:
+    """A worker answering /health from a thread of its own, off the router's loop."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowHealth)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def _silent_server() -> tuple[asyncio.Server, str]:
+    """A worker that accepts connections and never answers (hung)."""
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the prober hangs up
+        writer.close()
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def test_a_probe_that_timed_out_while_the_routers_own_loop_stalled_proves_nothing() -> None:
+    # Found (session 5, a router driven past one core): its probes timed out because its
+    # own loop was busy, not the workers, and every worker was taken out at once.
+    silent, silent_url = await _silent_server()
+    with _threaded_worker() as ok_url:
+        async with silent, aiohttp.ClientSession() as session:
+            await _probe_through_a_stall(session, ok_url, silent_url)
+
+
+async def _probe_through_a_stall(http: aiohttp.ClientSession, ok_url: str, silent_url: str) -> None:
+    """Both workers probed while the loop is blocked, then again with it idle."""
+    fleet, index = Fleet(), LocalPrefixIndex()
+    fleet.add(Worker("ok", ok_url, 50_000))
+    fleet.add(Worker("hung", silent_url, 50_000))
+    for name in fleet.workers:
+        index.add_worker(name, 1000)
+    prober = HealthProber(
+        fleet, index, http, HealthConfig(timeout_s=0.3), 16, set(), lambda worker: None
+    )
+    prober.lag.start()
+    try:
+        probing = asyncio.create_task(prober.probe_all())
+        await asyncio.sleep(0.05)  # both probes are on the wire
+        time.sleep(0.6)  # noqa: ASYNC251 (the router's loop, busy: nothing read for 0.6 s)
+        await probing
+        assert fleet.workers["ok"].healthy
+        assert fleet.workers["hung"].healthy  # nothing proven against it either
+        await prober.probe_all()  # an idle loop: now the timeout is the worker's
+        assert fleet.workers["ok"].healthy
+        assert not fleet.workers["hung"].healthy
+    finally:
+        prober.lag.stop()
