@@ -29,18 +29,23 @@ def _legend(template: str, labels: dict[str, str]) -> str:
     return text or ", ".join(f"{k}={v}" for k, v in labels.items() if k != "__name__") or "value"
 
 
-async def _series(http: aiohttp.ClientSession, prometheus: str, expr: str, start: float,
-                  end: float, step: float) -> list[dict[str, Any]]:
+async def _series(
+    http: aiohttp.ClientSession, prometheus: str, expr: str, start: float, end: float, step: float
+) -> list[dict[str, Any]]:
     params = {"query": expr, "start": str(start), "end": str(end), "step": str(step)}
-    async with http.get(prometheus.rstrip("/") + "/api/v1/query_range",
-                        params=params) as response:
+    async with http.get(prometheus.rstrip("/") + "/api/v1/query_range", params=params) as response:
         body = await response.json()
     result: list[dict[str, Any]] = body.get("data", {}).get("result", [])
     return result
 
 
-async def render_dashboard(http: aiohttp.ClientSession, prometheus: str,
-                           dashboard: dict[str, Any], start: float, end: float) -> Figure:
+async def render_dashboard(
+    http: aiohttp.ClientSession,
+    prometheus: str,
+    dashboard: dict[str, Any],
+    start: float,
+    end: float,
+) -> Figure:
     panels = sorted(dashboard["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
     columns = 2
     rows = math.ceil(len(panels) / columns)
@@ -53,19 +58,28 @@ async def render_dashboard(http: aiohttp.ClientSession, prometheus: str,
         drawn = 0
         for target in panel["targets"]:
             for series in await _series(http, prometheus, target["expr"], start, end, step):
-                points = [(float(t) - start, float(v)) for t, v in series["values"]
-                          if v not in ("NaN", "+Inf", "-Inf")]
+                points = [
+                    (float(t) - start, float(v))
+                    for t, v in series["values"]
+                    if v not in ("NaN", "+Inf", "-Inf")
+                ]
                 if not points:
                     continue
                 xs, ys = zip(*points, strict=True)
                 if unit == "percentunit":
                     ys = tuple(100 * y for y in ys)
-                axes.plot(xs, ys, marker=".", markersize=3,
-                          label=_legend(target.get("legendFormat", ""), series["metric"]))
+                axes.plot(
+                    xs,
+                    ys,
+                    marker=".",
+                    markersize=3,
+                    label=_legend(target.get("legendFormat", ""), series["metric"]),
+                )
                 drawn += 1
         axes.set_xlabel("seconds", fontsize=8)
-        axes.set_ylabel({"percentunit": "%", "s": "seconds", "reqps": "req/s"}.get(unit, ""),
-                        fontsize=8)
+        axes.set_ylabel(
+            {"percentunit": "%", "s": "seconds", "reqps": "req/s"}.get(unit, ""), fontsize=8
+        )
         axes.tick_params(labelsize=7)
         axes.grid(alpha=0.3)
         if drawn:
@@ -100,7 +114,6 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     end = time.time()
-    for path in asyncio.run(render_all(args.prometheus, end - args.minutes * 60, end,
-                                       args.out)):
+    for path in asyncio.run(render_all(args.prometheus, end - args.minutes * 60, end, args.out)):
         print(f"wrote {path}")
     return 0

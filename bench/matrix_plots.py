@@ -31,8 +31,9 @@ def write_matrix_plots(results: Mapping[str, Rounds], out: Path) -> list[Path]:
     written = []
     for key in MATRIX_FIGURES:
         figure_spec = FIGURE_BY_KEY[key]
-        figure = Figure(figsize=(max(7.0, 1.2 * len(rows) * max(len(labels), 1) / 2), 4.5),
-                        layout="tight")
+        figure = Figure(
+            figsize=(max(7.0, 1.2 * len(rows) * max(len(labels), 1) / 2), 4.5), layout="tight"
+        )
         axes = figure.add_subplot()
         width = 0.8 / max(len(labels), 1)
         for i, label in enumerate(labels):
@@ -57,8 +58,9 @@ def write_matrix_plots(results: Mapping[str, Rounds], out: Path) -> list[Path]:
     return written
 
 
-def write_sweep_plot(knob: str, values: Sequence[float], rounds: Rounds, labels: Sequence[str],
-                     path: Path) -> Path:
+def write_sweep_plot(
+    knob: str, values: Sequence[float], rounds: Rounds, labels: Sequence[str], path: Path
+) -> Path:
     """Hit rate and TTFT p90/p99 against a knob's value (``labels[i]`` ran ``values[i]``)."""
     figure = Figure(figsize=(7, 6), layout="tight")
     hit_axes, ttft_axes = figure.subplots(2, 1, sharex=True)
@@ -66,10 +68,14 @@ def write_sweep_plot(knob: str, values: Sequence[float], rounds: Rounds, labels:
         spec = FIGURE_BY_KEY[key]
         spreads = [rounds.spread(label, spec) for label in labels]
         points = [(v, s) for v, s in zip(values, spreads, strict=True) if s is not None]
-        axes.errorbar([v for v, _ in points], [s.median for _, s in points],
-                      yerr=[[s.median - s.low for _, s in points],
-                            [s.high - s.median for _, s in points]],
-                      marker="o", capsize=3, label=spec.title)
+        axes.errorbar(
+            [v for v, _ in points],
+            [s.median for _, s in points],
+            yerr=[[s.median - s.low for _, s in points], [s.high - s.median for _, s in points]],
+            marker="o",
+            capsize=3,
+            label=spec.title,
+        )
     hit_axes.set_ylabel("hit rate")
     ttft_axes.set_ylabel("TTFT (s)")
     ttft_axes.set_xlabel(knob)

@@ -44,8 +44,18 @@ async def redis_server() -> AsyncIterator[str]:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
     port = _free_port()
     process = await asyncio.create_subprocess_exec(
-        binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-        "no", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        binary,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     try:
         client = aioredis.Redis.from_url(url)
@@ -61,8 +71,14 @@ async def redis_server() -> AsyncIterator[str]:
         await process.wait()
 
 
-def replica_specs(config: DemoConfig, counts: Sequence[int], policy: str, redis_url: str,
-                  urls: Sequence[str], unshared: Sequence[int] = ()) -> list[RouterSpec]:
+def replica_specs(
+    config: DemoConfig,
+    counts: Sequence[int],
+    policy: str,
+    redis_url: str,
+    urls: Sequence[str],
+    unshared: Sequence[int] = (),
+) -> list[RouterSpec]:
     """Shared-state runs for ``counts``, then runs of ``unshared`` replicas that each keep
     a private index (what routers without shared state do), for contrast."""
     specs = []
@@ -75,8 +91,13 @@ def replica_specs(config: DemoConfig, counts: Sequence[int], policy: str, redis_
     return specs
 
 
-async def run_replicas(config: DemoConfig, counts: Sequence[int], policy: str,
-                       console: Console, unshared: Sequence[int] = ()) -> None:
+async def run_replicas(
+    config: DemoConfig,
+    counts: Sequence[int],
+    policy: str,
+    console: Console,
+    unshared: Sequence[int] = (),
+) -> None:
     async with redis_server() as url:
         client = aioredis.Redis.from_url(url)
 
@@ -85,19 +106,26 @@ async def run_replicas(config: DemoConfig, counts: Sequence[int], policy: str,
 
         try:
             await run_comparison(
-                config, console,
-                lambda urls: replica_specs(config, counts, policy, url, urls, unshared), flush)
+                config,
+                console,
+                lambda urls: replica_specs(config, counts, policy, url, urls, unshared),
+                flush,
+            )
         finally:
             await client.aclose()
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
-    parser = sub.add_parser("replicas", help="router replicas sharing state through Redis",
-                            description=__doc__)
+    parser = sub.add_parser(
+        "replicas", help="router replicas sharing state through Redis", description=__doc__
+    )
     add_workload_arguments(parser)
     parser.add_argument("--replicas", default="1,2,4", help="replica counts to compare")
-    parser.add_argument("--unshared", default="",
-                        help="replica counts to run also without shared state, for contrast")
+    parser.add_argument(
+        "--unshared",
+        default="",
+        help="replica counts to run also without shared state, for contrast",
+    )
     # Replicas share a redis-server, a process outside the virtual clock.
     parser.set_defaults(func=run, out=Path("results/replicas"), policies="ttft", clock="real")
 

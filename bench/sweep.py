@@ -46,30 +46,48 @@ def label_for(knob: str, value: float) -> str:
     return f"{knob}={value:g}"
 
 
-def sweep_specs(config: DemoConfig, policy: str, knob: str, values: Sequence[float],
-                urls: Sequence[str]) -> list[RouterSpec]:
-    return [RouterSpec(label_for(knob, v), (kvrouter_command(
-        config, policy, urls, config.router_port, "--policy-knob", f"{knob}={v:g}"),),
-        (config.router_port,)) for v in values]
+def sweep_specs(
+    config: DemoConfig, policy: str, knob: str, values: Sequence[float], urls: Sequence[str]
+) -> list[RouterSpec]:
+    return [
+        RouterSpec(
+            label_for(knob, v),
+            (
+                kvrouter_command(
+                    config, policy, urls, config.router_port, "--policy-knob", f"{knob}={v:g}"
+                ),
+            ),
+            (config.router_port,),
+        )
+        for v in values
+    ]
 
 
-async def run_sweep(config: DemoConfig, row: Row, policy: str, knob: str,
-                    values: Sequence[float], console: Console) -> Rounds:
+async def run_sweep(
+    config: DemoConfig, row: Row, policy: str, knob: str, values: Sequence[float], console: Console
+) -> Rounds:
     row_config = dataclasses.replace(
-        config, kv_tokens=row.kv_tokens if row.kv_tokens is not None else config.kv_tokens)
+        config, kv_tokens=row.kv_tokens if row.kv_tokens is not None else config.kv_tokens
+    )
     rounds = await run_comparison(
-        row_config, console, lambda urls: sweep_specs(row_config, policy, knob, values, urls),
-        workload=row.workload, per_engine_flags=row.per_engine_flags,
-        title=f"{policy}: {knob} on {row.name}")
-    path = write_sweep_plot(knob, values, rounds, [label_for(knob, v) for v in values],
-                            config.out / f"sweep-{knob}.png")
+        row_config,
+        console,
+        lambda urls: sweep_specs(row_config, policy, knob, values, urls),
+        workload=row.workload,
+        per_engine_flags=row.per_engine_flags,
+        title=f"{policy}: {knob} on {row.name}",
+    )
+    path = write_sweep_plot(
+        knob, values, rounds, [label_for(knob, v) for v in values], config.out / f"sweep-{knob}.png"
+    )
     console.print(f"wrote {path}", highlight=False, markup=False)
     return rounds
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
-    parser = sub.add_parser("sweep", help="one policy knob over a range of values",
-                            description=__doc__)
+    parser = sub.add_parser(
+        "sweep", help="one policy knob over a range of values", description=__doc__
+    )
     add_workload_arguments(parser)
     parser.add_argument("--policy", default="ttft")
     parser.add_argument("--knob", type=parse_knob, required=True, metavar="NAME=V1,V2,...")
@@ -89,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
             build_policy(args.policy, {knob: value})
         except ValueError as exc:
             raise SystemExit(f"{args.policy}: {exc}") from exc
-    run_on_clock(config, lambda: run_sweep(config, by_name[args.row], args.policy, knob, values,
-                                           Console()))
+    run_on_clock(
+        config, lambda: run_sweep(config, by_name[args.row], args.policy, knob, values, Console())
+    )
     return 0

@@ -32,9 +32,7 @@ class PowerOfTwoPolicy(Policy):
     name: ClassVar[str] = "power_of_two"
     params_type: ClassVar[type[PowerOfTwoParams]] = PowerOfTwoParams
 
-    def __init__(
-        self, params: PowerOfTwoParams | None = None, *, seed: int | None = None
-    ) -> None:
+    def __init__(self, params: PowerOfTwoParams | None = None, *, seed: int | None = None) -> None:
         self.params = params if params is not None else PowerOfTwoParams()
         self._rng = random.Random(seed)
 

@@ -79,8 +79,7 @@ class SessionPolicy(Policy):
             if view.outstanding_requests < bound:
                 # Reason "load" when the bound moved the session off its first choice,
                 # so the diversion rate shows in the decision metrics.
-                return Decision(view.name, "session" if rank == 0 else "load",
-                                view.matched_tokens)
+                return Decision(view.name, "session" if rank == 0 else "load", view.matched_tokens)
         # Unreachable with load_factor >= 1 (the loads cannot all reach the bound);
         # kept so a future knob change cannot make choose() fail.
         idle = least_loaded(candidates, DEFAULT_TOKEN_WEIGHT)

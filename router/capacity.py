@@ -24,8 +24,20 @@ from typing import Any, Literal
 GB = 1_000_000_000
 
 DTYPE_BYTES: dict[str, float] = {
-    "float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
-    "auto": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "int4": 0.5, "fp4": 0.5,
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "auto": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "int4": 0.5,
+    "fp4": 0.5,
 }
 
 Attention = Literal["gqa", "mla"]
@@ -114,8 +126,9 @@ class ModelShape:
             layers = int(config["num_hidden_layers"])
             heads = int(config["num_attention_heads"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise CapacityError(f"{name}: config needs hidden_size, num_hidden_layers, "
-                                f"num_attention_heads ({exc})") from exc
+            raise CapacityError(
+                f"{name}: config needs hidden_size, num_hidden_layers, num_attention_heads ({exc})"
+            ) from exc
         kv_heads = int(config.get("num_key_value_heads", heads))
         head_dim = int(config.get("head_dim") or hidden // heads)
         mla = "kv_lora_rank" in config and config.get("kv_lora_rank") is not None
@@ -142,8 +155,13 @@ class ModelShape:
 
 
 def _count_parameters(
-    config: Mapping[str, Any], hidden: int, layers: int, heads: int, kv_heads: int,
-    head_dim: int, mla: bool,
+    config: Mapping[str, Any],
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    mla: bool,
 ) -> tuple[int, int]:
     vocab = int(config.get("vocab_size", 32000))
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
@@ -153,10 +171,17 @@ def _count_parameters(
         v_dim = int(config.get("v_head_dim", 128))
         kv_rank = int(config["kv_lora_rank"])
         q_rank = int(config.get("q_lora_rank") or 0)
-        q_proj = (hidden * q_rank + q_rank * heads * (nope + rope)) if q_rank else (
-            hidden * heads * (nope + rope))
-        attention = (q_proj + hidden * (kv_rank + rope) + kv_rank * heads * (nope + v_dim)
-                     + heads * v_dim * hidden)
+        q_proj = (
+            (hidden * q_rank + q_rank * heads * (nope + rope))
+            if q_rank
+            else (hidden * heads * (nope + rope))
+        )
+        attention = (
+            q_proj
+            + hidden * (kv_rank + rope)
+            + kv_rank * heads * (nope + v_dim)
+            + heads * v_dim * hidden
+        )
     else:
         attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
     dense_mlp = 3 * hidden * int(config.get("intermediate_size", 4 * hidden))
@@ -164,24 +189,36 @@ def _count_parameters(
     if not experts:
         per_layer = attention + dense_mlp
         return embeddings + layers * per_layer, embeddings + layers * per_layer
-    expert_mlp = 3 * hidden * int(config.get("moe_intermediate_size") or
-                                  config.get("intermediate_size", 4 * hidden))
+    expert_mlp = (
+        3
+        * hidden
+        * int(config.get("moe_intermediate_size") or config.get("intermediate_size", 4 * hidden))
+    )
     shared = int(config.get("n_shared_experts") or 0)
     top_k = int(config.get("num_experts_per_tok", 2))
     dense_layers = int(config.get("first_k_dense_replace") or 0)
     moe_layers = layers - dense_layers
     router_weights = hidden * experts
-    total = (embeddings + layers * attention + dense_layers * dense_mlp
-             + moe_layers * ((experts + shared) * expert_mlp + router_weights))
-    active = (embeddings + layers * attention + dense_layers * dense_mlp
-              + moe_layers * ((top_k + shared) * expert_mlp + router_weights))
+    total = (
+        embeddings
+        + layers * attention
+        + dense_layers * dense_mlp
+        + moe_layers * ((experts + shared) * expert_mlp + router_weights)
+    )
+    active = (
+        embeddings
+        + layers * attention
+        + dense_layers * dense_mlp
+        + moe_layers * ((top_k + shared) * expert_mlp + router_weights)
+    )
     return total, active
 
 
 def preset_names() -> list[str]:
     folder = resources.files("router") / "model_presets"
-    return sorted(p.name.removesuffix(".json") for p in folder.iterdir()
-                  if p.name.endswith(".json"))
+    return sorted(
+        p.name.removesuffix(".json") for p in folder.iterdir() if p.name.endswith(".json")
+    )
 
 
 def load_model(name_or_path: str) -> ModelShape:
@@ -195,8 +232,10 @@ def load_model(name_or_path: str) -> ModelShape:
         return ModelShape.from_config(config, path.stem)
     resource = resources.files("router") / "model_presets" / f"{name_or_path}.json"
     if not resource.is_file():
-        raise CapacityError(f"unknown model {name_or_path!r}; presets: {', '.join(preset_names())}"
-                            " (or give a config.json path)")
+        raise CapacityError(
+            f"unknown model {name_or_path!r}; presets: {', '.join(preset_names())}"
+            " (or give a config.json path)"
+        )
     return ModelShape.from_config(json.loads(resource.read_text()), name_or_path)
 
 

@@ -27,20 +27,34 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         description="Bytes per token, tokens that fit after the weights, and sessions of a "
         "given context that fit, for a model on a set of GPUs.",
     )
-    parser.add_argument("--model-config", default="llama-3.1-8b",
-                        help=f"config.json path or a preset: {', '.join(preset_names())}")
+    parser.add_argument(
+        "--model-config",
+        default="llama-3.1-8b",
+        help=f"config.json path or a preset: {', '.join(preset_names())}",
+    )
     parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs the model is spread over")
     parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the model's)")
-    parser.add_argument("--weights-gb", type=float, default=None,
-                        help="weights in GB (default: counted from the config)")
-    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT,
-                        help="tokens per session")
-    parser.add_argument("--sessions", type=int, default=None,
-                        help="also print the memory that this many sessions need")
-    parser.add_argument("--utilization", type=float, default=VLLM_DEFAULT_UTILIZATION,
-                        help="fraction of GPU memory the engine may use (vLLM's "
-                        "--gpu-memory-utilization); the all-of-HBM ceiling is printed too")
+    parser.add_argument(
+        "--weights-gb",
+        type=float,
+        default=None,
+        help="weights in GB (default: counted from the config)",
+    )
+    parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per session")
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        default=None,
+        help="also print the memory that this many sessions need",
+    )
+    parser.add_argument(
+        "--utilization",
+        type=float,
+        default=VLLM_DEFAULT_UTILIZATION,
+        help="fraction of GPU memory the engine may use (vLLM's "
+        "--gpu-memory-utilization); the all-of-HBM ceiling is printed too",
+    )
     parser.set_defaults(func=run)
 
 
@@ -61,17 +75,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     kv_desc = args.kv_dtype or f"{model.dtype_bytes:g} bytes"
     if model.attention == "mla":
-        shape = (f"MLA, {model.num_layers} layers, kv_lora_rank {model.kv_lora_rank} + "
-                 f"qk_rope_head_dim {model.qk_rope_head_dim}")
+        shape = (
+            f"MLA, {model.num_layers} layers, kv_lora_rank {model.kv_lora_rank} + "
+            f"qk_rope_head_dim {model.qk_rope_head_dim}"
+        )
     else:
-        shape = (f"GQA, {model.num_layers} layers, {model.num_kv_heads} KV heads x "
-                 f"{model.head_dim}")
+        shape = f"GQA, {model.num_layers} layers, {model.num_kv_heads} KV heads x {model.head_dim}"
     context = args.context
     print(f"model            {model.name} ({shape}), KV dtype {kv_desc}")
     print(f"bytes per token  {ceiling.bytes_per_token:,}")
     print(f"weights          {_gb(ceiling.weight_bytes)}")
-    print(f"GPU memory       {args.gpus} x {spec.name} ({_gb(spec.memory_bytes)}) = "
-          f"{_gb(ceiling.total_memory_bytes)}")
+    print(
+        f"GPU memory       {args.gpus} x {spec.name} ({_gb(spec.memory_bytes)}) = "
+        f"{_gb(ceiling.total_memory_bytes)}"
+    )
     print(f"one session      {context:,} tokens = {_gb(ceiling.session_bytes(context))}")
     if args.sessions:
         needed = args.sessions * ceiling.session_bytes(context)
@@ -81,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
     rows = [
         ("KV memory after weights", _gb(ceiling.kv_bytes), _gb(usable.kv_bytes)),
         ("resident tokens", f"{ceiling.resident_tokens:,}", f"{usable.resident_tokens:,}"),
-        (f"sessions of {context:,} tokens", f"{ceiling.sessions_that_fit(context):,}",
-         f"{usable.sessions_that_fit(context):,}"),
+        (
+            f"sessions of {context:,} tokens",
+            f"{ceiling.sessions_that_fit(context):,}",
+            f"{usable.sessions_that_fit(context):,}",
+        ),
     ]
     for label, a, b in rows:
         print(f"{label:28}{a:>16}{b:>16}")

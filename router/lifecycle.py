@@ -59,9 +59,7 @@ class RequestLifecycle:
         candidates, self._candidates = self._candidates, None
         if self.tried:
             self._router.recorder.retried(self.tried[-1])
-        return self._router.dispatch(
-            self.request, self.route, self.tried, self.arrived, candidates
-        )
+        return self._router.dispatch(self.request, self.route, self.tried, self.arrived, candidates)
 
     def failed(self, dispatch: Dispatch, outcome: Outcome) -> None:
         """The attempt failed before the client saw a byte."""

@@ -25,8 +25,13 @@ from typing import Literal
 Outcome = Literal["first_turn", "hit", "partial", "miss"]
 Cause = Literal["worker_failed", "routed_elsewhere", "evicted", "router_state_lost", "unknown"]
 OUTCOMES: tuple[Outcome, ...] = ("first_turn", "hit", "partial", "miss")
-CAUSES: tuple[Cause, ...] = ("worker_failed", "routed_elsewhere", "evicted",
-                             "router_state_lost", "unknown")
+CAUSES: tuple[Cause, ...] = (
+    "worker_failed",
+    "routed_elsewhere",
+    "evicted",
+    "router_state_lost",
+    "unknown",
+)
 
 HIT_SHARE = 0.9
 MISS_SHARE = 0.1
@@ -47,9 +52,15 @@ class TurnReport:
     lost_tokens: int
 
 
-def classify(previous: SessionMemory | None, worker: str, worker_epochs: dict[str, int],
-             prompt_tokens: int, cached_tokens: int, best_match_tokens: int,
-             predicted_tokens: int) -> TurnReport:
+def classify(
+    previous: SessionMemory | None,
+    worker: str,
+    worker_epochs: dict[str, int],
+    prompt_tokens: int,
+    cached_tokens: int,
+    best_match_tokens: int,
+    predicted_tokens: int,
+) -> TurnReport:
     """One turn's outcome; pure, so every rule is testable with plain values."""
     if previous is None:
         expected = best_match_tokens

@@ -50,8 +50,12 @@ def content_text(content: Any) -> str:
 
 
 def render_message(message: Mapping[str, Any]) -> bytes:
-    pieces = [_RS, str(message.get("role", "")).encode(), _US,
-              content_text(message.get("content")).encode()]
+    pieces = [
+        _RS,
+        str(message.get("role", "")).encode(),
+        _US,
+        content_text(message.get("content")).encode(),
+    ]
     tool_calls = message.get("tool_calls")
     if tool_calls:
         pieces += [_US, orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS)]
@@ -117,8 +121,7 @@ class ChainExtender:
 
     __slots__ = ("_block_bytes", "_buffer", "_hashes", "_parent")
 
-    def __init__(self, key: PrefixKey, block_bytes: int, header: bytes = CHAT_REPLY_HEADER
-                 ) -> None:
+    def __init__(self, key: PrefixKey, block_bytes: int, header: bytes = CHAT_REPLY_HEADER) -> None:
         self._block_bytes = block_bytes
         self._parent = key.last_hash
         self._buffer = bytearray(key.tail)

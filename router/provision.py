@@ -19,8 +19,13 @@ def worker_capacity(config: RouterConfig, configured: int | None) -> int | None:
     if cap.model and cap.gpu:
         try:
             kv_bytes = dtype_bytes(cap.kv_dtype) if cap.kv_dtype else None
-            return plan(load_model(cap.model), gpu(cap.gpu), cap.gpus_per_worker,
-                        cap.gpu_memory_utilization, kv_bytes).resident_tokens
+            return plan(
+                load_model(cap.model),
+                gpu(cap.gpu),
+                cap.gpus_per_worker,
+                cap.gpu_memory_utilization,
+                kv_bytes,
+            ).resident_tokens
         except CapacityError as exc:
             raise RouterError(f"capacity: {exc}") from exc
     return None
@@ -30,10 +35,6 @@ def new_worker(config: RouterConfig, wc: WorkerConfig) -> tuple[Worker, bool]:
     """A worker from its config; False when its capacity must be read from the engine."""
     capacity = worker_capacity(config, wc.kv_tokens)
     health = config.health
-    breaker = CircuitBreaker(health.failure_threshold, health.cooldown_s,
-                             health.max_cooldown_s)
-    worker = Worker(wc.name, wc.url.rstrip("/"), capacity or DEFAULT_KV_TOKENS,
-                    breaker=breaker)
+    breaker = CircuitBreaker(health.failure_threshold, health.cooldown_s, health.max_cooldown_s)
+    worker = Worker(wc.name, wc.url.rstrip("/"), capacity or DEFAULT_KV_TOKENS, breaker=breaker)
     return worker, capacity is not None
-
-

@@ -19,9 +19,11 @@ SHORT = chat_body([{"role": "user", "content": "short"}], max_tokens=2)
 
 async def test_a_full_fleet_queues_then_serves(engine_factory: EngineFactory) -> None:
     limits = AdmissionConfig(max_outstanding_per_worker=1, queue_size=4, queue_timeout_s=10)
-    async with (engines(engine_factory, 1) as fleet,
-                serve_router(router_config(fleet, admission=limits)) as router,
-                aiohttp.ClientSession() as http):
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, admission=limits)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         async with held_stream(http, router.url, LONG):
             waiting = asyncio.create_task(post(http, router.url, SHORT))
             await asyncio.sleep(0.3)
@@ -30,12 +32,13 @@ async def test_a_full_fleet_queues_then_serves(engine_factory: EngineFactory) ->
         assert result.status == 200
 
 
-async def test_a_full_queue_answers_429_and_a_long_wait_503(
-        engine_factory: EngineFactory) -> None:
+async def test_a_full_queue_answers_429_and_a_long_wait_503(engine_factory: EngineFactory) -> None:
     limits = AdmissionConfig(max_outstanding_per_worker=1, queue_size=1, queue_timeout_s=0.5)
-    async with (engines(engine_factory, 1) as fleet,
-                serve_router(router_config(fleet, admission=limits)) as router,
-                aiohttp.ClientSession() as http):
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, admission=limits)) as router,
+        aiohttp.ClientSession() as http,
+    ):
         async with held_stream(http, router.url, LONG):
             queued = asyncio.create_task(post(http, router.url, SHORT))
             await asyncio.sleep(0.1)
@@ -47,9 +50,12 @@ async def test_a_full_queue_answers_429_and_a_long_wait_503(
 
 
 async def test_off_by_default(engine_factory: EngineFactory) -> None:
-    async with (engines(engine_factory, 1) as fleet,
-                serve_router(router_config(fleet)) as router,
-                aiohttp.ClientSession() as http, held_stream(http, router.url, LONG)):
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet)) as router,
+        aiohttp.ClientSession() as http,
+        held_stream(http, router.url, LONG),
+    ):
         result = await asyncio.wait_for(post(http, router.url, SHORT), 5)
         assert result.status == 200
 

@@ -11,10 +11,22 @@ import pytest
 from router.capacity import GB, CapacityError, ModelShape, gpu, load_model, plan, preset_names
 from router.cli import main
 
-GQA_32L = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "torch_dtype": "bfloat16"}
-MLA_78L = {"hidden_size": 6144, "num_hidden_layers": 78, "num_attention_heads": 64,
-           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}
+GQA_32L = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "torch_dtype": "bfloat16",
+}
+MLA_78L = {
+    "hidden_size": 6144,
+    "num_hidden_layers": 78,
+    "num_attention_heads": 64,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_gqa_bytes_per_token_and_sessions() -> None:
@@ -56,20 +68,55 @@ def test_unknown_names_list_the_known_ones() -> None:
         gpu("tpu")
 
 
-def test_planner_prints_the_published_figures(tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_planner_prints_the_published_figures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps(GQA_32L))
-    assert main(["capacity", "--model-config", str(config), "--gpu", "h200", "--gpus", "8",
-                 "--context", "100000", "--sessions", "64"]) == 0
+    assert (
+        main(
+            [
+                "capacity",
+                "--model-config",
+                str(config),
+                "--gpu",
+                "h200",
+                "--gpus",
+                "8",
+                "--context",
+                "100000",
+                "--sessions",
+                "64",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert re.search(r"bytes per token\s+131,072", out)
     assert "100,000 tokens = 13.1 GB" in out
     assert re.search(r"64 sessions\s+838\.9 GB", out)
 
     config.write_text(json.dumps(MLA_78L))
-    assert main(["capacity", "--model-config", str(config), "--gpu", "b200", "--gpus", "8",
-                 "--kv-dtype", "fp8", "--weights-gb", "753", "--context", "1000000"]) == 0
+    assert (
+        main(
+            [
+                "capacity",
+                "--model-config",
+                str(config),
+                "--gpu",
+                "b200",
+                "--gpus",
+                "8",
+                "--kv-dtype",
+                "fp8",
+                "--weights-gb",
+                "753",
+                "--context",
+                "1000000",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert re.search(r"bytes per token\s+44,928", out)
     assert re.search(r"sessions of 1,000,000 tokens\s+15\s", out)

@@ -26,11 +26,13 @@ def test_compose_has_the_whole_picture() -> None:
     services = compose()["services"]
     assert {"redis", "router-1", "router-2", "prometheus", "grafana"} <= set(services)
     assert sorted(s for s in services if s.startswith("engine-")) == [
-        f"engine-{i}" for i in range(4)]
+        f"engine-{i}" for i in range(4)
+    ]
     for name in ("router-1", "router-2"):
         depends = services[name]["depends_on"]
-        assert "redis" in depends and all(depends[f"engine-{i}"]["condition"] ==
-                                          "service_healthy" for i in range(4))
+        assert "redis" in depends and all(
+            depends[f"engine-{i}"]["condition"] == "service_healthy" for i in range(4)
+        )
 
 
 def test_every_kvrouter_command_exists_in_the_image() -> None:
@@ -50,9 +52,13 @@ def test_mounted_files_exist_and_are_valid(capsys: pytest.CaptureFixture[str]) -
             assert (DEPLOY / source).exists(), source
     assert main(["check-config", str(DEPLOY / "router.yaml")]) == 0
     assert "ok (4 workers, policy ttft)" in capsys.readouterr().out
-    result = subprocess.run(["promtool", "check", "config", str(DEPLOY / "prometheus" /
-                                                               "compose.yml")],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        ["promtool", "check", "config", str(DEPLOY / "prometheus" / "compose.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -26,8 +26,9 @@ def test_first_turn_hit_partial_miss() -> None:
 
 
 def test_causes() -> None:
-    def cause(previous: SessionMemory, worker: str, epochs: dict[str, int],
-              best: int, predicted: int) -> str | None:
+    def cause(
+        previous: SessionMemory, worker: str, epochs: dict[str, int], best: int, predicted: int
+    ) -> str | None:
         return classify(previous, worker, epochs, 1200, 0, best, predicted).cause
 
     assert cause(memory(), "a", {"a": 1, "b": 0}, 0, 0) == "worker_failed"  # restarted
@@ -48,20 +49,25 @@ def test_the_tracker_is_bounded() -> None:
     assert len(tracker) == 3
 
 
-async def turn(http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]],
-               key: str) -> str:
+async def turn(
+    http: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], key: str
+) -> str:
     result = await post(http, url, chat_body(messages, max_tokens=16, user=key))
     assert result.status == 200
-    messages += [{"role": "assistant", "content": result.text},
-                 {"role": "user", "content": "go on"}]
+    messages += [
+        {"role": "assistant", "content": result.text},
+        {"role": "user", "content": "go on"},
+    ]
     return str(result.worker)
 
 
 async def test_outcomes_and_causes_end_to_end(engine_factory: EngineFactory) -> None:
     health = HealthConfig(interval_s=0.05, scrape_interval_s=0.05, stale_after_s=1.0)
-    async with (engines(engine_factory, 2) as fleet,
-                serve_router(router_config(fleet, health=health, admin_token="t")) as router,
-                aiohttp.ClientSession() as http):
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, health=health, admin_token="t")) as router,
+        aiohttp.ClientSession() as http,
+    ):
         messages = conversation("outcomes", 600, 100)
         worker = await turn(http, router.url, messages, "s1")  # first turn
         await turn(http, router.url, messages, "s1")  # hit
@@ -70,13 +76,16 @@ async def test_outcomes_and_causes_end_to_end(engine_factory: EngineFactory) -> 
 
         # Drained: the next turn must go elsewhere and re-read its history. It also adds
         # a long tool result, so the drained worker will hold under 90% of what follows.
-        await http.post(f"{router.url}/admin/workers/{worker}/drain",
-                        headers={"Authorization": "Bearer t"})
+        await http.post(
+            f"{router.url}/admin/workers/{worker}/drain", headers={"Authorization": "Bearer t"}
+        )
         messages[-1]["content"] = text_for("tool-result", 3000)
         other = await turn(http, router.url, messages, "s1")
         assert other != worker
-        assert await metric(http, router, "kvrouter_lost_prefix_turns_total",
-                            cause="routed_elsewhere") == 1
+        assert (
+            await metric(http, router, "kvrouter_lost_prefix_turns_total", cause="routed_elsewhere")
+            == 1
+        )
 
         # The worker now holding it restarts: its cache is gone.
         engine = fleet[int(other[1])]
@@ -85,12 +94,20 @@ async def test_outcomes_and_causes_end_to_end(engine_factory: EngineFactory) -> 
 
         async def restart_seen() -> bool:
             return await metric(http, router, "kvrouter_worker_restarts_total") == 1
+
         await wait_for(restart_seen)
-        await http.delete(f"{router.url}/admin/workers/{worker}/drain",
-                          headers={"Authorization": "Bearer t"})
+        await http.delete(
+            f"{router.url}/admin/workers/{worker}/drain", headers={"Authorization": "Bearer t"}
+        )
         await turn(http, router.url, messages, "s1")
-        assert await metric(http, router, "kvrouter_lost_prefix_turns_total",
-                            cause="worker_failed") == 1
+        assert (
+            await metric(http, router, "kvrouter_lost_prefix_turns_total", cause="worker_failed")
+            == 1
+        )
         assert await metric(http, router, "kvrouter_lost_prefix_tokens_total") > 0
-        assert await metric(http, router, "kvrouter_turn_time_to_first_token_seconds_count",
-                            outcome="hit") == 1
+        assert (
+            await metric(
+                http, router, "kvrouter_turn_time_to_first_token_seconds_count", outcome="hit"
+            )
+            == 1
+        )

@@ -228,9 +228,20 @@ def test_offline_reference_matches_one_fed_the_engines_own_replies() -> None:
 
 
 def _peak_record(session: str, prompt: int) -> RequestRecord:
-    return RequestRecord(session=session, turn=0, start=0.0, ttft_s=0.1, latency_s=1.0,
-                         prompt_tokens=prompt, cached_tokens=0, oracle_cached_tokens=0,
-                         completion_tokens=0, worker=None, error=None, status=200)
+    return RequestRecord(
+        session=session,
+        turn=0,
+        start=0.0,
+        ttft_s=0.1,
+        latency_s=1.0,
+        prompt_tokens=prompt,
+        cached_tokens=0,
+        oracle_cached_tokens=0,
+        completion_tokens=0,
+        worker=None,
+        error=None,
+        status=200,
+    )
 
 
 def test_hindsight_placement_balances_peak_contexts() -> None:

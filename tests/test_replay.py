@@ -39,18 +39,35 @@ def _tokens(seed: int, count: int) -> bytes:
     return b"".join((seed * 1_000_003 + i).to_bytes(TOKEN_BYTES, "little") for i in range(count))
 
 
-def _record(turn: int, cached: int, oracle: int, prompt: int = 100, ttft: float | None = 0.1,
-            error: str | None = None, start: float = 0.0, latency: float = 1.0,
-            completion: int = 10) -> RequestRecord:
+def _record(
+    turn: int,
+    cached: int,
+    oracle: int,
+    prompt: int = 100,
+    ttft: float | None = 0.1,
+    error: str | None = None,
+    start: float = 0.0,
+    latency: float = 1.0,
+    completion: int = 10,
+) -> RequestRecord:
     return RequestRecord(
-        session="s", turn=turn, start=start, ttft_s=ttft, latency_s=latency,
-        prompt_tokens=prompt, cached_tokens=cached, oracle_cached_tokens=oracle,
-        completion_tokens=completion, worker=None, error=error,
+        session="s",
+        turn=turn,
+        start=start,
+        ttft_s=ttft,
+        latency_s=latency,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        oracle_cached_tokens=oracle,
+        completion_tokens=completion,
+        worker=None,
+        error=error,
         status=200 if error is None else 500,
     )
 
 
 # --- oracle ---------------------------------------------------------------------------
+
 
 def test_oracle_hits_the_shared_whole_blocks() -> None:
     oracle = PrefixOracle(BLOCK)
@@ -96,6 +113,7 @@ def test_oracle_completion_adds_reply_blocks_but_not_the_last_token() -> None:
 
 
 # --- summary --------------------------------------------------------------------------
+
 
 def test_percentile_interpolates_linearly() -> None:
     assert percentile([], 50) is None
@@ -149,9 +167,17 @@ def test_summary_duration_defaults_to_the_records_span() -> None:
 
 # --- result file and compare ----------------------------------------------------------
 
+
 def _result(records: list[RequestRecord], target: str = "http://x") -> RunResult:
-    meta = RunMeta(target=target, trace="t.jsonl", model="m", time_scale=10.0,
-                   concurrency=4, started_at="2025-01-01T00:00:00+00:00", duration_s=12.5)
+    meta = RunMeta(
+        target=target,
+        trace="t.jsonl",
+        model="m",
+        time_scale=10.0,
+        concurrency=4,
+        started_at="2025-01-01T00:00:00+00:00",
+        duration_s=12.5,
+    )
     return RunResult(meta, tuple(records))
 
 
@@ -200,24 +226,35 @@ def _tiny_trace() -> list[Turn]:
     turns = []
     for index, session in enumerate(("alpha", "beta")):
         for turn in range(3):
-            turns.append(Turn(
-                session=session, turn=turn, arrival=index * 1.0, gap=0.0 if turn == 0 else 1.0,
-                user=(TextBlock(f"{session}-user-{turn}", 40 + 7 * turn),),
-                output_tokens=24, system=system if turn == 0 else None,
-            ))
+            turns.append(
+                Turn(
+                    session=session,
+                    turn=turn,
+                    arrival=index * 1.0,
+                    gap=0.0 if turn == 0 else 1.0,
+                    user=(TextBlock(f"{session}-user-{turn}", 40 + 7 * turn),),
+                    output_tokens=24,
+                    system=system if turn == 0 else None,
+                )
+            )
     return turns
 
 
 async def _prefix_cache_hits(url: str) -> float:
     async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
         text = await resp.text()
-    return sum(sample.value for family in text_string_to_metric_families(text)
-               for sample in family.samples if sample.name == "vllm:prefix_cache_hits_total")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "vllm:prefix_cache_hits_total"
+    )
 
 
 async def test_replay_against_the_simulated_engine(engine_url: str) -> None:
-    config = ReplayConfig(target=engine_url, trace=Path("tiny.jsonl"), concurrency=4,
-                          time_scale=TIME_SCALE)
+    config = ReplayConfig(
+        target=engine_url, trace=Path("tiny.jsonl"), concurrency=4, time_scale=TIME_SCALE
+    )
     seen: list[RequestRecord] = []
     result = await replay(config, select_sessions(_tiny_trace()), seen.append)
 
@@ -243,12 +280,16 @@ async def test_replay_against_the_simulated_engine(engine_url: str) -> None:
 
 
 async def test_failed_requests_are_recorded_and_sessions_go_on(engine_url: str) -> None:
-    async with aiohttp.ClientSession() as http, http.post(
-        f"{engine_url}/sim/faults", json={"fail_requests": True, "fail_status": 503}
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            f"{engine_url}/sim/faults", json={"fail_requests": True, "fail_status": 503}
+        ) as resp,
+    ):
         assert resp.status == 200
-    config = ReplayConfig(target=engine_url, trace=Path("tiny.jsonl"), model="sim-model",
-                          time_scale=TIME_SCALE)
+    config = ReplayConfig(
+        target=engine_url, trace=Path("tiny.jsonl"), model="sim-model", time_scale=TIME_SCALE
+    )
     result = await replay(config, select_sessions(_tiny_trace(), max_sessions=1))
     assert [(r.turn, r.status) for r in result.records] == [(0, 503), (1, 503), (2, 503)]
     assert all(r.error is not None and "503" in r.error for r in result.records)
@@ -263,8 +304,9 @@ async def test_unreachable_target_is_an_error_per_request() -> None:
     await site.start()
     port = runner.addresses[0][1]
     await runner.cleanup()
-    config = ReplayConfig(target=f"http://127.0.0.1:{port}", trace=Path("t"), model="m",
-                          time_scale=TIME_SCALE)
+    config = ReplayConfig(
+        target=f"http://127.0.0.1:{port}", trace=Path("t"), model="m", time_scale=TIME_SCALE
+    )
     result = await replay(config, select_sessions(_tiny_trace(), max_sessions=1))
     assert len(result.records) == 3
     assert all(r.status == 0 and r.error for r in result.records)
@@ -272,8 +314,9 @@ async def test_unreachable_target_is_an_error_per_request() -> None:
 
 async def _error_stream(request: web.Request) -> web.StreamResponse:
     """A worker behind a router that dies mid-reply: one token, then an error event."""
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "x-kvrouter-worker": "worker-1"})
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "x-kvrouter-worker": "worker-1"}
+    )
     await response.prepare(request)
     await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "abcd"}}]}\n\n')
     await response.write(b'data: {"error": {"message": "boom", "code": 500}}\n\n')
@@ -290,8 +333,12 @@ async def test_an_error_event_in_the_stream_fails_the_request() -> None:
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     try:
-        config = ReplayConfig(target=f"http://127.0.0.1:{runner.addresses[0][1]}",
-                              trace=Path("t"), model="m", time_scale=TIME_SCALE)
+        config = ReplayConfig(
+            target=f"http://127.0.0.1:{runner.addresses[0][1]}",
+            trace=Path("t"),
+            model="m",
+            time_scale=TIME_SCALE,
+        )
         result = await replay(config, select_sessions(_tiny_trace(), max_sessions=1))
     finally:
         await runner.cleanup()

@@ -13,16 +13,20 @@ from tests.router_client import chat_body, engines, post
 
 
 async def test_a_line_per_request_without_prompts_keys_or_headers(
-        engine_factory: EngineFactory, caplog: pytest.LogCaptureFixture) -> None:
+    engine_factory: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.INFO, logger="kvrouter.requests")
     secret_prompt = "SECRET-PROMPT-" * 50
-    async with (engines(engine_factory, 1) as fleet,
-                serve_router(router_config(fleet, log_requests=True)) as router,
-                aiohttp.ClientSession(headers={"Authorization": "Bearer sk-secret"}) as http):
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, log_requests=True)) as router,
+        aiohttp.ClientSession(headers={"Authorization": "Bearer sk-secret"}) as http,
+    ):
         messages = [{"role": "user", "content": secret_prompt}]
         for _ in range(2):
-            result = await post(http, router.url, chat_body(messages, max_tokens=4,
-                                                            user="alice@example.com"))
+            result = await post(
+                http, router.url, chat_body(messages, max_tokens=4, user="alice@example.com")
+            )
             assert result.status == 200
     lines = [r.getMessage() for r in caplog.records if r.name == "kvrouter.requests"]
     assert len(lines) == 2

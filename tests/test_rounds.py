@@ -21,10 +21,23 @@ from bench.replay.rounds import (
 
 
 def _run(cached: int, ttft: float, reference: float | None = 0.8) -> ScoredRun:
-    records = [RequestRecord(session="s", turn=t, start=float(t), ttft_s=ttft, latency_s=1.0,
-                             prompt_tokens=100, cached_tokens=cached if t else 0,
-                             oracle_cached_tokens=90 if t else 0, completion_tokens=10,
-                             worker=None, error=None, status=200) for t in range(4)]
+    records = [
+        RequestRecord(
+            session="s",
+            turn=t,
+            start=float(t),
+            ttft_s=ttft,
+            latency_s=1.0,
+            prompt_tokens=100,
+            cached_tokens=cached if t else 0,
+            oracle_cached_tokens=90 if t else 0,
+            completion_tokens=10,
+            worker=None,
+            error=None,
+            status=200,
+        )
+        for t in range(4)
+    ]
     return ScoredRun(summarize(records, 10.0), reference)
 
 

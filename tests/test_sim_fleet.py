@@ -35,10 +35,15 @@ async def test_fleet_engines_are_separate_processes_with_separate_caches() -> No
     base = free_port_run(2)
     flags = ["--kv-tokens", "20000", "--time-scale", "50", "--served-model-name", "m"]
     async with fleet(2, "127.0.0.1", base, flags) as engines, aiohttp.ClientSession() as http:
-        assert [e.url for e in engines] == [f"http://127.0.0.1:{base}",
-                                            f"http://127.0.0.1:{base + 1}"]
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi " * 200}],
-                "max_tokens": 2}
+        assert [e.url for e in engines] == [
+            f"http://127.0.0.1:{base}",
+            f"http://127.0.0.1:{base + 1}",
+        ]
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi " * 200}],
+            "max_tokens": 2,
+        }
         cached = []
         for url in (engines[0].url, engines[0].url, engines[1].url):
             async with http.post(f"{url}/v1/chat/completions", json=body) as response:
@@ -55,8 +60,18 @@ async def test_fleet_engines_are_separate_processes_with_separate_caches() -> No
 async def test_fleet_command_starts_and_stops_on_sigterm() -> None:
     base = free_port_run(2)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "sim", "fleet", "--n", "2", "--base-port", str(base),
-        "--kv-tokens", "20000", stdout=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "router.cli",
+        "sim",
+        "fleet",
+        "--n",
+        "2",
+        "--base-port",
+        str(base),
+        "--kv-tokens",
+        "20000",
+        stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:

@@ -22,8 +22,13 @@ CACHE_CONFIG = {
     "num_gpu_blocks": "2048",
 }
 VLLM_LABELS = {"model_name": MODEL, "engine": "0"}
-SGLANG_SCHED_LABELS = {"model_name": MODEL, "engine_type": "unified", "tp_rank": "0",
-                       "pp_rank": "0", "moe_ep_rank": "0"}
+SGLANG_SCHED_LABELS = {
+    "model_name": MODEL,
+    "engine_type": "unified",
+    "tp_rank": "0",
+    "pp_rank": "0",
+    "moe_ep_rank": "0",
+}
 SGLANG_TOK_LABELS = {"model_name": MODEL, "engine_type": "unified"}
 
 
@@ -32,8 +37,9 @@ def _vllm(start_time: float = 1000.0, engine_id: str = "0") -> EngineMetrics:
 
 
 def _sglang(start_time: float = 1000.0) -> EngineMetrics:
-    return EngineMetrics("sglang", MODEL, "0", {**CACHE_CONFIG, "max_total_num_tokens": "32768"},
-                         start_time)
+    return EngineMetrics(
+        "sglang", MODEL, "0", {**CACHE_CONFIG, "max_total_num_tokens": "32768"}, start_time
+    )
 
 
 def _families(metrics: EngineMetrics) -> dict[str, Metric]:
@@ -47,8 +53,11 @@ def _value(families: dict[str, Metric], sample_name: str, **labels: str) -> floa
     for suffix in ("_bucket", "_count", "_sum"):
         if family_name not in families:
             family_name = family_name.removesuffix(suffix)
-    matches = [s.value for s in families[family_name].samples
-               if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())]
+    matches = [
+        s.value
+        for s in families[family_name].samples
+        if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+    ]
     assert len(matches) == 1, f"{sample_name} {labels}: {matches}"
     return matches[0]
 
@@ -90,29 +99,105 @@ def test_vllm_families_have_vllm_names_types_and_labels() -> None:
         assert families[name].type == kind, name
     assert not [name for name in families if name.startswith("sglang:")]
     assert _label_names(families["vllm:num_requests_running"], "vllm:num_requests_running") == {
-        "model_name", "engine"}
+        "model_name",
+        "engine",
+    }
     assert _label_names(families["vllm:request_success"], "vllm:request_success_total") == {
-        "model_name", "engine", "finished_reason"}
+        "model_name",
+        "engine",
+        "finished_reason",
+    }
     assert families["vllm:time_to_first_token_seconds"].documentation == (
-        "Histogram of time to first token in seconds.")
+        "Histogram of time to first token in seconds."
+    )
     assert families["vllm:kv_cache_usage_perc"].documentation == (
-        "KV-cache usage. 1 means 100 percent usage.")
+        "KV-cache usage. 1 means 100 percent usage."
+    )
 
 
 def test_vllm_bucket_bounds_match_vllm() -> None:
     families = _families(_vllm())
-    ttft = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0, math.inf]
-    tpot = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-            10.0, 20.0, 40.0, 80.0, math.inf]
-    latency = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0, math.inf]
+    ttft = [
+        0.001,
+        0.005,
+        0.01,
+        0.02,
+        0.04,
+        0.06,
+        0.08,
+        0.1,
+        0.25,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        160.0,
+        640.0,
+        2560.0,
+        math.inf,
+    ]
+    tpot = [
+        0.01,
+        0.025,
+        0.05,
+        0.075,
+        0.1,
+        0.15,
+        0.2,
+        0.3,
+        0.4,
+        0.5,
+        0.75,
+        1.0,
+        2.5,
+        5.0,
+        7.5,
+        10.0,
+        20.0,
+        40.0,
+        80.0,
+        math.inf,
+    ]
+    latency = [
+        0.3,
+        0.5,
+        0.8,
+        1.0,
+        1.5,
+        2.0,
+        2.5,
+        5.0,
+        10.0,
+        15.0,
+        20.0,
+        30.0,
+        40.0,
+        50.0,
+        60.0,
+        120.0,
+        240.0,
+        480.0,
+        960.0,
+        1920.0,
+        7680.0,
+        math.inf,
+    ]
     assert _bucket_bounds(families["vllm:time_to_first_token_seconds"]) == ttft
     assert _bucket_bounds(families["vllm:inter_token_latency_seconds"]) == tpot
     assert _bucket_bounds(families["vllm:request_time_per_output_token_seconds"]) == tpot
-    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_inference_time_seconds", "request_prefill_time_seconds",
-                 "request_decode_time_seconds"):
+    for name in (
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_inference_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ):
         assert _bucket_bounds(families[f"vllm:{name}"]) == latency, name
     tokens = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, math.inf]
     assert _bucket_bounds(families["vllm:request_prompt_tokens"]) == tokens
@@ -140,10 +225,26 @@ def test_vllm_values_follow_recorded_calls() -> None:
     metrics.record_preemption()
     metrics.record_preemption()
     metrics.record_first_token(0.03)
-    metrics.record_finished("stop", prompt_tokens=120, generation_tokens=10, e2e_s=2.0,
-                            queue_s=0.5, prefill_s=0.3, decode_s=1.2, inter_token_s=[0.1] * 9)
-    metrics.record_finished("length", prompt_tokens=7, generation_tokens=1, e2e_s=0.4,
-                            queue_s=0.0, prefill_s=0.4, decode_s=0.0, inter_token_s=[])
+    metrics.record_finished(
+        "stop",
+        prompt_tokens=120,
+        generation_tokens=10,
+        e2e_s=2.0,
+        queue_s=0.5,
+        prefill_s=0.3,
+        decode_s=1.2,
+        inter_token_s=[0.1] * 9,
+    )
+    metrics.record_finished(
+        "length",
+        prompt_tokens=7,
+        generation_tokens=1,
+        e2e_s=0.4,
+        queue_s=0.0,
+        prefill_s=0.4,
+        decode_s=0.0,
+        inter_token_s=[],
+    )
     f = _families(metrics)
     lbl = VLLM_LABELS
     assert _value(f, "vllm:num_requests_running", **lbl) == 3
@@ -210,16 +311,62 @@ def test_sglang_flavor_emits_sglang_names_labels_and_buckets() -> None:
     for name, kind in expected.items():
         assert families[name].type == kind, name
     assert _label_names(families["sglang:num_running_reqs"], "sglang:num_running_reqs") == set(
-        SGLANG_SCHED_LABELS)
+        SGLANG_SCHED_LABELS
+    )
     assert _label_names(families["sglang:prompt_tokens"], "sglang:prompt_tokens_total") == set(
-        SGLANG_TOK_LABELS)
+        SGLANG_TOK_LABELS
+    )
     assert _bucket_bounds(families["sglang:time_to_first_token_seconds"]) == [
-        0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, math.inf]
+        0.1,
+        0.2,
+        0.4,
+        0.6,
+        0.8,
+        1,
+        2,
+        4,
+        6,
+        8,
+        10,
+        20,
+        40,
+        60,
+        80,
+        100,
+        200,
+        400,
+        math.inf,
+    ]
     assert _bucket_bounds(families["sglang:e2e_request_latency_seconds"]) == [
-        0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200,
-        1800, 2400, math.inf]
+        0.1,
+        0.2,
+        0.4,
+        0.6,
+        0.8,
+        1,
+        2,
+        4,
+        6,
+        8,
+        10,
+        20,
+        40,
+        60,
+        80,
+        100,
+        200,
+        400,
+        600,
+        1200,
+        1800,
+        2400,
+        math.inf,
+    ]
     assert _bucket_bounds(families["sglang:inter_token_latency_seconds"])[:3] == [
-        0.002, 0.004, 0.006]
+        0.002,
+        0.004,
+        0.006,
+    ]
     assert _bucket_bounds(families["sglang:queue_time_seconds"])[:3] == [0.0, 0.1, 0.2]
     assert families["sglang:cache_hit_rate"].documentation == "The prefix cache hit rate."
     assert _value(families, "sglang:max_total_num_tokens", **SGLANG_SCHED_LABELS) == 32768
@@ -232,10 +379,19 @@ def test_sglang_values_follow_recorded_calls() -> None:
     metrics.record_step(running=4, waiting=1, kv_usage=0.6)
     metrics.record_preemption()
     metrics.record_first_token(0.5)
-    metrics.record_finished("stop", 200, 5, e2e_s=3.0, queue_s=0.15, prefill_s=0.4,
-                            decode_s=2.0, inter_token_s=[0.03] * 4)
-    metrics.record_finished("abort", 50, 2, e2e_s=1.0, queue_s=0.0, prefill_s=0.2,
-                            decode_s=0.1, inter_token_s=[0.05])
+    metrics.record_finished(
+        "stop",
+        200,
+        5,
+        e2e_s=3.0,
+        queue_s=0.15,
+        prefill_s=0.4,
+        decode_s=2.0,
+        inter_token_s=[0.03] * 4,
+    )
+    metrics.record_finished(
+        "abort", 50, 2, e2e_s=1.0, queue_s=0.0, prefill_s=0.2, decode_s=0.1, inter_token_s=[0.05]
+    )
     f = _families(metrics)
     sched, tok = SGLANG_SCHED_LABELS, SGLANG_TOK_LABELS
     assert _value(f, "sglang:num_running_reqs", **sched) == 4
@@ -308,6 +464,7 @@ def test_two_instances_do_not_share_state() -> None:
     assert _value(f2, "process_start_time_seconds") == 20.0
     # And neither touched the global registry.
     from prometheus_client import REGISTRY
+
     assert REGISTRY.get_sample_value("vllm:prompt_tokens_total", VLLM_LABELS) is None
 
 
@@ -323,14 +480,16 @@ def _twin_histograms(
 
 
 def _lines(registry: CollectorRegistry) -> list[str]:
-    return [line for line in generate_latest(registry).decode().splitlines()
-            if "_created" not in line]
+    return [
+        line for line in generate_latest(registry).decode().splitlines() if "_created" not in line
+    ]
 
 
 def test_observe_matches_prometheus_observe() -> None:
     values = [0.0, 0.01, 0.0100001, 0.025, 0.3, 10.0, 10.5, 1e9, 3, *(0.001 * i for i in range(60))]
     (theirs, theirs_registry), (ours, ours_registry) = _twin_histograms(
-        (0.01, 0.025, 0.05, 0.5, 10.0))
+        (0.01, 0.025, 0.05, 0.5, 10.0)
+    )
     for value in values:
         theirs.observe(value)
         observe(ours, value)
@@ -340,16 +499,20 @@ def test_observe_matches_prometheus_observe() -> None:
 def test_observe_many_matches_observe_one_by_one() -> None:
     values = [0.0, 0.01, 0.0125, 0.04, 0.04, 0.3, 7.5, 1e9, *(0.001 * i for i in range(500))]
     (one_by_one, one_by_one_registry), (bulk, bulk_registry) = _twin_histograms(
-        (0.01, 0.025, 0.05, 0.5, 10.0))
+        (0.01, 0.025, 0.05, 0.5, 10.0)
+    )
     for value in values:
         one_by_one.observe(value)
     observe_many(bulk, values)
 
     def samples(registry: CollectorRegistry) -> dict[tuple[str, str], float]:
         text = generate_latest(registry).decode()
-        return {(s.name, s.labels.get("le", "")): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples
-                if not s.name.endswith("_created")}
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if not s.name.endswith("_created")
+        }
 
     assert samples(bulk_registry) == pytest.approx(samples(one_by_one_registry), rel=1e-12)
 
@@ -361,8 +524,12 @@ def test_a_render_after_a_change_shows_it(flavor: Flavor) -> None:
 
     def ttft_count() -> float:
         text = metrics.render()[0].decode()
-        return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
-                    if s.name.endswith("time_to_first_token_seconds_count"))
+        return next(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name.endswith("time_to_first_token_seconds_count")
+        )
 
     assert ttft_count() == 0
     metrics.record_first_token(0.5)

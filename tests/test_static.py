@@ -1,4 +1,5 @@
-"""ruff and mypy run as part of the test suite, so the README's one test command checks all."""
+"""ruff (lint and format) and mypy run as part of the test suite, so the README's one test
+command checks all."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_ruff_is_clean() -> None:
@@ -21,4 +28,9 @@ def test_ruff_is_clean() -> None:
 
 def test_mypy_strict_is_clean() -> None:
     result = run("mypy")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_ruff_format_is_clean() -> None:
+    result = run("ruff", "format", "--check", ".")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -36,13 +36,25 @@ def _free_ports(count: int) -> list[int]:
 
 def _compare(out: Path) -> Rounds:
     ports = _free_ports(3)
-    config = DemoConfig(engines=2, sessions=2, rate=0.5, kv_tokens=40_000, repeat=2,
-                        policies=("ttft", "round_robin"), out=out, base_port=ports[0],
-                        router_port=ports[2])
+    config = DemoConfig(
+        engines=2,
+        sessions=2,
+        rate=0.5,
+        kv_tokens=40_000,
+        repeat=2,
+        policies=("ttft", "round_robin"),
+        out=out,
+        base_port=ports[0],
+        router_port=ports[2],
+    )
     with (out.parent / f"{out.name}.log").open("w") as log:
-        return run_virtual(run_comparison(
-            config, Console(file=log, width=120),
-            lambda urls: [kvrouter_spec(config, p, urls) for p in config.policies]))
+        return run_virtual(
+            run_comparison(
+                config,
+                Console(file=log, width=120),
+                lambda urls: [kvrouter_spec(config, p, urls) for p in config.policies],
+            )
+        )
 
 
 def test_virtual_time_runs_give_the_same_answer_twice(tmp_path: Path) -> None:
@@ -68,7 +80,10 @@ def test_virtual_time_runs_give_the_same_answer_twice(tmp_path: Path) -> None:
 
 def test_only_kvrouter_commands_run_in_virtual_time() -> None:
     assert router_argv(["python", "-m", "router.cli", "serve", "--port", "1"]) == [
-        "serve", "--port", "1"]
+        "serve",
+        "--port",
+        "1",
+    ]
     try:
         router_argv(["/opt/peers/bin/smg", "launch"])
     except ValueError as exc:

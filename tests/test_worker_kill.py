@@ -18,8 +18,9 @@ PROBES = HealthConfig(interval_s=0.2, timeout_s=0.5, scrape_interval_s=0.1, stal
 FLAGS = ["--kv-tokens", "50000", "--time-scale", "20", "--served-model-name", "sim-model"]
 
 
-async def client(http: aiohttp.ClientSession, url: str, key: str, stop_at: float,
-                 outcomes: list[str]) -> None:
+async def client(
+    http: aiohttp.ClientSession, url: str, key: str, stop_at: float, outcomes: list[str]
+) -> None:
     """Streams requests until ``stop_at``; records how each ended."""
     turn = 0
     while time.monotonic() < stop_at:
@@ -46,14 +47,17 @@ async def test_a_killed_worker_costs_no_request_that_had_not_started() -> None:
             state = router.app[STATE_KEY].router
             outcomes: list[str] = []
             stop_at = time.monotonic() + 3.0
-            load = [asyncio.create_task(client(http, router.url, f"c{i}", stop_at, outcomes))
-                    for i in range(6)]
+            load = [
+                asyncio.create_task(client(http, router.url, f"c{i}", stop_at, outcomes))
+                for i in range(6)
+            ]
             await asyncio.sleep(1.0)
             engines[0].kill()
             killed_at = time.monotonic()
 
             async def ejected() -> bool:
                 return not state.fleet.workers["w0"].healthy
+
             await wait_for(ejected, timeout_s=PROBES.interval_s + PROBES.timeout_s + 1)
             eject_s = time.monotonic() - killed_at
             await asyncio.gather(*load)
@@ -74,11 +78,14 @@ async def test_a_killed_worker_costs_no_request_that_had_not_started() -> None:
                 await wait_healthy([engines[0].url])
 
                 async def readmitted_and_purged() -> bool:
-                    return (state.fleet.workers["w0"].healthy
-                            and state.index.resident_blocks("w0") == 0)
+                    return (
+                        state.fleet.workers["w0"].healthy and state.index.resident_blocks("w0") == 0
+                    )
+
                 await wait_for(readmitted_and_purged, timeout_s=3)
                 assert before > 0  # it held entries while it was down (a blip keeps them)
-                assert await metric(http, router, "kvrouter_worker_restarts_total",
-                                    worker="w0") == 1
+                assert (
+                    await metric(http, router, "kvrouter_worker_restarts_total", worker="w0") == 1
+                )
             finally:
                 await stop([restarted])

@@ -35,34 +35,66 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "arrival, turns within a session are closed-loop. Times in the result are "
         "simulated seconds (wall-clock x --time-scale).",
     )
-    rp.add_argument("--trace", type=Path, required=True, metavar="T",
-                    help="trace file (JSON lines)")
-    rp.add_argument("--target", required=True, metavar="URL", action="append",
-                    help="base URL, e.g. http://127.0.0.1:8000; repeat for router replicas "
-                    "(each request goes to one at random)")
-    rp.add_argument("--model", metavar="NAME",
-                    help="model name (default: the first listed by /v1/models)")
-    rp.add_argument("--concurrency", type=int, default=DEFAULT_CONCURRENCY, metavar="N",
-                    help="most requests in flight (default %(default)s)")
-    rp.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE, metavar="S",
-                    help="the engine runs this many times faster than real time; waits "
-                    "are divided by it, measured times multiplied (default %(default)s)")
-    rp.add_argument("--max-sessions", type=int, metavar="K",
-                    help="replay only the first K sessions")
-    rp.add_argument("--duration", type=float, dest="duration_s", metavar="SECS",
-                    help="stop starting turns this many simulated seconds after the "
-                    "first arrival")
-    rp.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S,
-                    metavar="SECS",
-                    help="wall seconds before a request is abandoned (default %(default)s)")
-    rp.add_argument("-o", "--output", type=Path, required=True, metavar="FILE",
-                    help="result JSON file")
+    rp.add_argument(
+        "--trace", type=Path, required=True, metavar="T", help="trace file (JSON lines)"
+    )
+    rp.add_argument(
+        "--target",
+        required=True,
+        metavar="URL",
+        action="append",
+        help="base URL, e.g. http://127.0.0.1:8000; repeat for router replicas "
+        "(each request goes to one at random)",
+    )
+    rp.add_argument(
+        "--model", metavar="NAME", help="model name (default: the first listed by /v1/models)"
+    )
+    rp.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        metavar="N",
+        help="most requests in flight (default %(default)s)",
+    )
+    rp.add_argument(
+        "--time-scale",
+        type=float,
+        default=DEFAULT_TIME_SCALE,
+        metavar="S",
+        help="the engine runs this many times faster than real time; waits "
+        "are divided by it, measured times multiplied (default %(default)s)",
+    )
+    rp.add_argument(
+        "--max-sessions", type=int, metavar="K", help="replay only the first K sessions"
+    )
+    rp.add_argument(
+        "--duration",
+        type=float,
+        dest="duration_s",
+        metavar="SECS",
+        help="stop starting turns this many simulated seconds after the first arrival",
+    )
+    rp.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        metavar="SECS",
+        help="wall seconds before a request is abandoned (default %(default)s)",
+    )
+    rp.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="FILE", help="result JSON file"
+    )
     rp.set_defaults(func=_replay_command)
 
     cp = sub.add_parser("compare", help="compare replay results side by side, with plots")
     cp.add_argument("results", type=Path, nargs="+", help="result JSON files")
-    cp.add_argument("--label", action="append", dest="labels", metavar="LABEL",
-                    help="a run's label, once per result in order (default: file stem)")
+    cp.add_argument(
+        "--label",
+        action="append",
+        dest="labels",
+        metavar="LABEL",
+        help="a run's label, once per result in order (default: file stem)",
+    )
     cp.add_argument("-o", "--plots-dir", type=Path, metavar="DIR", help="write PNG plots here")
     cp.set_defaults(func=_compare_command)
 
@@ -76,10 +108,14 @@ async def _replay_with_progress(config: ReplayConfig, sessions: list[Session]) -
 def _replay_command(args: argparse.Namespace) -> int:
     try:
         config = ReplayConfig(
-            target=args.target[0], more_targets=tuple(args.target[1:]), trace=args.trace,
+            target=args.target[0],
+            more_targets=tuple(args.target[1:]),
+            trace=args.trace,
             model=args.model,
-            concurrency=args.concurrency, time_scale=args.time_scale,
-            max_sessions=args.max_sessions, duration_s=args.duration_s,
+            concurrency=args.concurrency,
+            time_scale=args.time_scale,
+            max_sessions=args.max_sessions,
+            duration_s=args.duration_s,
             request_timeout_s=args.request_timeout,
         )
         turns = read_trace(args.trace)
@@ -87,8 +123,12 @@ def _replay_command(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     sessions = select_sessions(turns, config.max_sessions, config.duration_s)
-    log.info("replaying %d sessions (%d requests) from %s", len(sessions),
-             sum(len(s.turns) for s in sessions), args.trace)
+    log.info(
+        "replaying %d sessions (%d requests) from %s",
+        len(sessions),
+        sum(len(s.turns) for s in sessions),
+        args.trace,
+    )
     try:
         result = asyncio.run(_replay_with_progress(config, sessions))
     except ModelDiscoveryError as exc:
@@ -109,4 +149,3 @@ def _compare_command(args: argparse.Namespace) -> int:
         return 2
     compare(runs, labels, Console(), args.plots_dir)
     return 0
-

@@ -150,8 +150,14 @@ class ChatClient:
 
     __slots__ = ("_http", "_model", "_rng", "_urls")
 
-    def __init__(self, http: aiohttp.ClientSession, target: str, model: str,
-                 more_targets: Sequence[str] = (), seed: int = 0) -> None:
+    def __init__(
+        self,
+        http: aiohttp.ClientSession,
+        target: str,
+        model: str,
+        more_targets: Sequence[str] = (),
+        seed: int = 0,
+    ) -> None:
         self._http = http
         self._model = model
         self._urls = [f"{t.rstrip('/')}/v1/chat/completions" for t in (target, *more_targets)]
@@ -181,5 +187,3 @@ class ChatClient:
         outcome.latency_s = monotonic() - t0
         outcome.reply = "".join(parts)
         return outcome
-
-

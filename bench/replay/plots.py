@@ -54,8 +54,14 @@ def plot_hit_rate_by_turn(runs: Sequence[RunResult], labels: Sequence[str], path
         by_turn = summarize(run.records, run.meta.duration_s).by_turn
         turns = [t.turn for t in by_turn]
         line = axes.plot(turns, [t.hit_rate for t in by_turn], marker="o", label=label)[0]
-        axes.plot(turns, [t.oracle_hit_rate for t in by_turn], linestyle="--",
-                  color=line.get_color(), alpha=0.6, label=f"{label} (oracle)")
+        axes.plot(
+            turns,
+            [t.oracle_hit_rate for t in by_turn],
+            linestyle="--",
+            color=line.get_color(),
+            alpha=0.6,
+            label=f"{label} (oracle)",
+        )
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("turn index")
     axes.set_ylabel("token-weighted hit rate")

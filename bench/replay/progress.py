@@ -60,9 +60,14 @@ class ProgressDisplay:
         self._live = self._console.is_terminal
         self._interval = refresh_s if self._live else status_interval_s
         self._bar = Progress(
-            TextColumn("replay"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-            console=self._console, auto_refresh=False, transient=False,
+            TextColumn("replay"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=self._console,
+            auto_refresh=False,
+            transient=False,
         )
         self._task_id = self._bar.add_task("replay", total=total, status=self.counts.status())
         self._redraw: asyncio.Task[None] | None = None
@@ -72,13 +77,13 @@ class ProgressDisplay:
 
     def _draw(self) -> None:
         if self._live:
-            self._bar.update(self._task_id, completed=self.counts.done,
-                             status=self.counts.status())
+            self._bar.update(self._task_id, completed=self.counts.done, status=self.counts.status())
             self._bar.refresh()
         else:
             c = self.counts
-            self._console.print(f"replay {c.done}/{c.total} requests  {c.status()}",
-                                highlight=False)
+            self._console.print(
+                f"replay {c.done}/{c.total} requests  {c.status()}", highlight=False
+            )
 
     async def _redraw_forever(self) -> None:
         while True:

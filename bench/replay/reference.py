@@ -99,8 +99,7 @@ class CapacityReference:
 
     __slots__ = ("_hits", "_load", "_placement", "_pools", "_prompt_tokens", "params")
 
-    def __init__(self, params: ReferenceParams,
-                 placement: Mapping[str, int] | None = None) -> None:
+    def __init__(self, params: ReferenceParams, placement: Mapping[str, int] | None = None) -> None:
         """``placement`` fixes sessions' workers in advance (see ``hindsight_placement``);
         sessions it does not name are placed as they arrive."""
         self.params = params
@@ -188,8 +187,11 @@ def hindsight_placement(records: Iterable[RequestRecord], workers: int) -> dict[
 
 
 def capacity_reference(
-    turns: Sequence[Turn], records: Iterable[RequestRecord], params: ReferenceParams,
-    hindsight: bool = True, order: Literal["run", "trace"] = "run",
+    turns: Sequence[Turn],
+    records: Iterable[RequestRecord],
+    params: ReferenceParams,
+    hindsight: bool = True,
+    order: Literal["run", "trace"] = "run",
 ) -> ReferenceResult:
     """The reference for a finished run, from its trace and its records (no rerun);
     sessions placed by ``hindsight_placement``, or as they arrive without ``hindsight``.

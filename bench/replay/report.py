@@ -79,9 +79,11 @@ def by_turn_table(summaries: Sequence[Summary], labels: Sequence[str]) -> Table:
         cells = []
         for summary in summaries:
             stats = next((t for t in summary.by_turn if t.turn == turn), None)
-            cells.append("-" if stats is None else
-                         f"{_pct(stats.hit_rate)} / {_pct(stats.oracle_hit_rate)} "
-                         f"(n={stats.requests})")
+            cells.append(
+                "-"
+                if stats is None
+                else f"{_pct(stats.hit_rate)} / {_pct(stats.oracle_hit_rate)} (n={stats.requests})"
+            )
         table.add_row(str(turn), *cells)
     return table
 
@@ -93,7 +95,8 @@ def print_run_report(result: RunResult, console: Console) -> Summary:
     console.print(
         f"replay {meta.trace} -> {meta.target}  model={meta.model}  "
         f"time scale={meta.time_scale:g}  concurrency={meta.concurrency}",
-        highlight=False, markup=False,
+        highlight=False,
+        markup=False,
     )
     print_tables(console, [summary], ["result"])
     return summary

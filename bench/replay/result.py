@@ -138,12 +138,14 @@ def _by_turn(ok: Sequence[RequestRecord]) -> tuple[TurnStats, ...]:
     for turn in sorted(groups):
         group = groups[turn]
         prompt = sum(r.prompt_tokens for r in group)
-        stats.append(TurnStats(
-            turn=turn,
-            requests=len(group),
-            hit_rate=_ratio(sum(r.cached_tokens for r in group), prompt),
-            oracle_hit_rate=_ratio(sum(r.oracle_cached_tokens for r in group), prompt),
-        ))
+        stats.append(
+            TurnStats(
+                turn=turn,
+                requests=len(group),
+                hit_rate=_ratio(sum(r.cached_tokens for r in group), prompt),
+                oracle_hit_rate=_ratio(sum(r.oracle_cached_tokens for r in group), prompt),
+            )
+        )
     return tuple(stats)
 
 

@@ -83,19 +83,33 @@ class Figure:
 FIGURES: tuple[Figure, ...] = (
     Figure("hit_rate", "hit rate", lambda r: r.summary.hit_rate, _pct, True),
     Figure("of_reference", "hit / capacity reference", lambda r: r.of_reference, _pct, True),
-    Figure("reference_hit_rate", "capacity reference", lambda r: r.reference_hit_rate, _pct,
-           True),
-    Figure("oracle_hit_rate", "oracle (unlimited cache)", lambda r: r.summary.oracle_hit_rate,
-           _pct, True),
+    Figure("reference_hit_rate", "capacity reference", lambda r: r.reference_hit_rate, _pct, True),
+    Figure(
+        "oracle_hit_rate",
+        "oracle (unlimited cache)",
+        lambda r: r.summary.oracle_hit_rate,
+        _pct,
+        True,
+    ),
     Figure("missed_share", "later turns missed", lambda r: r.summary.missed_share, _pct, False),
     Figure("ttft_p50", "TTFT p50", lambda r: r.summary.ttft_p50, _secs, False),
     Figure("ttft_p90", "TTFT p90", lambda r: r.summary.ttft_p90, _secs, False),
     Figure("ttft_p99", "TTFT p99", lambda r: r.summary.ttft_p99, _secs, False),
-    Figure("missed_ttft_p99", "TTFT p99, missed turns", lambda r: r.summary.missed_ttft_p99,
-           _secs, False),
+    Figure(
+        "missed_ttft_p99",
+        "TTFT p99, missed turns",
+        lambda r: r.summary.missed_ttft_p99,
+        _secs,
+        False,
+    ),
     Figure("requests_per_s", "requests/s", lambda r: r.summary.requests_per_s, _rate, True),
-    Figure("output_tokens_per_s", "output tokens/s", lambda r: r.summary.output_tokens_per_s,
-           lambda v: f"{v:,.0f}", True),
+    Figure(
+        "output_tokens_per_s",
+        "output tokens/s",
+        lambda r: r.summary.output_tokens_per_s,
+        lambda v: f"{v:,.0f}",
+        True,
+    ),
     Figure("errors", "errors", lambda r: float(r.summary.errors), lambda v: f"{v:.0f}", False),
 )
 FIGURE_BY_KEY = {figure.key: figure for figure in FIGURES}
@@ -147,17 +161,22 @@ def rounds_table(rounds: Rounds, title: str | None = None) -> Table:
     for label in rounds.labels:
         table.add_column(label, justify="right")
     for figure in FIGURES:
-        table.add_row(figure.title, *(show_spread(rounds.spread(label, figure), figure)
-                                      for label in rounds.labels))
+        table.add_row(
+            figure.title,
+            *(show_spread(rounds.spread(label, figure), figure) for label in rounds.labels),
+        )
     return table
 
 
 def print_rounds(console: Console, rounds: Rounds, title: str | None = None) -> None:
     count = max((len(runs) for runs in rounds.runs.values()), default=0)
     console.print(rounds_table(rounds, title))
-    console.print(f"median (min-max) over {count} round(s), routers interleaved within each; "
-                  "times are simulated seconds. Capacity reference: every session pinned to "
-                  "one worker, each an LRU of its real KV capacity.", highlight=False)
+    console.print(
+        f"median (min-max) over {count} round(s), routers interleaved within each; "
+        "times are simulated seconds. Capacity reference: every session pinned to "
+        "one worker, each an LRU of its real KV capacity.",
+        highlight=False,
+    )
 
 
 def rotated(items: Sequence[Any], round_index: int) -> list[Any]:

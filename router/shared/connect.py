@@ -45,9 +45,13 @@ def connect(url: str) -> RedisHandle:
     """``redis+sentinel://h1:26379,h2:26379/service[/db]`` asks Sentinel for the master;
     ``redis+cluster://host:port`` talks to a Cluster (all keys share one hash slot)."""
     if url.startswith("redis+cluster://"):
-        return RedisHandle(RedisCluster.from_url(
-            "redis://" + url.removeprefix("redis+cluster://"),
-            socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=SOCKET_TIMEOUT_S))
+        return RedisHandle(
+            RedisCluster.from_url(
+                "redis://" + url.removeprefix("redis+cluster://"),
+                socket_timeout=SOCKET_TIMEOUT_S,
+                socket_connect_timeout=SOCKET_TIMEOUT_S,
+            )
+        )
     if url.startswith("redis+sentinel://"):
         parts = urlsplit(url)
         hosts = []

@@ -30,15 +30,20 @@ def unpack_hashes(data: bytes) -> tuple[int, ...]:
 
 
 def encode(event: IndexEvent, replica: str) -> dict[bytes, bytes]:
-    return {b"r": replica.encode(), b"o": _CODES[event.op], b"w": event.worker.encode(),
-            b"h": pack_hashes(event.hashes)}
+    return {
+        b"r": replica.encode(),
+        b"o": _CODES[event.op],
+        b"w": event.worker.encode(),
+        b"h": pack_hashes(event.hashes),
+    }
 
 
 def decode(fields: Mapping[bytes, bytes]) -> tuple[str, IndexEvent] | None:
     """The sending replica and the event; None for a malformed entry."""
     try:
         op = _OPS[fields[b"o"]]
-        return fields[b"r"].decode(), IndexEvent(op, fields[b"w"].decode(),
-                                                 unpack_hashes(fields[b"h"]))
+        return fields[b"r"].decode(), IndexEvent(
+            op, fields[b"w"].decode(), unpack_hashes(fields[b"h"])
+        )
     except (KeyError, ValueError, UnicodeDecodeError):
         return None
