@@ -32,23 +32,33 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import httptools
 import orjson
-from aiohttp import compression_utils
 from aiohttp.tcp_helpers import tcp_keepalive
 
 from router import wire
-from router.auth import Unauthenticated, authorized
+from router.auth import Unauthenticated
 from router.errors import (
     BadRequest,
     ExpectationFailed,
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
-    UnsupportedEncoding,
+)
+from router.front_request import (
+    DECODED_CODINGS,
+    HOT_ROUTES,
+    MAX_FIELD_BYTES,
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    MAX_TARGET_BYTES,
+    Message,
+    Refused,
+    as_bytes,
+    authorized_by,
+    undecodable,
 )
 from router.parse import Kind
 from router.proxy import serve
@@ -59,43 +69,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_TARGET_BYTES = 8190
-MAX_FIELD_BYTES = 8190
-MAX_HEADERS = 128
-MAX_HEAD_BYTES = 1 << 20
-HOT_ROUTES: dict[bytes, Kind] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completion"}
 _JSON = ((b"Content-Type", b"application/json"),)
-_DROPPED_WHEN_BRIDGED = frozenset({b"content-length", b"transfer-encoding", b"expect"})
-# The request bodies' Content-Encodings aiohttp decodes here (it would take any other
-# body as it is, whatever it claims).
-DECODED_CODINGS = frozenset(
-    {b"identity", b"gzip", b"deflate"}
-    | ({b"br"} if compression_utils.HAS_BROTLI else set())
-    | ({b"zstd"} if compression_utils.HAS_ZSTD else set())
-)
-
-
-class _Refused(Exception):
-    """A request the front answers itself, with ``error``, and closes after."""
-
-    def __init__(self, error: RouterError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-@dataclass(slots=True)
-class _Message:
-    """One request as it arrives."""
-
-    url: bytes = b""
-    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    body: list[bytes] = field(default_factory=list)
-    body_bytes: int = 0
-    method: bytes = b""
-    version: str = "1.1"
-    keep_alive: bool = True
-    kind: Kind | None = None  # a hot route in its common shape: served by the front
-    expects_continue: bool = False
 
 
 class FrontConnection(asyncio.Protocol):
@@ -111,10 +85,10 @@ class FrontConnection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
-        self._message: _Message | None = None  # the one being received
+        self._message: Message | None = None  # the one being received
         self._in_head = False
         self._head_bytes = 0
-        self._queue: deque[_Message | _Refused] = deque()  # received, awaiting their turn
+        self._queue: deque[Message | Refused] = deque()  # received, awaiting their turn
         self._busy = False  # a request of this connection is being answered
         self._task: asyncio.Task[None] | None = None
         self._bridge: Bridge | None = None
@@ -175,23 +149,23 @@ class FrontConnection(asyncio.Protocol):
             self._stop_reading()
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
-            if not isinstance(refused, _Refused):
+            if not isinstance(refused, Refused):
                 log.error("unexpected error reading a request", exc_info=refused)
-                refused = _Refused(RouterError("internal error"))
+                refused = Refused(RouterError("internal error"))
             self._refuse(refused)
         except httptools.HttpParserError as exc:
             log.debug("malformed HTTP request: %s", exc)
-            self._refuse(_Refused(BadRequest(f"malformed HTTP request: {exc}")))
+            self._refuse(Refused(BadRequest(f"malformed HTTP request: {exc}")))
         else:
             if self._in_head and self._head_bytes > MAX_HEAD_BYTES:
-                self._refuse(_Refused(BadRequest("malformed HTTP request: the head is too long")))
+                self._refuse(Refused(BadRequest("malformed HTTP request: the head is too long")))
             elif self._message is not None and not self._in_head and self._body_timer is None:
                 self._arm_body_timer()
 
     # -- httptools callbacks ------------------------------------------------------------
 
     def on_message_begin(self) -> None:
-        self._message = _Message()
+        self._message = Message()
         self._in_head = True
 
     def on_url(self, url: bytes) -> None:
@@ -199,15 +173,15 @@ class FrontConnection(asyncio.Protocol):
         assert message is not None
         message.url += url
         if len(message.url) > MAX_TARGET_BYTES:
-            raise _Refused(BadRequest("malformed HTTP request: the request target is too long"))
+            raise Refused(BadRequest("malformed HTTP request: the request target is too long"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         message = self._message
         assert message is not None
         if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
-            raise _Refused(BadRequest("malformed HTTP request: a header is too long"))
+            raise Refused(BadRequest("malformed HTTP request: a header is too long"))
         if len(message.headers) >= MAX_HEADERS:
-            raise _Refused(BadRequest("malformed HTTP request: too many headers"))
+            raise Refused(BadRequest("malformed HTTP request: too many headers"))
         message.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -232,15 +206,15 @@ class FrontConnection(asyncio.Protocol):
                         f"unknown Expect {value.decode('latin-1')!r}: "
                         "only 100-continue is understood"
                     )
-                    raise _Refused(error)
+                    raise Refused(error)
                 message.expects_continue = message.version == "1.1"
             elif key == b"content-encoding":
                 coding = value.strip().lower()
                 if coding not in DECODED_CODINGS:
-                    raise _Refused(_undecodable(value))
+                    raise Refused(undecodable(value))
                 plain = plain and coding == b"identity"
         if state is not None and length is not None and length > state.config.max_body_bytes:
-            raise _Refused(self._too_large())
+            raise Refused(self._too_large())
         if plain and message.method == b"POST" and message.version == "1.1":
             message.kind = HOT_ROUTES.get(message.url.partition(b"?")[0])
         if message.expects_continue and not self._busy and self._transport is not None:
@@ -253,7 +227,7 @@ class FrontConnection(asyncio.Protocol):
         message.body_bytes += len(body)
         state = self._state
         if state is not None and message.body_bytes > state.config.max_body_bytes:
-            raise _Refused(self._too_large())
+            raise Refused(self._too_large())
 
     def on_message_complete(self) -> None:
         message, self._message = self._message, None
@@ -286,7 +260,7 @@ class FrontConnection(asyncio.Protocol):
         item = self._queue.popleft()
         self._busy = True
         self._disarm_idle()
-        if isinstance(item, _Refused):
+        if isinstance(item, Refused):
             self._answer_error(item.error, close=True)
             self._close()
         elif item.kind is not None and self._state is not None:
@@ -301,12 +275,12 @@ class FrontConnection(asyncio.Protocol):
             self._closing = True
         self._next()
 
-    async def _serve(self, message: _Message, kind: Kind, state: RouterState) -> None:
+    async def _serve(self, message: Message, kind: Kind, state: RouterState) -> None:
         reply = _Reply(self, message.keep_alive and not self._closing)
         body = message.body[0] if len(message.body) == 1 else b"".join(message.body)
         try:
             bearers = state.accepted_bearers
-            if bearers and not _authorized(message.headers, bearers):
+            if bearers and not authorized_by(message.headers, bearers):
                 raise Unauthenticated("missing or invalid API key")
             await serve(state, kind, body, message.headers, reply)
         except RouterError as exc:
@@ -330,14 +304,14 @@ class FrontConnection(asyncio.Protocol):
         finally:
             self._finished(reply.keep_alive and reply.ended)
 
-    def _hand_to_app(self, message: _Message) -> None:
+    def _hand_to_app(self, message: Message) -> None:
         if self._bridge is None:
             assert self._transport is not None
             self._bridge = self._make_bridge(self._finished)
             self._bridge.attach(self._transport, self._bridge_closed)
             if self._write_paused:
                 self._bridge.pause_writing()
-        self._bridge.data_received(_as_bytes(message))
+        self._bridge.data_received(as_bytes(message))
 
     def _bridge_closed(self) -> None:
         """The app closed the connection it was given: so does the front (after what it
@@ -362,7 +336,7 @@ class FrontConnection(asyncio.Protocol):
 
     # -- the connection -----------------------------------------------------------------
 
-    def _refuse(self, refused: _Refused) -> None:
+    def _refuse(self, refused: Refused) -> None:
         """The rest of what the client sends is not read: its refusal is answered in
         its turn, and the connection closed."""
         self._stop_reading()
@@ -433,7 +407,7 @@ class FrontConnection(asyncio.Protocol):
         self._body_timer = None
         if self._message is not None and not self._in_head:
             error = RequestTimeout(f"the request body did not arrive within {timeout:g} s")
-            self._refuse(_Refused(error))
+            self._refuse(Refused(error))
 
     # -- shutdown (aiohttp's web.Server calls these on every connection) ----------------
 
@@ -500,29 +474,3 @@ class _Reply:
         tail = wire.chunk(last) + wire.LAST_CHUNK if last else wire.LAST_CHUNK
         self._connection.write(head + tail)
         self.ended = True
-
-
-def _undecodable(coding: bytes) -> UnsupportedEncoding:
-    known = ", ".join(sorted(c.decode() for c in DECODED_CODINGS))
-    return UnsupportedEncoding(
-        f"the request's Content-Encoding {coding.decode('latin-1')!r} is not one the router "
-        f"decodes ({known})"
-    )
-
-
-def _authorized(headers: list[tuple[bytes, bytes]], accepted: tuple[bytes, ...]) -> bool:
-    given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
-    return authorized(given, accepted)
-
-
-def _as_bytes(message: _Message) -> bytes:
-    """The request as the app is to read it: its body whole, behind a Content-Length
-    (the front read the body and answered any Expect)."""
-    body = b"".join(message.body)
-    lines = [b"%s %s HTTP/%s\r\n" % (message.method, message.url, message.version.encode())]
-    lines.extend(
-        b"%s: %s\r\n" % (k, v) for k, v in message.headers if k.lower() not in _DROPPED_WHEN_BRIDGED
-    )
-    lines.append(b"Content-Length: %d\r\n\r\n" % len(body))
-    lines.append(body)
-    return b"".join(lines)

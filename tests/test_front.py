@@ -13,7 +13,7 @@ from aiohttp import web
 
 from bench.loopback import serve_on_loopback
 from router.app import create_app as create_router_app
-from router.front import MAX_HEAD_BYTES
+from router.front_request import MAX_HEAD_BYTES
 from router.server import RouterRunner
 from router.state import STATE_KEY
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router

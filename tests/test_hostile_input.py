@@ -16,7 +16,7 @@ import pytest
 from bench.fuzz_client import Answer, RawRequest, send
 from policies.base import Decision, RouteRequest, WorkerView
 from policies.round_robin import RoundRobinPolicy
-from router.front import DECODED_CODINGS
+from router.front_request import DECODED_CODINGS
 from router.parse import parse_request
 from router.policy_slot import ActivePolicy
 from router.state import STATE_KEY
