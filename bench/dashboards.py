@@ -14,10 +14,12 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from matplotlib.figure import Figure
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "deploy" / "grafana"
 
@@ -49,6 +51,8 @@ async def render_dashboard(
     panels = sorted(dashboard["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
     columns = 2
     rows = math.ceil(len(panels) / columns)
+    from matplotlib.figure import Figure  # only when drawing: matplotlib is slow to import
+
     figure = Figure(figsize=(14, 3.2 * rows), layout="constrained")
     step = max(1.0, (end - start) / 200)
     for i, panel in enumerate(panels):

@@ -33,7 +33,6 @@ from bench.inprocess import (
     run_virtual,
 )
 from bench.replay.client import discover_model
-from bench.replay.plots import write_plots
 from bench.replay.progress import ProgressDisplay
 from bench.replay.reference import ReferenceParams, capacity_reference
 from bench.replay.result import RunResult, save_result
@@ -308,6 +307,8 @@ async def run_comparison(
     labels = [spec.label for spec in specs]
     print_rounds(console, rounds, title)
     rounds.save(config.out / "rounds.json")
+    from bench.replay.plots import write_plots  # matplotlib: only when drawing
+
     write_plots([last_round[label] for label in labels], labels, config.out)
     return rounds
 

@@ -37,7 +37,6 @@ from bench.demo import (
     run_comparison,
     run_on_clock,
 )
-from bench.matrix_plots import write_matrix_plots
 from bench.peers import peer_specs
 from bench.replay.rounds import FIGURE_BY_KEY, Rounds, show_spread
 from bench.workloads import azure, burst, chat, mix, mooncake, qa, shared_prompt
@@ -213,6 +212,8 @@ def write_outputs(out: Path, results: dict[str, Rounds], selected: Sequence[Row]
         )
     )
     (out / "matrix.md").write_text(matrix_markdown(results, selected))
+    from bench.matrix_plots import write_matrix_plots  # matplotlib: only when drawing
+
     write_matrix_plots(results, out)
 
 

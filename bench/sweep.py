@@ -26,7 +26,6 @@ from bench.demo import (
     run_on_clock,
 )
 from bench.matrix import TRACES, Row, rows
-from bench.matrix_plots import write_sweep_plot
 from bench.replay.rounds import Rounds
 from policies.registry import build_policy
 
@@ -77,6 +76,8 @@ async def run_sweep(
         per_engine_flags=row.per_engine_flags,
         title=f"{policy}: {knob} on {row.name}",
     )
+    from bench.matrix_plots import write_sweep_plot  # matplotlib: only when drawing
+
     path = write_sweep_plot(
         knob, values, rounds, [label_for(knob, v) for v in values], config.out / f"sweep-{knob}.png"
     )

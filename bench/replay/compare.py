@@ -7,7 +7,6 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench.replay.plots import write_plots
 from bench.replay.report import print_tables
 from bench.replay.result import RunResult, summarize
 
@@ -32,6 +31,8 @@ def compare(
     print_tables(console, summaries, labels)
     if plots_dir is None:
         return []
+    from bench.replay.plots import write_plots  # matplotlib: only when drawing
+
     written = write_plots(runs, labels, plots_dir)
     for path in written:
         console.print(f"wrote {path}", highlight=False, markup=False)
