@@ -148,16 +148,6 @@ def _read_headers(raw: Headers, session_header: bytes) -> _ClientHeaders:
     return _ClientHeaders(b"".join(lines), request_id, session)
 
 
-def _response_headers(
-    upstream: UpstreamResponse, worker: str, request_id: str, worker_header: bool
-) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_BY_HOP]
-    if worker_header:
-        out.append((WORKER_HEADER, worker.encode()))
-    out.append((REQUEST_ID_HEADER, request_id.encode("latin-1")))
-    return out
-
-
 async def serve(
     state: RouterState, kind: Kind, raw: bytes, raw_headers: Headers, reply: Reply
 ) -> None:
@@ -177,7 +167,9 @@ async def serve(
     request_id = headers.request_id or secrets.token_hex(16)
     lifecycle = RequestLifecycle(state.router, state.admission, request, request_id, arrived)
     await lifecycle.admit()
-    client = _Client(reply, headers.forwarded + state.upstream_auth, request_id)
+    client = _Client(
+        reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header
+    )
     failure: _Retry | None = None
     for _ in range(config.upstream.max_attempts):
         if failure is not None and monotonic() - arrived > config.upstream.retry_deadline_s:
@@ -213,6 +205,15 @@ class _Client:
     reply: Reply
     forwarded: bytes  # header lines for the engine, the router's own credentials included
     request_id: str
+    worker_header: bool  # the answer names its worker (X-Kvrouter-Worker)
+
+    def response_headers(self, upstream: UpstreamResponse, worker: str) -> Headers:
+        """The worker's headers the client is meant to see, and the router's own."""
+        out = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_BY_HOP]
+        if self.worker_header:
+            out.append((WORKER_HEADER, worker.encode()))
+        out.append((REQUEST_ID_HEADER, self.request_id.encode("latin-1")))
+        return out
 
 
 async def _open(state: RouterState, dispatch: Dispatch, client: _Client) -> UpstreamResponse:
@@ -277,13 +278,10 @@ async def _attempt(
                         UpstreamError(f"worker {dispatch.worker.name} answered {upstream.status}"),
                         _Fallback(upstream.status, body, upstream.content_type.encode()),
                     )
-                worker_header = state.config.worker_header
                 if request.stream and upstream.status == 200:
-                    outcome = await _relay_stream(
-                        client, dispatch, upstream, capture, first_byte, worker_header
-                    )
+                    outcome = await _relay_stream(client, dispatch, upstream, capture, first_byte)
                 else:
-                    outcome = await _relay_whole(client, dispatch, upstream, capture, worker_header)
+                    outcome = await _relay_whole(client, dispatch, upstream, capture)
                 sent = True
             finally:
                 upstream.release()
@@ -366,17 +364,13 @@ async def _relay_stream(
     upstream: UpstreamResponse,
     capture: ReplyCapture,
     first_byte: asyncio.Timeout,
-    worker_header: bool,
 ) -> Outcome:
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
     dispatch.worker.unanswered.discard(first_byte)
     dispatch.first_byte()
     reply, request_id = client.reply, client.request_id
-    await reply.start(
-        upstream.status,
-        _response_headers(upstream, dispatch.worker.name, request_id, worker_header),
-    )
+    await reply.start(upstream.status, client.response_headers(upstream, dispatch.worker.name))
     events = WholeEvents()
     chunk = first
     outcome: Outcome = "success"
@@ -436,7 +430,6 @@ async def _relay_whole(
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
-    worker_header: bool,
 ) -> Outcome:
     body = await _read_whole(dispatch, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
@@ -444,8 +437,6 @@ async def _relay_whole(
     if upstream.status == 200:
         capture.feed_whole(body)
     await client.reply.whole(
-        upstream.status,
-        _response_headers(upstream, dispatch.worker.name, client.request_id, worker_header),
-        body,
+        upstream.status, client.response_headers(upstream, dispatch.worker.name), body
     )
     return "success" if upstream.status < 400 else "rejected"

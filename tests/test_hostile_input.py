@@ -23,7 +23,6 @@ from router.state import STATE_KEY
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import assert_idle, chat_body, conversation, engines, metric, post
 
-DECODED_CODINGS_TEXT = {c.decode() for c in DECODED_CODINGS}
 API_KEY = "key-1"
 ADMIN_TOKEN = "admin-1"
 JSON = (b"Content-Type", b"application/json")
@@ -124,14 +123,16 @@ async def test_a_body_that_is_not_in_its_content_encoding_is_a_400(
             assert "Content-Encoding" in str(error["message"]), error
 
 
-@pytest.mark.parametrize("encoding", [b"x-unknown", b"gzip, gzip", b"br", b"zstd"])
+@pytest.mark.parametrize(
+    # br and zstd are decoded where their packages are installed: then they are no case.
+    "encoding",
+    [c for c in (b"x-unknown", b"gzip, gzip", b"br", b"zstd") if c not in DECODED_CODINGS],
+)
 async def test_a_content_encoding_the_router_cannot_decode_is_a_415(
     engine_factory: EngineFactory, encoding: bytes
 ) -> None:
     # Found: aiohttp took a body whose Content-Encoding it does not decode as it was
     # (an unknown coding, a list of codings, br or zstd without their packages).
-    if encoding.decode() in DECODED_CODINGS_TEXT:
-        pytest.skip(f"{encoding!r} is decoded here (its package is installed)")
     encoded = (b"Content-Encoding", encoding)
     async with guarded_router(engine_factory) as router:
         for path, auth in ((b"/v1/chat/completions", CLIENT), (b"/admin/workers", ADMIN)):
