@@ -298,12 +298,13 @@ class HealthProber:
             self._discover.discard(worker.name)
             log.info("worker %s reports %d KV tokens", worker.name, facts.capacity_tokens)
         if facts.started_at is not None:
-            if worker.engine_started_at not in (None, facts.started_at):
+            restarted = worker.engine_started_at not in (None, facts.started_at)
+            worker.engine_started_at = facts.started_at
+            if restarted:
                 log.warning(
                     "worker %s restarted; its cache is gone, purging its entries", worker.name
                 )
                 self._on_restart(worker)
-            worker.engine_started_at = facts.started_at
 
 
 def _log_unexpected(what: str, worker: Worker, exc: Exception) -> None:

@@ -34,8 +34,10 @@ class PrefixIndex(Protocol):
 
     def resize_worker(self, worker: str, capacity_blocks: int) -> None: ...
 
-    def purge(self, worker: str) -> None:
-        """The worker lost its cache (it restarted): forget everything it held."""
+    def purge(self, worker: str, started_at: float | None = None) -> None:
+        """The worker lost its cache: forget everything it held. ``started_at``: it
+        restarted, and this is the engine's process start time (purges for the same
+        restart from several replicas then count once)."""
         ...
 
     def migrate(self, source: str, target: str) -> int:
@@ -170,7 +172,7 @@ class LocalPrefixIndex:
         if residency is not None:
             residency.resize(capacity_blocks)
 
-    def purge(self, worker: str) -> None:
+    def purge(self, worker: str, started_at: float | None = None) -> None:
         residency = self._workers.get(worker)
         if residency is not None:
             self._workers[worker] = Residency(residency.capacity_blocks)

@@ -52,7 +52,7 @@ class Membership:
 
     def worker_restarted(self, worker: Worker) -> None:
         """The engine restarted: its cache is gone, so is everything the index says of it."""
-        self._index.purge(worker.name)
+        self._index.purge(worker.name, worker.engine_started_at)
         self._learner.forget(worker.name)
         worker.epoch += 1
         self._metrics.worker_restarts.labels(worker.name).inc()

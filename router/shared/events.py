@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,9 @@ class IndexEvent:
     op: Op
     worker: str
     hashes: tuple[int, ...]  # head first, as the prefix runs
+    # A purge for an engine restart: the engine's process start time, so that every
+    # replica applies the purge once per restart, whichever replica saw it first.
+    started: float | None = None
 
 
 def pack_hashes(hashes: tuple[int, ...] | list[int]) -> bytes:
@@ -30,20 +34,29 @@ def unpack_hashes(data: bytes) -> tuple[int, ...]:
 
 
 def encode(event: IndexEvent, replica: str) -> dict[bytes, bytes]:
-    return {
+    fields = {
         b"r": replica.encode(),
         b"o": _CODES[event.op],
         b"w": event.worker.encode(),
         b"h": pack_hashes(event.hashes),
     }
+    if event.started is not None:
+        fields[b"s"] = repr(event.started).encode()
+    return fields
 
 
 def decode(fields: Mapping[bytes, bytes]) -> tuple[str, IndexEvent] | None:
     """The sending replica and the event; None for a malformed entry."""
     try:
         op = _OPS[fields[b"o"]]
+        started = fields.get(b"s")
+        if started is not None and not math.isfinite(float(started)):
+            return None
         return fields[b"r"].decode(), IndexEvent(
-            op, fields[b"w"].decode(), unpack_hashes(fields[b"h"])
+            op,
+            fields[b"w"].decode(),
+            unpack_hashes(fields[b"h"]),
+            float(started) if started is not None else None,
         )
     except (KeyError, ValueError, UnicodeDecodeError):
         return None

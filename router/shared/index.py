@@ -7,21 +7,21 @@ them onto Redis. Changes from other replicas arrive through ``apply``.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 from router.index import LocalPrefixIndex
 from router.shared.events import IndexEvent
-
-# Past this many unsent changes (Redis down), the oldest are dropped: the local index
-# keeps working and a resync pushes the whole state when Redis returns.
-MAX_OUTBOX = 100_000
+from router.shared.outbox import Outbox
 
 
 class SharedPrefixIndex:
-    def __init__(self, local: LocalPrefixIndex) -> None:
+    def __init__(self, local: LocalPrefixIndex, outbox: Outbox | None = None) -> None:
         self.local = local
-        self.outbox: deque[IndexEvent] = deque(maxlen=MAX_OUTBOX)
+        self.outbox = outbox if outbox is not None else Outbox()
+        # Per worker, the engine start time of the last restart purged here (by this
+        # replica or on another's word): each replica that notices a restart sends its
+        # purge, and only the first may wipe what the others added since.
+        self._restarts: dict[str, float] = {}
 
     # -- reads: local only --------------------------------------------------------------
 
@@ -41,13 +41,16 @@ class SharedPrefixIndex:
 
     def remove_worker(self, worker: str) -> None:
         self.local.remove_worker(worker)
+        self._restarts.pop(worker, None)
 
     def resize_worker(self, worker: str, capacity_blocks: int) -> None:
         self.local.resize_worker(worker, capacity_blocks)
 
-    def purge(self, worker: str) -> None:
+    def purge(self, worker: str, started_at: float | None = None) -> None:
+        if not self._first_purge(worker, started_at):
+            return
         self.local.purge(worker)
-        self.outbox.append(IndexEvent("purge", worker, ()))
+        self.outbox.append(IndexEvent("purge", worker, (), started_at))
 
     def migrate(self, source: str, target: str) -> int:
         held = self.local.oldest_first(source)
@@ -85,5 +88,14 @@ class SharedPrefixIndex:
             self.local.touch(event.worker, event.hashes)
         elif event.op == "forget":
             self.local.forget(event.worker, event.hashes)
-        else:
+        elif self._first_purge(event.worker, event.started):
             self.local.purge(event.worker)
+
+    def _first_purge(self, worker: str, started_at: float | None) -> bool:
+        """A purge for this engine start is new here (one with no start time always is)."""
+        if started_at is None:
+            return True
+        if started_at <= self._restarts.get(worker, float("-inf")):
+            return False
+        self._restarts[worker] = started_at
+        return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+RESYNC_REASONS = ("start", "redis_error", "outbox_overflow", "stream_gap")
 REDIS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -30,6 +31,21 @@ class RedisMetrics:
             ["direction"],
             registry=registry,
         )
+        self.resyncs = Counter(
+            "kvrouter_redis_resyncs",
+            "Full resynchronisations with Redis (its copy read in, this replica's written "
+            "back), by what asked for one.",
+            ["reason"],
+            registry=registry,
+        )
+        self.outbox_dropped = Counter(
+            "kvrouter_redis_outbox_dropped_events",
+            "Index changes dropped unsent because the outbox was full (Redis away); a "
+            "resync then writes this replica's whole index back.",
+            registry=registry,
+        )
+        for reason in RESYNC_REASONS:
+            self.resyncs.labels(reason)
         for op in ("publish", "subscribe", "load", "resync", "policy"):
             self.errors.labels(op)
         for direction in ("in", "out"):

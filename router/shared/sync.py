@@ -35,9 +35,11 @@ from router.errors import SharedStateUnavailable
 from router.learning import PrefillRate
 from router.policy_slot import PolicySlot
 from router.shared import policy as fleet_policy
+from router.shared import scripts
 from router.shared.events import IndexEvent, decode, encode
 from router.shared.index import SharedPrefixIndex
 from router.shared.metrics import RedisMetrics
+from router.shared.scripts import StreamPosition
 from router.workers import Fleet
 
 log = logging.getLogger(__name__)
@@ -85,9 +87,15 @@ class RedisSync:
         self._policy_key = fleet_policy.policy_key(config.namespace)
         # The fleet's policy hash as last refused (not valid here), so it is warned about once.
         self._refused_policy: dict[bytes, bytes] = {}
+        self._restarts = f"{ns}:restarts"
         self._cursor = "0-0"
+        self._read = 0  # entries read off the stream, counted as Redis counts entries added
+        self._gap_check_at = 0.0
         self.up = False
-        self._needs_resync = True
+        # Why the next resync is wanted (a ``RESYNC_REASONS`` entry); None: in step.
+        self._resync_reason: str | None = "start"
+        self._resyncing = asyncio.Lock()
+        self._publishing = asyncio.Lock()
         self._stopping = asyncio.Event()
 
     # -- health -------------------------------------------------------------------------
@@ -100,8 +108,8 @@ class RedisSync:
             self._metrics.errors.labels(name).inc()
             if self.up:
                 log.warning("redis unreachable (%s: %r); routing on local state", name, exc)
+            self._resync_for("redis_error")
             self.up = False
-            self._needs_resync = True
             self._metrics.up.set(0)
             raise
         self._metrics.seconds.labels(name).observe(time.perf_counter() - start)
@@ -115,7 +123,7 @@ class RedisSync:
         backoff = 0.1
         while not self._stopping.is_set():
             try:
-                if self._needs_resync:
+                if self._resync_reason is not None:
                     await self._resync()
                 await step()
                 backoff = 0.1
@@ -146,7 +154,8 @@ class RedisSync:
         self._stopping.set()
 
     async def start(self) -> None:
-        """Start warm from Redis if it is there; carry on cold if not."""
+        """Start warm from Redis if it is there; carry on cold if not (the loops resync
+        when it comes)."""
         try:
             await self._resync()
             await self._follow_policy()
@@ -158,13 +167,37 @@ class RedisSync:
     async def flush(self, timeout_s: float) -> None:
         """Send what is still queued (on shutdown); give up quietly if Redis is away."""
         with contextlib.suppress(*REDIS_ERRORS):
-            await asyncio.wait_for(self._publish(), timeout_s)
+            await asyncio.wait_for(self._send_outbox(), timeout_s)
 
     # -- resync: snapshot in, own state out -----------------------------------------------
 
+    def _resync_for(self, reason: str) -> None:
+        if self._resync_reason is None:
+            self._resync_reason = reason
+
     async def _resync(self) -> None:
-        last = await self._op("resync", self._redis.xrevrange(self._stream, count=1))
-        self._cursor = last[0][0].decode() if last else "0-0"
+        """Redis's copy in, this replica's own out. The loops that notice an error all
+        call this at once; one resync does it for all of them."""
+        async with self._resyncing:
+            reason, self._resync_reason = self._resync_reason, None
+            if reason is None:
+                return
+            try:
+                self._count_dropped()  # this resync writes them back
+                # Changes not sent yet go first: a purge made while Redis was away must
+                # reach it before its copy is merged in, or the purged entries would return.
+                await self._send_outbox()
+                await self._read_snapshot()
+            except BaseException:
+                self._resync_reason = reason
+                raise
+            self._metrics.resyncs.labels(reason).inc()
+
+    async def _read_snapshot(self) -> None:
+        position = StreamPosition.from_reply(
+            await self._op("resync", self._redis.eval(scripts.STREAM_POSITION, 1, self._stream))
+        )
+        self._cursor, self._read = position.last_id, position.added
         local = self._index.local
         for worker in local.workers():
             members = await self._op("resync", self._redis.zrange(self._res_prefix + worker, 0, -1))
@@ -173,7 +206,6 @@ class RedisSync:
             own = local.oldest_first(worker)
             if own:
                 await self._op("resync", self._write_residency(worker, own))
-        self._needs_resync = False
         log.info("shared index synchronised: %d entries", local.size())
 
     async def _write_residency(self, worker: str, oldest_first: list[int]) -> None:
@@ -194,11 +226,26 @@ class RedisSync:
     # -- publisher ------------------------------------------------------------------------
 
     async def _publish(self) -> None:
+        if self._count_dropped():
+            self._resync_for("outbox_overflow")  # the next step writes the whole index
+            return
+        await self._send_outbox()
+
+    def _count_dropped(self) -> int:
+        dropped = self._index.outbox.take_dropped()
+        if dropped:
+            self._metrics.outbox_dropped.inc(dropped)
+        return dropped
+
+    async def _send_outbox(self) -> None:
+        """Send the outbox, oldest first; a change leaves it once Redis has it."""
         outbox = self._index.outbox
-        while outbox:
-            batch = [outbox.popleft() for _ in range(min(MAX_BATCH, len(outbox)))]
-            await self._op("publish", self._send(batch))
-            self._metrics.events.labels("out").inc(len(batch))
+        async with self._publishing:
+            while outbox:
+                generation, batch = outbox.peek(MAX_BATCH)
+                await self._op("publish", self._send(batch))
+                outbox.sent(generation, len(batch))
+                self._metrics.events.labels("out").inc(len(batch))
 
     async def _send(self, batch: list[IndexEvent]) -> None:
         """One pipeline: each event on the stream, and the residency sets changed as the
@@ -229,8 +276,18 @@ class RedisSync:
                 key = self._res_prefix + event.worker
                 if event.op == "forget":
                     pipe.zrem(key, *(_member(h) for h in event.hashes))
-                else:
+                elif event.started is None:
                     pipe.delete(key)
+                else:  # a restart: only the first replica's purge of it wipes the set
+                    pipe.eval(
+                        scripts.PURGE_ONCE,
+                        2,
+                        self._restarts,
+                        key,
+                        event.worker,
+                        repr(event.started),
+                        int(self._config.key_ttl_s * 1000),
+                    )
             pipe.xadd(
                 self._stream,
                 encode(event, self.replica),  # type: ignore[arg-type]
@@ -244,6 +301,9 @@ class RedisSync:
     # -- subscriber -----------------------------------------------------------------------
 
     async def _subscribe(self) -> None:
+        if await self._fell_behind():
+            self._resync_for("stream_gap")
+            return
         response = await self._op(
             "subscribe",
             self._redis.xread({self._stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS),
@@ -251,6 +311,7 @@ class RedisSync:
         for _, entries in response or ():
             for entry_id, fields in entries:
                 self._cursor = entry_id.decode()
+                self._read += 1
                 if fields.get(b"r") == self._replica_bytes:
                     continue  # our own, read back: not even unpacked
                 decoded = decode(fields)
@@ -258,6 +319,19 @@ class RedisSync:
                     continue
                 self._index.apply(decoded[1])
                 self._metrics.events.labels("in").inc()
+
+    async def _fell_behind(self) -> bool:
+        """Entries this replica has not read were trimmed off the stream (it was paused
+        or slow for longer than the stream keeps them): what they said is only in the
+        residency sets now. Looked at a few times per retention period, not every read."""
+        now = time.monotonic()
+        if now < self._gap_check_at:
+            return False
+        self._gap_check_at = now + self._config.stream_retention_s / 4
+        reply = await self._op(
+            "subscribe", self._redis.eval(scripts.STREAM_POSITION, 1, self._stream)
+        )
+        return StreamPosition.from_reply(reply).missed(self._read)
 
     # -- load and rates, the policy --------------------------------------------------------
 

@@ -1,0 +1,60 @@
+"""The server-side scripts of the shared state, and how to read their replies.
+
+Each touches keys of one namespace only, which share a hash tag, so they run on a
+Redis Cluster too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+# KEYS[1]: each worker's last purged engine start; KEYS[2]: the worker's residency set.
+# ARGV: worker, engine start time, TTL (ms). Wipes the set for the first purge of a
+# restart only: a replica that noticed the restart later must not wipe what the others
+# added after it.
+PURGE_ONCE = """
+local last = redis.call('HGET', KEYS[1], ARGV[1])
+if last and tonumber(last) >= tonumber(ARGV[2]) then
+    return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+# KEYS[1]: the event stream. Returns {entries ever added, entries kept, last id},
+# read at one instant ({0, 0, '0-0'} when there is no stream; entries ever added is -1
+# before Redis 7, which does not count them).
+STREAM_POSITION = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+    return {0, 0, '0-0'}
+end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+local fields = {}
+for i = 1, #info, 2 do
+    fields[info[i]] = info[i + 1]
+end
+return {fields['entries-added'] or -1, fields['length'], fields['last-generated-id']}
+"""
+
+
+class StreamPosition(NamedTuple):
+    added: int  # entries ever added to the stream (-1: this Redis does not count them)
+    kept: int  # entries still on it (the oldest are trimmed)
+    last_id: str
+
+    @classmethod
+    def from_reply(cls, reply: Any) -> StreamPosition:
+        added, kept, last_id = reply
+        if isinstance(last_id, bytes):
+            last_id = last_id.decode()
+        return cls(int(added), int(kept), last_id)
+
+    def missed(self, read: int) -> bool:
+        """A reader that has read the stream's first ``read`` entries (counted in
+        entries ever added) lost some: unread entries were trimmed, or the stream was
+        made anew (Redis lost it)."""
+        if self.added < 0:
+            return False
+        return self.added - self.kept > read or self.added < read

@@ -1,0 +1,266 @@
+"""The shared state's sync loops against a real redis-server: what reaches Redis and the
+other replicas when sends fail, Redis is cut off, the stream is trimmed under a replica,
+or several replicas see one engine restart. Each replica here is the router's own
+``RedisSync`` and ``SharedPrefixIndex`` in this process (no HTTP), so the tests can cut
+one replica off through a proxy while the others keep Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import pytest
+import redis.asyncio as aioredis
+
+from router.config import StateConfig
+from router.index import LocalPrefixIndex
+from router.learning import PrefillRate
+from router.metrics import RouterMetrics
+from router.policy_slot import PolicySlot
+from router.shared.connect import connect
+from router.shared.events import decode
+from router.shared.index import SharedPrefixIndex
+from router.shared.metrics import RESYNC_REASONS, RedisMetrics
+from router.shared.outbox import Outbox
+from router.shared.sync import RedisSync
+from router.workers import Fleet, Worker
+from tests.conftest import RedisServer
+from tests.router_client import wait_for
+from tests.tcp_proxy import tcp_proxy
+
+WORKERS = ("w0", "w1")
+CAPACITY_BLOCKS = 10_000
+NAMESPACE = "kvrouter"
+STREAM = f"kvr:{{{NAMESPACE}}}:events"
+
+
+def residency_key(worker: str) -> str:
+    return f"kvr:{{{NAMESPACE}}}:res:{worker}"
+
+
+@dataclass
+class Replica:
+    index: SharedPrefixIndex
+    sync: RedisSync
+    metrics: RouterMetrics
+    task: asyncio.Task[None] | None = None
+
+    def run(self) -> None:
+        self.task = asyncio.create_task(self.sync.run())
+
+    def counter(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    def holds(self, worker: str, hashes: list[int]) -> bool:
+        return self.index.match(worker, hashes) == len(hashes)
+
+
+@contextlib.asynccontextmanager
+async def replica(
+    url: str, outbox: Outbox | None = None, running: bool = True, **state: Any
+) -> AsyncIterator[Replica]:
+    """A replica's sync, started (warm from Redis); its loops run unless not ``running``."""
+    fleet, local = Fleet(), LocalPrefixIndex()
+    index = SharedPrefixIndex(local, outbox)
+    for name in WORKERS:
+        fleet.add(Worker(name, f"http://{name}", CAPACITY_BLOCKS * 64))
+        index.add_worker(name, CAPACITY_BLOCKS)
+    metrics = RouterMetrics(fleet, index, 64)
+    config = StateConfig(url=url, flush_interval_s=0.005, load_interval_s=0.05, **state)
+    handle = connect(url)
+    sync = RedisSync(
+        handle.client,
+        index,
+        fleet,
+        PrefillRate(),
+        PolicySlot("round_robin", {}, 0, metrics),
+        config,
+        RedisMetrics(metrics.registry),
+    )
+    await sync.start()
+    running_replica = Replica(index, sync, metrics)
+    if running:
+        running_replica.run()
+    try:
+        yield running_replica
+    finally:
+        sync.stop()
+        if running_replica.task is not None:
+            await asyncio.wait_for(running_replica.task, 10)
+        await handle.aclose()
+
+
+def chain(start: int, count: int) -> list[int]:
+    return list(range(start, start + count))
+
+
+async def failed(cut: Replica, *ops: str) -> None:
+    """Wait until each of the replica's ``ops`` has failed."""
+    for op in ops:
+        await wait_for(lambda op=op: _true(cut.counter("kvrouter_redis_errors_total", op=op) > 0))
+
+
+def resyncs(r: Replica) -> dict[str, float]:
+    return {
+        reason: r.counter("kvrouter_redis_resyncs_total", reason=reason)
+        for reason in RESYNC_REASONS
+    }
+
+
+async def resynced(r: Replica, reason: str) -> bool:
+    return r.counter("kvrouter_redis_resyncs_total", reason=reason) > 0
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_change_whose_send_failed_still_reaches_the_other_replicas(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    async with (
+        tcp_proxy(redis_server.port) as proxy,
+        replica(proxy.url) as a,
+        replica(redis_url) as b,
+    ):
+        proxy.cut()
+        a.index.touch("w0", chain(1, 8))  # queued while Redis is out of reach
+        await failed(a, "publish", "subscribe")
+        proxy.restore()
+        # b never lost Redis, so it does not resync: it learns the change from the stream.
+        await wait_for(lambda: _true(b.holds("w0", chain(1, 8))))
+        assert b.counter("kvrouter_redis_resyncs_total", reason="redis_error") == 0
+
+
+async def test_a_purge_made_while_redis_was_away_is_not_undone_by_the_resync(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    async with tcp_proxy(redis_server.port) as proxy, replica(proxy.url) as a:
+        a.index.touch("w0", chain(1, 8))
+        await wait_for(
+            lambda: _true(a.counter("kvrouter_redis_index_events_total", direction="out") > 0)
+        )
+        proxy.cut()
+        a.index.purge("w0", started_at=1_000.0)  # the engine restarted meanwhile
+        await failed(a, "publish", "subscribe", "load")
+        proxy.restore()
+        await wait_for(
+            lambda: _true(a.counter("kvrouter_redis_resyncs_total", reason="redis_error") > 0)
+        )
+        assert a.index.resident_blocks("w0") == 0
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            assert await client.zcard(residency_key("w0")) == 0
+        finally:
+            await client.aclose()
+
+
+async def test_the_loops_that_meet_an_error_resync_one_at_a_time(
+    redis_server: RedisServer, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with tcp_proxy(redis_server.port) as proxy, replica(proxy.url) as a:
+        running, most = 0, 0
+        read_snapshot = a.sync._read_snapshot
+
+        async def counted() -> None:
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            try:
+                await asyncio.sleep(0.05)  # long enough for every loop to arrive
+                await read_snapshot()
+            finally:
+                running -= 1
+
+        monkeypatch.setattr(a.sync, "_read_snapshot", counted)
+        proxy.cut()
+        a.index.touch("w0", chain(1, 8))
+        await failed(a, "publish", "subscribe", "load")  # each loop wants a resync
+        proxy.restore()
+        await wait_for(lambda: resynced(a, "redis_error"))
+        await asyncio.sleep(0.3)  # every loop has been round since
+        assert most == 1
+        assert resyncs(a)["start"] == 1
+        assert a.holds("w0", chain(1, 8))
+
+
+async def test_a_full_outbox_is_bounded_by_hashes_and_resyncs_what_it_dropped(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    outbox = Outbox(max_hashes=1_000)
+    async with tcp_proxy(redis_server.port) as proxy, replica(proxy.url, outbox) as a:
+        proxy.cut()
+        a.index.purge("w1")
+        await failed(a, "publish")
+        for prompt in range(30):  # 30 prompts of 100 blocks: three times the bound
+            a.index.touch("w0", chain(prompt * 1_000, 100))
+            assert outbox.hashes <= 1_000
+        proxy.restore()
+        await wait_for(lambda: _true(not outbox))
+        assert a.counter("kvrouter_redis_outbox_dropped_events_total") > 0
+        # What was dropped reaches Redis all the same: the resync writes the index back.
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+
+            async def written() -> bool:
+                return await client.zcard(residency_key("w0")) == 3_000
+
+            await wait_for(written)
+            entries = await client.xrange(STREAM)
+            ops = [decode(cast(dict[bytes, bytes], fields)) for _, fields in entries or ()]
+            assert [event.op for _, event in filter(None, ops)].count("purge") == 1
+        finally:
+            await client.aclose()
+
+
+async def test_a_replica_behind_the_trimmed_stream_notices_and_resyncs(redis_url: str) -> None:
+    async with replica(redis_url, stream_retention_s=0.2) as a:
+        a.index.touch("w0", chain(1, 4))
+        await wait_for(lambda: _true(not a.index.outbox))
+        async with replica(redis_url, running=False, stream_retention_s=0.2) as b:
+            assert b.holds("w0", chain(1, 4))  # read from the residency sets at start
+            # b does not read the stream while a writes past its retention: the first
+            # change after b's start is trimmed before b reads it.
+            a.index.touch("w0", chain(100, 4))
+            for i in range(150):
+                a.index.touch("w1", chain(10_000 + i * 10, 4))
+            await wait_for(lambda: _true(not a.index.outbox))
+            await asyncio.sleep(0.3)
+            for i in range(150):
+                a.index.touch("w1", chain(20_000 + i * 10, 4))
+            await wait_for(lambda: _true(not a.index.outbox))
+            b.run()
+            await wait_for(lambda: resynced(b, "stream_gap"))
+            assert b.holds("w0", chain(100, 4))
+            assert resyncs(b) == {
+                "start": 1,
+                "redis_error": 0,
+                "stream_gap": 1,
+                "outbox_overflow": 0,
+            }
+
+
+async def test_only_the_first_purge_of_an_engine_restart_wipes_its_entries(
+    redis_url: str,
+) -> None:
+    async with replica(redis_url) as a, replica(redis_url) as b:
+        a.index.touch("w0", chain(1, 8))
+        await wait_for(lambda: _true(b.holds("w0", chain(1, 8))))
+        a.index.purge("w0", started_at=2_000.0)  # a notices the restart first
+        await wait_for(lambda: _true(b.index.resident_blocks("w0") == 0))
+        b.index.touch("w0", chain(100, 8))  # traffic after the restart, through b
+        await wait_for(lambda: _true(a.holds("w0", chain(100, 8))))
+        b.index.purge("w0", started_at=2_000.0)  # b notices the same restart later
+        a.index.touch("w0", chain(200, 2))
+        await wait_for(lambda: _true(b.holds("w0", chain(200, 2))))  # b's purge went by
+        assert a.holds("w0", chain(100, 8)) and b.holds("w0", chain(100, 8))
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            assert await client.zcard(residency_key("w0")) == 10
+        finally:
+            await client.aclose()
+        a.index.purge("w0", started_at=3_000.0)  # a second restart purges again
+        await wait_for(lambda: _true(b.index.resident_blocks("w0") == 0))
