@@ -39,7 +39,8 @@ from router.routing import Router
 from router.server import MALFORMED_HTTP_FILTER
 from router.shared.connect import connect
 from router.shared.index import SharedPrefixIndex
-from router.shared.metrics import RedisMetrics
+from router.shared.metrics import PathMetrics, RedisMetrics
+from router.shared.path import SharedPath
 from router.shared.sync import RedisSync
 from router.state import STATE_KEY, RouterState
 from router.upstream import UpstreamPool
@@ -206,9 +207,16 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
     await sync.start()
     task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")
     state.router.policies.publisher = sync.publish_policy
+    if state.config.state.read_your_writes:
+        state.shared_path = SharedPath(
+            handle.client, index.local, state.config.state, PathMetrics(state.metrics.registry)
+        )
     try:
         yield
     finally:
+        if state.shared_path is not None:
+            await state.shared_path.close()
+            state.shared_path = None
         state.router.policies.publisher = None
         sync.stop()
         try:

@@ -269,6 +269,13 @@ class StateConfig:
     # a starting replica reads the residency sets instead. Events carry every block hash
     # of a prompt (8 bytes each), so the stream is bounded by time, not by count.
     stream_retention_s: float = 30.0
+    # Read-your-writes across replicas (router/shared/path.py): a request whose
+    # session history no local worker holds asks Redis which worker does; the decision
+    # is written to Redis before forwarding and the reply's blocks before the final
+    # chunk. Each such round trip waits at most path_timeout_s, then the request goes
+    # on, on local state.
+    read_your_writes: bool = True
+    path_timeout_s: float = 0.005
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(
@@ -277,7 +284,13 @@ class StateConfig:
             raise ConfigError(
                 "url: expected redis://, rediss://, unix://, redis+sentinel:// or redis+cluster://"
             )
-        for name in ("flush_interval_s", "load_interval_s", "key_ttl_s", "stream_retention_s"):
+        for name in (
+            "flush_interval_s",
+            "load_interval_s",
+            "key_ttl_s",
+            "stream_retention_s",
+            "path_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
 

@@ -25,7 +25,16 @@ from router.workers import Worker
 
 
 class RequestLifecycle:
-    __slots__ = ("_admission", "_candidates", "_router", "arrived", "request", "route", "tried")
+    __slots__ = (
+        "_admission",
+        "_candidates",
+        "_router",
+        "arrived",
+        "remote_matches",
+        "request",
+        "route",
+        "tried",
+    )
 
     def __init__(
         self,
@@ -44,6 +53,9 @@ class RequestLifecycle:
         self.route: RouteRequest = router.route_request(request, request_id)
         self.tried: list[str] = []  # workers whose attempt failed before the first byte
         self._candidates: list[Worker] | None = None
+        # Blocks of the prompt each worker holds according to the other replicas, when
+        # the proxy asked (router.shared.path); None: the local index alone.
+        self.remote_matches: dict[str, int] | None = None
 
     async def admit(self) -> None:
         """Returns when some eligible worker has room (at once without admission limits);
@@ -54,12 +66,20 @@ class RequestLifecycle:
         self._candidates = self._router.eligible(self.request.model, self.tried)
         return Router.room_among(self._candidates, self._admission.limit)
 
+    def candidates(self) -> list[Worker]:
+        """The workers the next dispatch chooses from (the admission check's, if fresh)."""
+        if self._candidates is None:
+            self._candidates = self._router.eligible(self.request.model, self.tried)
+        return self._candidates
+
     def dispatch(self) -> Dispatch:
         """The next attempt, on a worker not tried yet; raises ``NoEligibleWorker``."""
         candidates, self._candidates = self._candidates, None
         if self.tried:
             self._router.recorder.retried(self.tried[-1])
-        return self._router.dispatch(self.request, self.route, self.tried, self.arrived, candidates)
+        return self._router.dispatch(
+            self.request, self.route, self.tried, self.arrived, candidates, self.remote_matches
+        )
 
     def failed(self, dispatch: Dispatch, outcome: Outcome) -> None:
         """The attempt failed before the client saw a byte."""

@@ -17,7 +17,7 @@ import xxhash
 
 from router.config import RequestLimits
 from router.errors import BadRequest
-from router.prefix import PrefixKey, chain_seed, prefix_key, render_chat, render_prompt
+from router.prefix import PrefixKey, chain_seed, prefix_key, render_chat_history, render_prompt
 
 Kind = Literal["chat", "completion"]
 DEFAULT_LIMITS = RequestLimits()
@@ -33,6 +33,10 @@ class ClientRequest:
     session_key: str | None
     key: PrefixKey
     record_reply: bool  # whether the reply can extend the chain (text prompts only)
+    # Leading blocks an earlier turn of this session left cached somewhere, if there was
+    # one (its prompt; router.prefix.render_chat_history). A completion's prompt has no
+    # turns to tell apart: 1, any cached prefix.
+    history_blocks: int = 0
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -73,9 +77,9 @@ def _check_messages(messages: Any, limits: RequestLimits) -> Sequence[Mapping[st
     return messages
 
 
-def _render_chat(messages: Sequence[Mapping[str, Any]]) -> bytes:
+def _render_chat(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, int]:
     try:
-        return render_chat(messages)
+        return render_chat_history(messages)
     except orjson.JSONEncodeError as exc:
         # Non-text parts and tool_calls are rendered as JSON, which orjson writes only
         # up to 254 levels deep; parsed JSON can hold nothing else it refuses.
@@ -173,18 +177,22 @@ def parse_request(
         raise BadRequest("'cache_salt' must be a string", param="cache_salt")
     session_key = session_key_of(body, session_header, session_fields, limits.max_session_key_bytes)
     if kind == "chat":
-        canonical = _render_chat(_check_messages(body.get("messages"), limits))
+        canonical, history_bytes = _render_chat(_check_messages(body.get("messages"), limits))
+        history_blocks = history_bytes // block_bytes
         record_reply = True
     else:
         prompt = _prompt(body.get("prompt"))
         canonical = render_prompt(prompt)
+        history_blocks = 1
         record_reply = isinstance(prompt, str)
+    key = prefix_key(canonical, block_bytes, chain_seed(model, salt))
     return ClientRequest(
         kind=kind,
         model=model,
         body=raw,
         stream=bool(stream),
         session_key=session_key,
-        key=prefix_key(canonical, block_bytes, chain_seed(model, salt)),
+        key=key,
         record_reply=record_reply,
+        history_blocks=min(history_blocks, len(key.hashes)),
     )

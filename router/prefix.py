@@ -62,8 +62,17 @@ def render_message(message: Mapping[str, Any]) -> bytes:
     return b"".join(pieces)
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]]) -> bytes:
-    return b"".join(render_message(m) for m in messages)
+def render_chat_history(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, int]:
+    """The canonical bytes, and how many of them an earlier turn of the same session
+    would have left in some engine's cache: everything before the last assistant message
+    (that turn's prompt), or before the last message in a session's first turn."""
+    rendered = [render_message(m) for m in messages]
+    last = len(messages) - 1
+    for i in range(last, -1, -1):
+        if messages[i].get("role") == "assistant":
+            last = i
+            break
+    return b"".join(rendered), sum(map(len, rendered[:last]))
 
 
 def render_prompt(prompt: str | Sequence[int]) -> bytes:

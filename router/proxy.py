@@ -35,6 +35,7 @@ from router.lifecycle import RequestLifecycle
 from router.parse import Kind, parse_request
 from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER, ChainExtender
 from router.routing import Dispatch, EngineUsage
+from router.shared.path import SharedPath
 from router.state import RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
 
@@ -167,6 +168,11 @@ async def serve(
     request_id = headers.request_id or secrets.token_hex(16)
     lifecycle = RequestLifecycle(state.router, state.admission, request, request_id, arrived)
     await lifecycle.admit()
+    shared = state.shared_path
+    if shared is not None:
+        lifecycle.remote_matches = await shared.lookup(
+            request, lifecycle.route.block_hashes, lifecycle.candidates()
+        )
     client = _Client(
         reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header
     )
@@ -265,9 +271,12 @@ async def _attempt(
         state.config.upstream.first_byte_timeout_s if request.stream else None
     )
     unanswered = dispatch.worker.unanswered
+    shared = state.shared_path
     try:
         async with first_byte:
             unanswered.add(first_byte)
+            if shared is not None:
+                await shared.reserve(dispatch.worker.name, dispatch.route.block_hashes)
             upstream = await _open(state, dispatch, client)
             if not request.stream:
                 unanswered.discard(first_byte)  # a whole reply's headers are its answer
@@ -279,9 +288,11 @@ async def _attempt(
                         _Fallback(upstream.status, body, upstream.content_type.encode()),
                     )
                 if request.stream and upstream.status == 200:
-                    outcome = await _relay_stream(client, dispatch, upstream, capture, first_byte)
+                    outcome = await _relay_stream(
+                        client, dispatch, upstream, capture, first_byte, shared
+                    )
                 else:
-                    outcome = await _relay_whole(client, dispatch, upstream, capture)
+                    outcome = await _relay_whole(client, dispatch, upstream, capture, shared)
                 sent = True
             finally:
                 upstream.release()
@@ -310,6 +321,8 @@ async def _attempt(
             _finished(lifecycle, dispatch, capture, outcome)
         else:
             lifecycle.failed(dispatch, outcome)
+            if shared is not None:
+                shared.withdraw(dispatch.worker.name, dispatch.route.block_hashes)
 
 
 def _finished(
@@ -364,6 +377,7 @@ async def _relay_stream(
     upstream: UpstreamResponse,
     capture: ReplyCapture,
     first_byte: asyncio.Timeout,
+    shared: SharedPath | None,
 ) -> Outcome:
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
@@ -378,6 +392,8 @@ async def _relay_stream(
         capture.feed_stream(chunk)
         whole = events.cut(chunk)
         if upstream.ended:  # what came last came with the end: one write
+            if shared is not None and not capture.errored:
+                await _record(shared, dispatch, capture)
             await reply.end(whole + events.rest())
             break
         if whole:
@@ -393,6 +409,12 @@ async def _relay_stream(
             await reply.end(MID_STREAM_ERROR_EVENT)
             break
     return "upstream_error" if capture.errored else outcome
+
+
+async def _record(shared: SharedPath, dispatch: Dispatch, capture: ReplyCapture) -> None:
+    """The reply's blocks reach Redis before its end reaches the client: the session's
+    next turn finds them whichever replica it goes to."""
+    await shared.record(dispatch.worker.name, dispatch.route.block_hashes, capture.reply_hashes())
 
 
 # The most of an unfinished event the relay holds back (a worker that never ends one
@@ -430,12 +452,15 @@ async def _relay_whole(
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
+    shared: SharedPath | None,
 ) -> Outcome:
     body = await _read_whole(dispatch, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
     dispatch.first_byte(observe=False, computed=upstream.status < 400)
     if upstream.status == 200:
         capture.feed_whole(body)
+        if shared is not None:
+            await _record(shared, dispatch, capture)
     await client.reply.whole(
         upstream.status, client.response_headers(upstream, dispatch.worker.name), body
     )

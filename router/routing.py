@@ -15,6 +15,7 @@ is ``router.membership``'s; what becomes of a request, ``router.lifecycle``'s.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Decision, Outcome, Policy, RouteRequest, WorkerView
@@ -178,17 +179,20 @@ class Router:
         exclude: list[str],
         arrived: float | None = None,
         candidates: list[Worker] | None = None,
+        remote_matches: Mapping[str, int] | None = None,
     ) -> Dispatch:
         """Choose a worker for ``request`` among ``candidates`` (default: the eligible
         ones not in ``exclude``, the ones tried already) and take what the dispatch holds
-        until it ends."""
+        until it ends. ``remote_matches``: blocks of the prompt each worker holds as the
+        other replicas have it (read from Redis), where that is more than the local
+        index knows."""
         started = time.perf_counter()
         if candidates is None:
             candidates = self.eligible(request.model, exclude)
         if not candidates:
             raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
         now = monotonic()
-        views = [self._view(w, route, now) for w in candidates]
+        views = [self._view(w, route, now, remote_matches) for w in candidates]
         active = self.policies.current  # read once: one policy chooses and hears the end
         decision = active.policy.choose(route, views)
         worker = self.fleet.workers[decision.worker]
@@ -231,8 +235,16 @@ class Router:
             for w in candidates
         )
 
-    def _view(self, worker: Worker, route: RouteRequest, now: float) -> WorkerView:
+    def _view(
+        self,
+        worker: Worker,
+        route: RouteRequest,
+        now: float,
+        remote_matches: Mapping[str, int] | None = None,
+    ) -> WorkerView:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
+        if remote_matches is not None:
+            matched_blocks = max(matched_blocks, remote_matches.get(worker.name, 0))
         # Requests this router (and its replicas) sent, or what the engine itself reports
         # running and waiting, whichever is more: traffic from elsewhere counts too.
         outstanding = max(

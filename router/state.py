@@ -16,6 +16,7 @@ from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.provision import new_worker
 from router.routing import Router
+from router.shared.path import SharedPath
 from router.upstream import UpstreamPool
 from router.workers import Worker
 
@@ -37,6 +38,9 @@ class RouterState:
     session_header: bytes = field(init=False)
     upstream_auth: bytes = field(init=False)
     accepted_bearers: tuple[bytes, ...] = field(init=False)  # "Bearer <api key>", if any
+    # Read-your-writes across replicas (state.url and state.read_your_writes): set while
+    # the shared state runs.
+    shared_path: SharedPath | None = None
 
     def __post_init__(self) -> None:
         self.session_header = self.config.session_header.lower().encode("latin-1")

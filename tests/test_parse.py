@@ -114,6 +114,32 @@ def test_the_limits_are_validated_when_the_config_is_built() -> None:
 # -- token-id prompts ---------------------------------------------------------------------
 
 
+def test_the_history_is_what_the_previous_turn_sent() -> None:
+    system = {"role": "system", "content": "s" * 100}
+    first = [system, {"role": "user", "content": "u" * 50}]
+    reply = {"role": "assistant", "content": "a" * 70}
+    second = [
+        *first,
+        reply,
+        {"role": "tool", "content": "t" * 40},
+        {"role": "user", "content": "q"},
+    ]
+
+    def parsed(messages: list[dict[str, str]]) -> ClientRequest:
+        raw = orjson.dumps({"model": "m", "messages": messages})
+        return parse_request("chat", raw, None, FIELDS, BLOCK, DEFAULT_LIMITS)
+
+    turn1, turn2 = parsed(first), parsed(second)
+    # The first turn's history is its system prompt; the second's, the first turn's prompt.
+    assert turn1.history_blocks == (1 + 6 + 1 + 100) // BLOCK
+    assert turn2.history_blocks == len(turn1.key.hashes)
+    assert turn2.key.hashes[: turn2.history_blocks] == turn1.key.hashes
+    completion = parse_request(
+        "completion", orjson.dumps({"model": "m", "prompt": "p" * 200}), None, FIELDS, BLOCK
+    )
+    assert completion.history_blocks == 1
+
+
 def test_token_ids_render_as_four_little_endian_bytes_each() -> None:
     ids = [0, 1, 258, 2**32 - 1]
     assert render_prompt(ids) == b"\x1d" + b"".join(t.to_bytes(4, "little") for t in ids)

@@ -50,3 +50,38 @@ class RedisMetrics:
             self.errors.labels(op)
         for direction in ("in", "out"):
             self.events.labels(direction)
+
+
+PATH_OPS = ("lookup", "reserve", "record")
+PATH_RESULTS = ("ok", "timeout", "error")
+
+
+class PathMetrics:
+    """The shared state on requests' paths (``router.shared.path``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.operations = Counter(
+            "kvrouter_redis_path_operations",
+            "Redis round trips made on a request's path (read-your-writes): lookup (no "
+            "local worker held the session's history), reserve (the decision, before "
+            "forwarding), record (the reply's blocks, before the final chunk); by result "
+            "(timeout: past state.path_timeout_s, the request went on without it).",
+            ["op", "result"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "kvrouter_redis_path_seconds",
+            "Time a request waited on Redis, per round trip.",
+            ["op"],
+            buckets=REDIS_BUCKETS,
+            registry=registry,
+        )
+        self.skipped = Counter(
+            "kvrouter_redis_path_lookups_skipped",
+            "Requests that did not ask Redis: some local worker held the session's history.",
+            registry=registry,
+        )
+        for op in PATH_OPS:
+            self.seconds.labels(op)
+            for result in PATH_RESULTS:
+                self.operations.labels(op, result)

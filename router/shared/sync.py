@@ -38,6 +38,7 @@ from router.shared import policy as fleet_policy
 from router.shared import scripts
 from router.shared.events import IndexEvent, decode, encode
 from router.shared.index import SharedPrefixIndex
+from router.shared.keys import Keys, block_hash, member, touch_scores
 from router.shared.metrics import RedisMetrics
 from router.shared.scripts import StreamPosition
 from router.workers import Fleet
@@ -48,14 +49,6 @@ MAX_BATCH = 512
 READ_BLOCK_MS = 250
 BACKOFF_MAX_S = 5.0
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
-
-
-def _member(block_hash: int) -> bytes:
-    return block_hash.to_bytes(8, "big")
-
-
-def _hash(member: bytes) -> int:
-    return int.from_bytes(member, "big")
 
 
 class RedisSync:
@@ -78,16 +71,11 @@ class RedisSync:
         self._metrics = metrics
         self.replica = uuid.uuid4().hex[:12]
         self._replica_bytes = self.replica.encode()
-        ns = f"kvr:{{{config.namespace}}}"
-        self._res_prefix = f"{ns}:res:"
-        self._stream = f"{ns}:events"
-        self._replicas = f"{ns}:replicas"
-        self._load_prefix = f"{ns}:load:"
-        self._rate_prefix = f"{ns}:rate:"
+        self._keys = keys = Keys(config.namespace)
+        self._stream = keys.stream
         self._policy_key = fleet_policy.policy_key(config.namespace)
         # The fleet's policy hash as last refused (not valid here), so it is warned about once.
         self._refused_policy: dict[bytes, bytes] = {}
-        self._restarts = f"{ns}:restarts"
         self._cursor = "0-0"
         self._read = 0  # entries read off the stream, counted as Redis counts entries added
         self._gap_check_at = 0.0
@@ -200,8 +188,10 @@ class RedisSync:
         self._cursor, self._read = position.last_id, position.added
         local = self._index.local
         for worker in local.workers():
-            members = await self._op("resync", self._redis.zrange(self._res_prefix + worker, 0, -1))
-            local.restore(worker, (_hash(m) for m in members))
+            members = await self._op(
+                "resync", self._redis.zrange(self._keys.residency(worker), 0, -1)
+            )
+            local.restore(worker, (block_hash(m) for m in members))
         for worker in local.workers():
             own = local.oldest_first(worker)
             if own:
@@ -210,9 +200,9 @@ class RedisSync:
 
     async def _write_residency(self, worker: str, oldest_first: list[int]) -> None:
         now = time.time() * 1000
-        key = self._res_prefix + worker
+        key = self._keys.residency(worker)
         step = 1.0 / max(1, len(oldest_first))
-        mapping = {_member(h): now - 1 + i * step for i, h in enumerate(oldest_first)}
+        mapping = {member(h): now - 1 + i * step for i, h in enumerate(oldest_first)}
         pipe = self._redis.pipeline(transaction=False)
         pipe.zadd(key, mapping)
         self._trim(pipe, worker, key)
@@ -260,29 +250,25 @@ class RedisSync:
         def write_touches(worker: str) -> None:
             mapping = touched.pop(worker, None)
             if mapping:
-                key = self._res_prefix + worker
+                key = self._keys.residency(worker)
                 pipe.zadd(key, mapping)
                 self._trim(pipe, worker, key)
 
         for event in batch:
             if event.op == "touch":
-                n = len(event.hashes)
-                # Head blocks get the newest scores: a prefix's tail is trimmed first.
-                touched.setdefault(event.worker, {}).update(
-                    {_member(h): now + (n - i) * 1e-3 for i, h in enumerate(event.hashes)}
-                )
+                touched.setdefault(event.worker, {}).update(touch_scores(event.hashes, now))
             else:
                 write_touches(event.worker)  # before a forget or purge of the same worker
-                key = self._res_prefix + event.worker
+                key = self._keys.residency(event.worker)
                 if event.op == "forget":
-                    pipe.zrem(key, *(_member(h) for h in event.hashes))
+                    pipe.zrem(key, *(member(h) for h in event.hashes))
                 elif event.started is None:
                     pipe.delete(key)
                 else:  # a restart: only the first replica's purge of it wipes the set
                     pipe.eval(
                         scripts.PURGE_ONCE,
                         2,
-                        self._restarts,
+                        self._keys.restarts,
                         key,
                         event.worker,
                         repr(event.started),
@@ -349,18 +335,20 @@ class RedisSync:
         load = {w.name: f"{w.outstanding_requests},{w.outstanding_tokens}" for w in fleet.all()}
         pipe = self._redis.pipeline(transaction=False)
         if load:
-            pipe.hset(self._load_prefix + self.replica, mapping=load)  # type: ignore[arg-type]
-            pipe.pexpire(self._load_prefix + self.replica, ttl)
-        pipe.set(self._rate_prefix + self.replica, f"{rate.tokens_per_s},{rate.samples}", px=ttl)
-        pipe.zadd(self._replicas, {self.replica: now})
-        pipe.zremrangebyscore(self._replicas, 0, now - ttl / 1000)
-        pipe.zrange(self._replicas, 0, -1)
+            pipe.hset(self._keys.load_prefix + self.replica, mapping=load)  # type: ignore[arg-type]
+            pipe.pexpire(self._keys.load_prefix + self.replica, ttl)
+        pipe.set(
+            self._keys.rate_prefix + self.replica, f"{rate.tokens_per_s},{rate.samples}", px=ttl
+        )
+        pipe.zadd(self._keys.replicas, {self.replica: now})
+        pipe.zremrangebyscore(self._keys.replicas, 0, now - ttl / 1000)
+        pipe.zrange(self._keys.replicas, 0, -1)
         results = await self._op("load", pipe.execute())
         others = [r.decode() for r in results[-1] if r.decode() != self.replica]
         pipe = self._redis.pipeline(transaction=False)
         for other in others:
-            pipe.hgetall(self._load_prefix + other)
-            pipe.get(self._rate_prefix + other)
+            pipe.hgetall(self._keys.load_prefix + other)
+            pipe.get(self._keys.rate_prefix + other)
         replies = await self._op("load", pipe.execute()) if others else []
         self._apply_remote(replies[0::2], replies[1::2])
 

@@ -1,0 +1,46 @@
+"""What the shared state's keys are called and how a block hash is stored in them: the
+one place both the sync loops and the request path read them from.
+
+Every key of a namespace shares the hash tag ``{namespace}``, so a Redis Cluster keeps
+them in one slot and the scripts may touch several at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class Keys:
+    def __init__(self, namespace: str) -> None:
+        ns = f"kvr:{{{namespace}}}"
+        self.stream = f"{ns}:events"
+        self.replicas = f"{ns}:replicas"
+        self.restarts = f"{ns}:restarts"
+        self.load_prefix = f"{ns}:load:"
+        self.rate_prefix = f"{ns}:rate:"
+        self._residency = f"{ns}:res:"
+        self._reserved = f"{ns}:rsv:"
+
+    def residency(self, worker: str) -> str:
+        """The blocks the worker holds: a sorted set scored by last touch (ms)."""
+        return self._residency + worker
+
+    def reserved(self, worker: str) -> str:
+        """Blocks of prompts dispatched to the worker and not yet computed, scored by
+        when the reservation lapses (ms)."""
+        return self._reserved + worker
+
+
+def member(block_hash: int) -> bytes:
+    return block_hash.to_bytes(8, "big")
+
+
+def block_hash(member_bytes: bytes) -> int:
+    return int.from_bytes(member_bytes, "big")
+
+
+def touch_scores(hashes: Sequence[int], now_ms: float) -> dict[bytes, float]:
+    """A prefix touched now: the head blocks get the newest scores, so that trimming a
+    full set drops a prefix's tail first, as the engine's LRU frees it."""
+    n = len(hashes)
+    return {member(h): now_ms + (n - i) * 1e-3 for i, h in enumerate(hashes)}

@@ -1,0 +1,154 @@
+"""Read-your-writes across replicas: the shared state on a request's path.
+
+The sync loops (``router.shared.sync``) keep each replica's mirror of the index some
+milliseconds behind the others. That is too late for a session whose next turn goes to
+another replica as soon as this one answered (a per-request load balancer, an agent's
+quick tool call). So, with ``state.read_your_writes``:
+
+* **lookup**, before the decision: when no local worker holds the session's history (the
+  prompt its previous turn sent, ``ClientRequest.history_blocks``), one script call asks
+  Redis, per candidate worker, for the longest prefix of the request's chain it holds or
+  has reserved. A local hit never waits on Redis.
+* **reserve**, after the decision and before the request is forwarded: the prompt's
+  blocks as reserved on the chosen worker (a sorted set scored by when the reservation
+  lapses), so a sibling arriving at another replica meanwhile finds them.
+* **record**, before the final chunk reaches the client: the prompt's and the reply's
+  blocks in the worker's residency set, the reservation withdrawn, so the next turn
+  finds its whole history wherever it lands.
+
+Each is one round trip, bounded by ``state.path_timeout_s``: past it, or when Redis
+fails, the request goes on on local state, and the miss is counted. The mirror still
+hears of every change through the stream, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from router.config import StateConfig
+from router.index import LocalPrefixIndex
+from router.parse import ClientRequest
+from router.shared.keys import Keys, member, touch_scores
+from router.shared.metrics import PathMetrics
+from router.shared.scripts import LONGEST_PREFIXES
+from router.shared.sync import REDIS_ERRORS
+from router.workers import Worker
+
+# A reservation lapses after this long if its request never reports back (its replica
+# died): long enough for any prefill, short enough not to mislead for long.
+RESERVATION_TTL_S = 60.0
+WITHDRAW_TIMEOUT_S = 1.0
+
+
+class SharedPath:
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        local: LocalPrefixIndex,
+        config: StateConfig,
+        metrics: PathMetrics,
+    ) -> None:
+        self._redis = client
+        self._local = local
+        self._keys = Keys(config.namespace)
+        self._timeout_s = config.path_timeout_s
+        self._key_ttl_ms = int(config.key_ttl_s * 1000)
+        self._metrics = metrics
+        # Withdrawals of failed dispatches' reservations, sent off the request's path.
+        self._background: set[asyncio.Task[None]] = set()
+
+    async def lookup(
+        self, request: ClientRequest, hashes: Sequence[int], candidates: Sequence[Worker]
+    ) -> dict[str, int] | None:
+        """Blocks of ``hashes`` each candidate holds according to Redis, when no local
+        worker holds the session's history; None when not asked or not answered."""
+        need = request.history_blocks
+        if not candidates:
+            return None
+        local = self._local
+        if need == 0 or any(local.match(w.name, hashes) >= need for w in candidates):
+            self._metrics.skipped.inc()
+            return None
+        keys = [key for w in candidates for key in self._worker_keys(w.name)]
+        now_ms = time.time() * 1000
+        reply = await self._bounded(
+            "lookup",
+            self._redis.eval(
+                LONGEST_PREFIXES, len(keys), *keys, now_ms, *(member(h) for h in hashes)
+            ),
+        )
+        if reply is None:
+            return None
+        return {w.name: int(held) for w, held in zip(candidates, reply, strict=True)}
+
+    async def reserve(self, worker: str, hashes: Sequence[int]) -> None:
+        """The prompt was dispatched to ``worker``: its blocks count as held from now."""
+        if not hashes:
+            return
+        now_ms = time.time() * 1000
+        key = self._keys.reserved(worker)
+        lapses = now_ms + RESERVATION_TTL_S * 1000
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zadd(key, dict.fromkeys(map(member, hashes), lapses))
+        pipe.zremrangebyscore(key, "-inf", now_ms)
+        pipe.pexpire(key, int(RESERVATION_TTL_S * 1000))
+        await self._bounded("reserve", pipe.execute())
+
+    async def record(self, worker: str, prompt: Sequence[int], reply: Sequence[int]) -> None:
+        """``worker`` computed the prompt and the reply: the session's next turn will
+        find them on it (head first, so that trimming drops the tail first)."""
+        chain = (*prompt, *reply)
+        if not chain:
+            return
+        key = self._keys.residency(worker)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zadd(key, touch_scores(chain, time.time() * 1000))
+        pipe.zremrangebyrank(key, 0, -(self._local.capacity_blocks(worker) + 1))
+        pipe.pexpire(key, self._key_ttl_ms)
+        if prompt:
+            pipe.zrem(self._keys.reserved(worker), *map(member, prompt))
+        await self._bounded("record", pipe.execute())
+
+    def withdraw(self, worker: str, hashes: Sequence[int]) -> None:
+        """The dispatch failed: its reservation goes, without holding the request up."""
+        if not hashes:
+            return
+        call = self._redis.zrem(self._keys.reserved(worker), *map(member, hashes))
+        task = asyncio.create_task(self._quietly(call))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _worker_keys(self, worker: str) -> tuple[str, str]:
+        return self._keys.residency(worker), self._keys.reserved(worker)
+
+    async def _bounded(self, op: str, call: Awaitable[Any]) -> Any:
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                result = await call
+        except TimeoutError:
+            self._metrics.operations.labels(op, "timeout").inc()
+            return None
+        except REDIS_ERRORS:
+            self._metrics.operations.labels(op, "error").inc()
+            return None
+        self._metrics.operations.labels(op, "ok").inc()
+        self._metrics.seconds.labels(op).observe(time.perf_counter() - started)
+        return result
+
+    async def _quietly(self, call: Awaitable[Any]) -> None:
+        with contextlib.suppress(*REDIS_ERRORS):
+            async with asyncio.timeout(WITHDRAW_TIMEOUT_S):
+                await call

@@ -1,0 +1,132 @@
+"""Replicas that route as one: a session's next turn, sent to another replica the moment
+the previous one returned and with no session header, finds its history on the worker
+that computed it. Real routers over real HTTP, simulated engines, a real redis-server;
+the stream between the replicas is made slower than the turns, so only the request
+path's own reads and writes (router.shared.path) can route them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from bench.textgen import text_for
+from router.config import StateConfig
+from tests.conftest import (
+    EngineFactory,
+    RedisServer,
+    RunningRouter,
+    router_config,
+    serve_router,
+)
+from tests.router_client import chat_body, conversation, engines, metric, post
+from tests.tcp_proxy import tcp_proxy
+
+SESSIONS = 6
+TURNS = 4
+
+
+def replica_config(fleet: Any, url: str, seed: int, **state: Any) -> Any:
+    values = {
+        "flush_interval_s": 5.0,  # far slower than a turn: the mirrors learn nothing in time
+        "load_interval_s": 0.5,
+        # Generous: a busy test machine must not turn a lookup into a timeout here (the
+        # bound has a test of its own).
+        "path_timeout_s": 1.0,
+        **state,
+    }
+    # Seeds of their own, as replicas have: with the same seed, two replicas that saw
+    # the same sessions break their ties alike and can agree by chance.
+    return router_config(fleet, state=StateConfig(url=url, **values), seed=seed)
+
+
+async def alternate_turns(
+    http: aiohttp.ClientSession, replicas: list[RunningRouter]
+) -> list[list[tuple[str, int]]]:
+    """Each session's turns, each to the next replica as soon as the last returned;
+    (worker, cached tokens) per turn. Half the sessions stream, half do not."""
+    seen = []
+    for s in range(SESSIONS):
+        messages = conversation(f"ryw{s}", 400, 150)
+        turns = []
+        for turn in range(TURNS):
+            replica = replicas[turn % len(replicas)]
+            body = chat_body(messages, max_tokens=24, stream=s % 2 == 0)
+            result = await post(http, replica.url, body)
+            assert result.status == 200, result.raw
+            assert result.worker is not None
+            turns.append((result.worker, result.cached))
+            messages += [
+                {"role": "assistant", "content": result.text},
+                {"role": "user", "content": text_for(f"ryw{s}-u{turn + 1}", 150)},
+            ]
+        seen.append(turns)
+    return seen
+
+
+async def test_every_later_turn_finds_its_history_on_the_other_replica(
+    engine_factory: EngineFactory, redis_url: str
+) -> None:
+    async with (
+        engines(engine_factory, 4) as fleet,
+        serve_router(replica_config(fleet, redis_url, 1)) as a,
+        serve_router(replica_config(fleet, redis_url, 2)) as b,
+        aiohttp.ClientSession() as http,
+    ):
+        seen = await alternate_turns(http, [a, b])
+        for turns in seen:
+            assert len({worker for worker, _ in turns}) == 1, seen
+            assert all(cached > 0 for _, cached in turns[1:]), seen
+        asked = [
+            await metric(http, r, "kvrouter_redis_path_operations_total", op="lookup", result="ok")
+            for r in (a, b)
+        ]
+        # Every turn asks: a later one lands on the replica that did not see the last,
+        # and nobody holds a first turn's system prompt.
+        assert sum(asked) == SESSIONS * TURNS
+
+
+async def test_without_read_your_writes_later_turns_miss(
+    engine_factory: EngineFactory, redis_url: str
+) -> None:
+    """The control: the same traffic on mirrors alone loses sessions, so the test above
+    can fail."""
+    async with (
+        engines(engine_factory, 4) as fleet,
+        serve_router(replica_config(fleet, redis_url, 1, read_your_writes=False)) as a,
+        serve_router(replica_config(fleet, redis_url, 2, read_your_writes=False)) as b,
+        aiohttp.ClientSession() as http,
+    ):
+        seen = await alternate_turns(http, [a, b])
+        missed = [cached for turns in seen for _, cached in turns[1:] if cached == 0]
+        assert missed, seen
+
+
+async def test_a_slow_redis_costs_a_request_at_most_the_bound(
+    engine_factory: EngineFactory, redis_server: RedisServer, redis_url: str
+) -> None:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        tcp_proxy(redis_server.port) as proxy,
+        serve_router(replica_config(fleet, proxy.url, 1, path_timeout_s=0.005)) as a,
+        aiohttp.ClientSession() as http,
+    ):
+        proxy.delay_s = 0.2  # every Redis reply a fifth of a second late
+        for s in range(3):
+            messages = conversation(f"slow{s}", 300, 100)
+            for stream in (True, False):
+                result = await post(http, a.url, chat_body(messages, max_tokens=8, stream=stream))
+                assert result.status == 200, result.raw
+        given_up = {}
+        for op in ("lookup", "reserve", "record"):
+            counts = {
+                result: await metric(
+                    http, a, "kvrouter_redis_path_operations_total", op=op, result=result
+                )
+                for result in ("ok", "timeout", "error")
+            }
+            assert counts["ok"] == 0, (op, counts)
+            given_up[op] = counts["timeout"] + counts["error"]
+        # The first of each session's requests asks (nobody holds its system prompt);
+        # every request reserves and records; each gave up at the bound and went on.
+        assert given_up == {"lookup": 3, "reserve": 6, "record": 6}
