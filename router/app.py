@@ -209,7 +209,11 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
     state.router.policies.publisher = sync.publish_policy
     if state.config.state.read_your_writes:
         state.shared_path = SharedPath(
-            handle.client, index.local, state.config.state, PathMetrics(state.metrics.registry)
+            handle.client,
+            index.local,
+            state.config.state,
+            PathMetrics(state.metrics.registry),
+            lambda: sync.peers,
         )
     try:
         yield

@@ -19,7 +19,7 @@ from tests.conftest import (
     router_config,
     serve_router,
 )
-from tests.router_client import chat_body, conversation, engines, metric, post
+from tests.router_client import chat_body, conversation, engines, metric, post, wait_for
 from tests.tcp_proxy import tcp_proxy
 
 SESSIONS = 6
@@ -38,6 +38,16 @@ def replica_config(fleet: Any, url: str, seed: int, **state: Any) -> Any:
     # Seeds of their own, as replicas have: with the same seed, two replicas that saw
     # the same sessions break their ties alike and can agree by chance.
     return router_config(fleet, state=StateConfig(url=url, **values), seed=seed)
+
+
+async def met(http: aiohttp.ClientSession, *replicas: RunningRouter) -> None:
+    """Wait until each replica knows the others are live (the path is idle when alone)."""
+
+    async def known() -> bool:
+        counts = [await metric(http, r, "kvrouter_redis_replicas") for r in replicas]
+        return all(count == len(replicas) for count in counts)
+
+    await wait_for(known)
 
 
 async def alternate_turns(
@@ -73,6 +83,7 @@ async def test_every_later_turn_finds_its_history_on_the_other_replica(
         serve_router(replica_config(fleet, redis_url, 2)) as b,
         aiohttp.ClientSession() as http,
     ):
+        await met(http, a, b)
         seen = await alternate_turns(http, [a, b])
         for turns in seen:
             assert len({worker for worker, _ in turns}) == 1, seen
@@ -97,6 +108,7 @@ async def test_without_read_your_writes_later_turns_miss(
         serve_router(replica_config(fleet, redis_url, 2, read_your_writes=False)) as b,
         aiohttp.ClientSession() as http,
     ):
+        await met(http, a, b)
         seen = await alternate_turns(http, [a, b])
         missed = [cached for turns in seen for _, cached in turns[1:] if cached == 0]
         assert missed, seen
@@ -109,8 +121,10 @@ async def test_a_slow_redis_costs_a_request_at_most_the_bound(
         engines(engine_factory, 2) as fleet,
         tcp_proxy(redis_server.port) as proxy,
         serve_router(replica_config(fleet, proxy.url, 1, path_timeout_s=0.005)) as a,
+        serve_router(replica_config(fleet, redis_url, 2)) as b,
         aiohttp.ClientSession() as http,
     ):
+        await met(http, a, b)
         proxy.delay_s = 0.2  # every Redis reply a fifth of a second late
         for s in range(3):
             messages = conversation(f"slow{s}", 300, 100)
@@ -130,3 +144,29 @@ async def test_a_slow_redis_costs_a_request_at_most_the_bound(
         # The first of each session's requests asks (nobody holds its system prompt);
         # every request reserves and records; each gave up at the bound and went on.
         assert given_up == {"lookup": 3, "reserve": 6, "record": 6}
+
+
+async def test_a_replica_alone_makes_no_round_trips_on_the_path(
+    engine_factory: EngineFactory, redis_url: str
+) -> None:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(replica_config(fleet, redis_url, 1)) as a,
+        aiohttp.ClientSession() as http,
+    ):
+        await met(http, a)
+        messages = conversation("alone", 300, 100)
+        for _ in range(2):
+            result = await post(http, a.url, chat_body(messages, max_tokens=8))
+            assert result.status == 200
+            messages += [
+                {"role": "assistant", "content": result.text},
+                {"role": "user", "content": "more"},
+            ]
+        assert result.cached > 0
+        trips = [
+            await metric(http, a, "kvrouter_redis_path_operations_total", op=op, result=r)
+            for op in ("lookup", "reserve", "record")
+            for r in ("ok", "timeout", "error")
+        ]
+        assert sum(trips) == 0

@@ -31,6 +31,12 @@ class RedisMetrics:
             ["direction"],
             registry=registry,
         )
+        self.replicas = Gauge(
+            "kvrouter_redis_replicas",
+            "Live router replicas sharing this state, this one included (as of the last "
+            "load share).",
+            registry=registry,
+        )
         self.resyncs = Counter(
             "kvrouter_redis_resyncs",
             "Full resynchronisations with Redis (its copy read in, this replica's written "

@@ -16,7 +16,9 @@ quick tool call). So, with ``state.read_your_writes``:
   blocks in the worker's residency set, the reservation withdrawn, so the next turn
   finds its whole history wherever it lands.
 
-Each is one round trip, bounded by ``state.path_timeout_s``: past it, or when Redis
+Only while other replicas are live (``RedisSync.peers``): alone, a replica's own index
+is complete, and one that joins later reads Redis's sets when it starts. Each is one
+round trip, bounded by ``state.path_timeout_s``: past it, or when Redis
 fails, the request goes on on local state, and the miss is counted. The mirror still
 hears of every change through the stream, as before.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -54,8 +56,10 @@ class SharedPath:
         local: LocalPrefixIndex,
         config: StateConfig,
         metrics: PathMetrics,
+        peers: Callable[[], int],
     ) -> None:
         self._redis = client
+        self._peers = peers  # how many other replicas are live
         self._local = local
         self._keys = Keys(config.namespace)
         self._timeout_s = config.path_timeout_s
@@ -70,7 +74,7 @@ class SharedPath:
         """Blocks of ``hashes`` each candidate holds according to Redis, when no local
         worker holds the session's history; None when not asked or not answered."""
         need = request.history_blocks
-        if not candidates:
+        if not candidates or not self._peers():
             return None
         local = self._local
         if need == 0 or any(local.match(w.name, hashes) >= need for w in candidates):
@@ -90,7 +94,7 @@ class SharedPath:
 
     async def reserve(self, worker: str, hashes: Sequence[int]) -> None:
         """The prompt was dispatched to ``worker``: its blocks count as held from now."""
-        if not hashes:
+        if not hashes or not self._peers():
             return
         now_ms = time.time() * 1000
         key = self._keys.reserved(worker)
@@ -105,7 +109,7 @@ class SharedPath:
         """``worker`` computed the prompt and the reply: the session's next turn will
         find them on it (head first, so that trimming drops the tail first)."""
         chain = (*prompt, *reply)
-        if not chain:
+        if not chain or not self._peers():
             return
         key = self._keys.residency(worker)
         pipe = self._redis.pipeline(transaction=False)
@@ -118,7 +122,7 @@ class SharedPath:
 
     def withdraw(self, worker: str, hashes: Sequence[int]) -> None:
         """The dispatch failed: its reservation goes, without holding the request up."""
-        if not hashes:
+        if not hashes or not self._peers():
             return
         call = self._redis.zrem(self._keys.reserved(worker), *map(member, hashes))
         task = asyncio.create_task(self._quietly(call))

@@ -80,6 +80,7 @@ class RedisSync:
         self._read = 0  # entries read off the stream, counted as Redis counts entries added
         self._gap_check_at = 0.0
         self.up = False
+        self.peers = 0  # other live replicas, as of the last load share
         # Why the next resync is wanted (a ``RESYNC_REASONS`` entry); None: in step.
         self._resync_reason: str | None = "start"
         self._resyncing = asyncio.Lock()
@@ -345,6 +346,8 @@ class RedisSync:
         pipe.zrange(self._keys.replicas, 0, -1)
         results = await self._op("load", pipe.execute())
         others = [r.decode() for r in results[-1] if r.decode() != self.replica]
+        self.peers = len(others)
+        self._metrics.replicas.set(1 + self.peers)
         pipe = self._redis.pipeline(transaction=False)
         for other in others:
             pipe.hgetall(self._keys.load_prefix + other)
