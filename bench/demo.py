@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +32,7 @@ from bench.inprocess import (
     inprocess_router,
     run_virtual,
 )
-from bench.replay.client import discover_model
+from bench.replay.client import Assign, discover_model
 from bench.replay.progress import ProgressDisplay
 from bench.replay.reference import ReferenceParams, capacity_reference
 from bench.replay.result import RunResult, save_result
@@ -94,6 +94,7 @@ class RouterSpec:
     label: str
     commands: tuple[tuple[str, ...], ...]
     ports: tuple[int, ...]
+    assign: Assign = "random"  # how the replay spreads requests over the replicas
 
 
 def kvrouter_command(
@@ -167,6 +168,8 @@ async def empty_caches(engines: Sequence[EngineProcess | InProcessEngine]) -> No
 
 
 RouterSpecs = Callable[[Sequence[str]], Sequence[RouterSpec]]
+# Read from the routers (their URLs) once a replay is over: figures kept beside the run's.
+AfterRun = Callable[[Sequence[str]], Awaitable[Mapping[str, float]]]
 
 
 def demo_workload(config: DemoConfig) -> list[Turn]:
@@ -241,13 +244,15 @@ async def run_comparison(
     workload: Workload = demo_workload,
     per_engine_flags: Sequence[Sequence[str]] = (),
     title: str | None = None,
+    after_each: AfterRun | None = None,
 ) -> Rounds:
     """Replay a workload (default: the demo's agent sessions) through each router in
     front of the same fleet, ``config.repeat`` rounds with the routers' order rotated
     each round; ``before_each`` runs before each router starts (e.g. to empty shared
-    state); ``per_engine_flags[i]`` are extra flags for engine ``i`` (e.g. a slower
-    one). Prints medians and ranges; writes every run, ``rounds.json`` and the plots of
-    the last round to ``config.out``.
+    state), ``after_each`` after its replay with the router's URLs (figures read from the
+    routers, kept beside the run's); ``per_engine_flags[i]`` are extra flags for engine
+    ``i`` (e.g. a slower one). Prints medians and ranges; writes every run,
+    ``rounds.json`` and the plots of the last round to ``config.out``.
 
     On the real clock every round replays the same trace, so the range is the machine's
     noise. In virtual time the same trace gives the same figures every time, so round
@@ -292,6 +297,7 @@ async def run_comparison(
                     replay_config = ReplayConfig(
                         target=urls[0],
                         more_targets=tuple(urls[1:]),
+                        assign=spec.assign,
                         trace=trace_path,
                         model=model,
                         time_scale=config.engine_time_scale,
@@ -300,9 +306,10 @@ async def run_comparison(
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:
                         result = await replay(replay_config, sessions, display.add)
+                    extras = await after_each(urls) if after_each is not None else None
                 save_result(result, config.out / f"{spec.label}.r{round_index + 1}.json")
                 ref = capacity_reference(turns, result.records, reference)
-                rounds.add(spec.label, ScoredRun.of(result, ref.hit_rate))
+                rounds.add(spec.label, ScoredRun.of(result, ref.hit_rate, extras))
                 last_round[spec.label] = result
     labels = [spec.label for spec in specs]
     print_rounds(console, rounds, title)

@@ -1,10 +1,15 @@
-"""``kvrouter bench replicas``: 1, 2, 4 router replicas sharing state through Redis.
+"""``kvrouter bench replicas``: 1, 2, 4, 8 router replicas sharing state through Redis.
 
 One fleet and one agent workload; for each replica count, the replicas start on
 consecutive ports with ``--state`` pointing at one redis-server (started here on a free
 port, emptied before each run), and the replay sends each request to a replica picked at
-random, as a load balancer without affinity would. Hit rate and TTFT are compared with
-the single replica.
+random or to each replica in turn (``--assign``), as a load balancer without affinity
+would. Hit rate, TTFT and load imbalance across workers (coefficient of variation of
+requests and of prefilled tokens) are compared with the single replica; with shared
+state, each run also reports the Redis round trips a request made on its path and the
+99th percentile of one round trip's wait, read from the replicas' ``/metrics``.
+``--mirrors-only`` runs replica counts with shared state but without those round trips
+(``--no-read-your-writes``), ``--unshared`` with private indexes, for contrast.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import contextlib
 import shutil
 import socket
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import redis.asyncio as aioredis
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from bench.demo import (
@@ -29,6 +37,7 @@ from bench.demo import (
     kvrouter_command,
     run_comparison,
 )
+from bench.replay.client import ASSIGNS, Assign
 
 
 def _free_port() -> int:
@@ -71,45 +80,104 @@ async def redis_server() -> AsyncIterator[str]:
         await process.wait()
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaRuns:
+    """Which replica counts to run, and how."""
+
+    counts: Sequence[int]
+    assigns: Sequence[Assign] = ("random",)
+    mirrors_only: Sequence[int] = ()  # shared state without read-your-writes
+    unshared: Sequence[int] = ()  # private indexes
+
+
 def replica_specs(
-    config: DemoConfig,
-    counts: Sequence[int],
-    policy: str,
-    redis_url: str,
-    urls: Sequence[str],
-    unshared: Sequence[int] = (),
+    config: DemoConfig, runs: ReplicaRuns, policy: str, redis_url: str, urls: Sequence[str]
 ) -> list[RouterSpec]:
-    """Shared-state runs for ``counts``, then runs of ``unshared`` replicas that each keep
-    a private index (what routers without shared state do), for contrast."""
+    """Shared-state runs for each count and way of spreading requests, then the
+    contrasts: shared state read from the mirrors alone, and private indexes (what
+    routers without shared state do)."""
+    # (count, serve flags, label suffix, how the replay spreads requests)
+    modes: list[tuple[int, tuple[str, ...], str, Assign]] = []
+    for count in runs.counts:
+        for assign in runs.assigns if count > 1 else runs.assigns[:1]:
+            suffix = assign.replace("_", "-") if count > 1 else ""
+            modes.append((count, ("--state", redis_url), suffix, assign))
+    for count in runs.mirrors_only:
+        flags: tuple[str, ...] = ("--state", redis_url, "--no-read-your-writes")
+        modes.append((count, flags, "mirrors only", "random"))
+    for count in runs.unshared:
+        modes.append((count, (), "private", "random"))
     specs = []
-    for count, shared in [(n, True) for n in counts] + [(n, False) for n in unshared]:
+    for count, flags, suffix, spread in modes:
         ports = tuple(config.router_port + i for i in range(count))
-        state = ("--state", redis_url) if shared else ()
-        commands = tuple(kvrouter_command(config, policy, urls, port, *state) for port in ports)
-        label = f"{count} replica{'s' if count > 1 else ''}{'' if shared else ', private'}"
-        specs.append(RouterSpec(label, commands, ports))
+        commands = tuple(kvrouter_command(config, policy, urls, port, *flags) for port in ports)
+        label = f"{count} replica{'s' if count > 1 else ''}" + (f", {suffix}" if suffix else "")
+        specs.append(RouterSpec(label, commands, ports, spread))
     return specs
 
 
+async def redis_figures(http: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, float]:
+    """Redis round trips per request on the replicas' paths, and the 99th percentile of
+    one round trip's wait, from their ``/metrics`` (summed over the replicas)."""
+    trips = requests = 0.0
+    buckets: dict[float, float] = {}
+    for url in urls:
+        async with http.get(f"{url}/metrics") as response:
+            text = await response.text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "kvrouter_redis_path_operations_total":
+                    trips += sample.value
+                elif sample.name == "kvrouter_requests_total":
+                    requests += sample.value
+                elif sample.name == "kvrouter_redis_path_seconds_bucket":
+                    bound = float(sample.labels["le"])
+                    buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    figures = {"redis_trips": trips / requests} if requests else {}
+    p99 = bucket_quantile(buckets, 0.99)
+    if p99 is not None:
+        figures["redis_wait_p99"] = p99
+    return figures
+
+
+def bucket_quantile(cumulative: dict[float, float], q: float) -> float | None:
+    """A quantile from cumulative histogram buckets (upper bound -> count), linear
+    within the bucket, as Prometheus's histogram_quantile does."""
+    bounds = sorted(cumulative)
+    if not bounds or cumulative[bounds[-1]] == 0:
+        return None
+    rank = q * cumulative[bounds[-1]]
+    lower_bound = lower_count = 0.0
+    for bound in bounds:
+        count = cumulative[bound]
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            share = (rank - lower_count) / (count - lower_count) if count > lower_count else 1
+            return lower_bound + (bound - lower_bound) * share
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
 async def run_replicas(
-    config: DemoConfig,
-    counts: Sequence[int],
-    policy: str,
-    console: Console,
-    unshared: Sequence[int] = (),
+    config: DemoConfig, runs: ReplicaRuns, policy: str, console: Console
 ) -> None:
-    async with redis_server() as url:
+    async with redis_server() as url, aiohttp.ClientSession() as http:
         client = aioredis.Redis.from_url(url)
 
         async def flush() -> None:
             await client.flushall()
 
+        async def figures(urls: Sequence[str]) -> dict[str, float]:
+            return await redis_figures(http, urls)
+
         try:
             await run_comparison(
                 config,
                 console,
-                lambda urls: replica_specs(config, counts, policy, url, urls, unshared),
+                lambda urls: replica_specs(config, runs, policy, url, urls),
                 flush,
+                after_each=figures,
             )
         finally:
             await client.aclose()
@@ -120,7 +188,19 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "replicas", help="router replicas sharing state through Redis", description=__doc__
     )
     add_workload_arguments(parser)
-    parser.add_argument("--replicas", default="1,2,4", help="replica counts to compare")
+    parser.add_argument("--replicas", default="1,2,4,8", help="replica counts to compare")
+    parser.add_argument(
+        "--assign",
+        default="random",
+        help="how the replay spreads requests over replicas: random, round_robin or both "
+        "(comma-separated)",
+    )
+    parser.add_argument(
+        "--mirrors-only",
+        default="",
+        help="replica counts to run also with shared state but no Redis round trips on "
+        "the request path (--no-read-your-writes), for contrast",
+    )
     parser.add_argument(
         "--unshared",
         default="",
@@ -132,7 +212,19 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = demo_config(args)
-    counts = [int(n) for n in args.replicas.split(",") if n]
-    unshared = [int(n) for n in args.unshared.split(",") if n]
-    asyncio.run(run_replicas(config, counts, config.policies[0], Console(), unshared))
+    assigns = [a for a in args.assign.split(",") if a]
+    unknown = sorted(set(assigns) - set(ASSIGNS))
+    if unknown or not assigns:
+        raise SystemExit(f"--assign: expected random and/or round_robin, got {args.assign!r}")
+    runs = ReplicaRuns(
+        counts=_counts(args.replicas),
+        assigns=[a for a in ASSIGNS if a in assigns],
+        mirrors_only=_counts(args.mirrors_only),
+        unshared=_counts(args.unshared),
+    )
+    asyncio.run(run_replicas(config, runs, config.policies[0], Console()))
     return 0
+
+
+def _counts(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n]

@@ -94,6 +94,14 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "redis+cluster://)",
     )
     serve.add_argument(
+        "--no-read-your-writes",
+        dest="read_your_writes",
+        action="store_false",
+        default=None,
+        help="with --state: route on each replica's mirror alone, without the Redis "
+        "round trips on a request's path (state.read_your_writes = false)",
+    )
+    serve.add_argument(
         "--processes",
         type=int,
         metavar="N",
@@ -132,6 +140,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["worker_header"] = True
     if args.state is not None:
         values["state"] = {"url": args.state}
+    if args.read_your_writes is not None:
+        values.setdefault("state", {})["read_your_writes"] = args.read_your_writes
     if args.processes is not None:
         values["processes"] = args.processes
     return values

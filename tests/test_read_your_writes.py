@@ -10,6 +10,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.replicas import redis_figures
 from bench.textgen import text_for
 from router.config import StateConfig
 from tests.conftest import (
@@ -95,6 +96,10 @@ async def test_every_later_turn_finds_its_history_on_the_other_replica(
         # Every turn asks: a later one lands on the replica that did not see the last,
         # and nobody holds a first turn's system prompt.
         assert sum(asked) == SESSIONS * TURNS
+        # What `bench replicas` reports: a lookup, a reservation and a record a request.
+        figures = await redis_figures(http, [a.url, b.url])
+        assert figures["redis_trips"] == 3
+        assert 0 < figures["redis_wait_p99"] < 1.0
 
 
 async def test_without_read_your_writes_later_turns_miss(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import orjson
@@ -19,6 +19,9 @@ from bench.replay.sse import iter_sse
 from router.clock import monotonic
 
 WORKER_HEADER = "x-kvrouter-worker"
+# How requests are spread over several router replicas.
+Assign = Literal["random", "round_robin"]
+ASSIGNS: tuple[Assign, ...] = ("random", "round_robin")
 SESSION_HEADER = "X-Session-Id"
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
@@ -145,10 +148,11 @@ class ChatClient:
     """Sends chat requests for one model through a shared pooled session.
 
     With several targets (router replicas behind no load balancer), each request goes
-    to one picked at random, as a load balancer in front of replicas would do.
+    to the next one (``assign="round_robin"``) or to one picked at random, as a load
+    balancer in front of replicas without affinity would do.
     """
 
-    __slots__ = ("_http", "_model", "_rng", "_urls")
+    __slots__ = ("_assign", "_http", "_model", "_next", "_rng", "_urls")
 
     def __init__(
         self,
@@ -157,11 +161,23 @@ class ChatClient:
         model: str,
         more_targets: Sequence[str] = (),
         seed: int = 0,
+        assign: Assign = "random",
     ) -> None:
         self._http = http
         self._model = model
         self._urls = [f"{t.rstrip('/')}/v1/chat/completions" for t in (target, *more_targets)]
         self._rng = random.Random(seed)
+        self._assign = assign
+        self._next = 0
+
+    def _url(self) -> str:
+        urls = self._urls
+        if len(urls) == 1:
+            return urls[0]
+        if self._assign == "random":
+            return self._rng.choice(urls)
+        self._next = (self._next + 1) % len(urls)
+        return urls[self._next]
 
     async def stream_chat(self, request: ChatRequest) -> StreamOutcome:
         outcome = StreamOutcome()
@@ -169,7 +185,7 @@ class ChatClient:
         headers = {SESSION_HEADER: request.session, "Content-Type": "application/json"}
         t0 = monotonic()
         try:
-            url = self._urls[0] if len(self._urls) == 1 else self._rng.choice(self._urls)
+            url = self._url()
             async with self._http.post(
                 url, data=orjson.dumps(_body(self._model, request)), headers=headers
             ) as resp:

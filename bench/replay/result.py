@@ -108,6 +108,11 @@ class Summary:
     requests_per_s: float
     output_tokens_per_s: float
     by_turn: tuple[TurnStats, ...]
+    # Load imbalance over the workers that served requests: the coefficient of
+    # variation (standard deviation over mean) of their requests and of the tokens they
+    # prefilled (prompt minus cached). None: fewer than two workers named.
+    requests_cov: float | None = None
+    prefill_cov: float | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -149,6 +154,31 @@ def _by_turn(ok: Sequence[RequestRecord]) -> tuple[TurnStats, ...]:
     return tuple(stats)
 
 
+def coefficient_of_variation(values: Sequence[float]) -> float | None:
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    if mean == 0:
+        return None
+    variance = sum((v - mean) ** 2 for v in values) / len(values)
+    return float(variance**0.5 / mean)
+
+
+def load_imbalance(records: Sequence[RequestRecord]) -> tuple[float | None, float | None]:
+    """Coefficients of variation of requests and of prefilled tokens across workers."""
+    requests: dict[str, float] = {}
+    prefill: dict[str, float] = {}
+    for r in records:
+        if r.worker is None:
+            continue
+        requests[r.worker] = requests.get(r.worker, 0) + 1
+        prefill[r.worker] = prefill.get(r.worker, 0) + max(0, r.prompt_tokens - r.cached_tokens)
+    return (
+        coefficient_of_variation(list(requests.values())),
+        coefficient_of_variation(list(prefill.values())),
+    )
+
+
 def run_span(records: Sequence[RequestRecord]) -> float:
     """From the first request's start to the last one's end."""
     if not records:
@@ -170,6 +200,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
     oracle = sum(r.oracle_cached_tokens for r in ok)
     completion = sum(r.completion_tokens for r in ok)
     duration = run_span(records) if duration_s is None else duration_s
+    requests_cov, prefill_cov = load_imbalance(ok)
     return Summary(
         requests=len(records),
         errors=len(records) - len(ok),
@@ -196,6 +227,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
         requests_per_s=_ratio(len(ok), duration),
         output_tokens_per_s=_ratio(completion, duration),
         by_turn=_by_turn(ok),
+        requests_cov=requests_cov,
+        prefill_cov=prefill_cov,
     )
 
 

@@ -13,7 +13,7 @@ affinity would have kept with the fleet's real memory.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,18 @@ class ScoredRun:
 
     summary: Summary
     reference_hit_rate: float | None = None
+    # Figures read from the routers after the run (e.g. Redis round trips per request).
+    extras: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, result: RunResult, reference_hit_rate: float | None = None) -> ScoredRun:
-        return cls(summarize(result.records, result.meta.duration_s), reference_hit_rate)
+    def of(
+        cls,
+        result: RunResult,
+        reference_hit_rate: float | None = None,
+        extras: Mapping[str, float] | None = None,
+    ) -> ScoredRun:
+        summary = summarize(result.records, result.meta.duration_s)
+        return cls(summary, reference_hit_rate, dict(extras or {}))
 
     @property
     def of_reference(self) -> float | None:
@@ -111,6 +119,34 @@ FIGURES: tuple[Figure, ...] = (
         True,
     ),
     Figure("errors", "errors", lambda r: float(r.summary.errors), lambda v: f"{v:.0f}", False),
+    Figure(
+        "requests_cov",
+        "load CoV, requests",
+        lambda r: r.summary.requests_cov,
+        lambda v: f"{v:.3f}",
+        False,
+    ),
+    Figure(
+        "prefill_cov",
+        "load CoV, prefill tokens",
+        lambda r: r.summary.prefill_cov,
+        lambda v: f"{v:.3f}",
+        False,
+    ),
+    Figure(
+        "redis_trips",
+        "Redis round trips / request",
+        lambda r: r.extras.get("redis_trips"),
+        lambda v: f"{v:.2f}",
+        False,
+    ),
+    Figure(
+        "redis_wait_p99",
+        "Redis wait p99 / round trip (wall)",
+        lambda r: r.extras.get("redis_wait_p99"),
+        lambda v: f"{v * 1e6:,.0f} µs",
+        False,
+    ),
 )
 FIGURE_BY_KEY = {figure.key: figure for figure in FIGURES}
 
@@ -161,10 +197,10 @@ def rounds_table(rounds: Rounds, title: str | None = None) -> Table:
     for label in rounds.labels:
         table.add_column(label, justify="right")
     for figure in FIGURES:
-        table.add_row(
-            figure.title,
-            *(show_spread(rounds.spread(label, figure), figure) for label in rounds.labels),
-        )
+        spreads = [rounds.spread(label, figure) for label in rounds.labels]
+        if all(spread is None for spread in spreads):
+            continue  # a figure none of these runs has (e.g. Redis's, without replicas)
+        table.add_row(figure.title, *(show_spread(spread, figure) for spread in spreads))
     return table
 
 

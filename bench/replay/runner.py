@@ -26,6 +26,7 @@ from pathlib import Path
 from bench.block_hash import DEFAULT_BLOCK_TOKENS
 from bench.replay.client import (
     DEFAULT_REQUEST_TIMEOUT_S,
+    Assign,
     ChatClient,
     ChatRequest,
     discover_model,
@@ -49,8 +50,10 @@ class ReplayConfig:
     target: str
     trace: Path
     model: str | None = None  # None: the first model the target lists
-    # Further router replicas; each request goes to one of all targets at random.
+    # Further router replicas; each request goes to one of all targets, at random or
+    # to each in turn.
     more_targets: tuple[str, ...] = ()
+    assign: Assign = "random"
     concurrency: int = DEFAULT_CONCURRENCY
     time_scale: float = DEFAULT_TIME_SCALE
     max_sessions: int | None = None
@@ -171,7 +174,7 @@ async def replay(
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     async with open_http_session(config.concurrency, config.request_timeout_s) as http:
         model = config.model or await discover_model(http, target)
-        client = ChatClient(http, target, model, config.more_targets)
+        client = ChatClient(http, target, model, config.more_targets, assign=config.assign)
         run = _Run(config, client, sink)
         await run.launch(sessions)
         duration = run.elapsed() * config.time_scale
