@@ -294,6 +294,46 @@ async def test_a_next_turn_on_the_other_process_finds_its_worker(
             assert second.cached > 0
 
 
+async def test_a_next_turn_sent_at_once_to_the_other_process_finds_its_history(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    """Read-your-writes between real processes: the changes between them are batched
+    every 5 s here, so only the request path's own Redis reads and writes can route
+    turn two, sent to the other process as soon as turn one returned."""
+    config = tmp_path / "slow-stream.yaml"
+    config.write_text("state:\n  flush_interval_s: 5.0\n  path_timeout_s: 1.0\n")
+    async with (
+        engines(engine_factory, 4) as fleet,
+        serve_group(fleet, tmp_path, "--policy", "ttft", "--config", str(config)) as group,
+        aiohttp.ClientSession() as probe,
+    ):
+
+        async def met() -> bool:
+            replicas = await per_process(probe, group.url, "kvrouter_redis_replicas")
+            return replicas == {"0": 2, "1": 2}
+
+        await eventually(met)
+        async with (
+            connection_to(probe, group.url, "0") as zero,
+            connection_to(probe, group.url, "1") as one,
+        ):
+            for key in ("r1", "r2", "r3", "r4"):
+                messages = conversation(key, 400, 200)
+                first = await post(zero, group.url, chat_body(messages, 24))
+                assert first.status == 200 and first.cached == 0
+                messages += [
+                    {"role": "assistant", "content": first.text},
+                    {"role": "user", "content": text_for(f"{key}-u1", 150)},
+                ]
+                second = await post(one, group.url, chat_body(messages, 4))
+                assert second.worker == first.worker
+                assert second.cached > 0
+        lookups = await per_process(
+            probe, group.url, "kvrouter_redis_path_operations_total", op="lookup", result="ok"
+        )
+        assert lookups["1"] >= 4
+
+
 async def test_admin_changes_reach_every_process_and_outlive_a_restart(
     engine_factory: EngineFactory, tmp_path: Path
 ) -> None:
