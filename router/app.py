@@ -213,7 +213,7 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
             index.local,
             state.config.state,
             PathMetrics(state.metrics.registry),
-            lambda: sync.peers,
+            sync.has_peers,
         )
     try:
         yield

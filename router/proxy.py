@@ -414,7 +414,12 @@ async def _relay_stream(
 async def _record(shared: SharedPath, dispatch: Dispatch, capture: ReplyCapture) -> None:
     """The reply's blocks reach Redis before its end reaches the client: the session's
     next turn finds them whichever replica it goes to."""
-    await shared.record(dispatch.worker.name, dispatch.route.block_hashes, capture.reply_hashes())
+    await shared.record(
+        dispatch.worker.name,
+        dispatch.route.block_hashes,
+        capture.reply_hashes(),
+        dispatch.request.session_key,
+    )
 
 
 # The most of an unfinished event the relay holds back (a worker that never ends one

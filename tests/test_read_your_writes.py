@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import aiohttp
+import redis.asyncio as aioredis
 
 from bench.replicas import redis_figures
 from bench.textgen import text_for
@@ -175,3 +176,34 @@ async def test_a_replica_alone_makes_no_round_trips_on_the_path(
             for r in ("ok", "timeout", "error")
         ]
         assert sum(trips) == 0
+
+
+async def test_a_keyed_session_follows_its_binding_where_the_index_lost_it(
+    engine_factory: EngineFactory, redis_url: str
+) -> None:
+    """The residency sets are trimmed to capacity and expire; the session's binding
+    still names the worker that served its last turn."""
+    async with (
+        engines(engine_factory, 4) as fleet,
+        serve_router(replica_config(fleet, redis_url, 1)) as a,
+        serve_router(replica_config(fleet, redis_url, 2)) as b,
+        aiohttp.ClientSession() as http,
+    ):
+        await met(http, a, b)
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            for s in range(4):
+                messages = conversation(f"bound{s}", 400, 150)
+                key = f"bound{s}"  # a session key, in the body
+                first = await post(http, a.url, chat_body(messages, max_tokens=24, user=key))
+                assert first.worker is not None
+                await client.delete(f"kvr:{{kvrouter}}:res:{first.worker}")
+                messages += [
+                    {"role": "assistant", "content": first.text},
+                    {"role": "user", "content": "and then?"},
+                ]
+                second = await post(http, b.url, chat_body(messages, max_tokens=8, user=key))
+                assert second.worker == first.worker
+                assert second.cached > 0
+        finally:
+            await client.aclose()

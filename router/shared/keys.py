@@ -20,6 +20,7 @@ class Keys:
         self.rate_prefix = f"{ns}:rate:"
         self._residency = f"{ns}:res:"
         self._reserved = f"{ns}:rsv:"
+        self._binding = f"{ns}:bind:"
 
     def residency(self, worker: str) -> str:
         """The blocks the worker holds: a sorted set scored by last touch (ms)."""
@@ -29,6 +30,11 @@ class Keys:
         """Blocks of prompts dispatched to the worker and not yet computed, scored by
         when the reservation lapses (ms)."""
         return self._reserved + worker
+
+    def binding(self, session_key: str | None) -> str:
+        """The worker a session's last turn was served by (a plain string, with a TTL);
+        for a request with no session key, a key nobody writes."""
+        return self._binding + (session_key or "")
 
 
 def member(block_hash: int) -> bytes:

@@ -8,15 +8,19 @@ quick tool call). So, with ``state.read_your_writes``:
 * **lookup**, before the decision: when no local worker holds the session's history (the
   prompt its previous turn sent, ``ClientRequest.history_blocks``), one script call asks
   Redis, per candidate worker, for the longest prefix of the request's chain it holds or
-  has reserved. A local hit never waits on Redis.
+  has reserved, and, for a request with a session key, which worker served the session
+  last (its binding): that worker counts as holding at least the history. A local hit
+  never waits on Redis.
 * **reserve**, after the decision and before the request is forwarded: the prompt's
   blocks as reserved on the chosen worker (a sorted set scored by when the reservation
   lapses), so a sibling arriving at another replica meanwhile finds them.
 * **record**, before the final chunk reaches the client: the prompt's and the reply's
-  blocks in the worker's residency set, the reservation withdrawn, so the next turn
-  finds its whole history wherever it lands.
+  blocks in the worker's residency set, the reservation withdrawn and the session (with
+  a key) bound to the worker, so the next turn finds its whole history wherever it
+  lands. A session whose worker is gone or too busy goes elsewhere by the policy's
+  choice, and is bound there when that turn is recorded.
 
-Only while other replicas are live (``RedisSync.peers``): alone, a replica's own index
+Only while other replicas are live (``RedisSync.has_peers``): alone, a replica's own index
 is complete, and one that joins later reads Redis's sets when it starts. Each is one
 round trip, bounded by ``state.path_timeout_s``: past it, or when Redis
 fails, the request goes on on local state, and the miss is counted. The mirror still
@@ -56,10 +60,10 @@ class SharedPath:
         local: LocalPrefixIndex,
         config: StateConfig,
         metrics: PathMetrics,
-        peers: Callable[[], int],
+        peers: Callable[[], bool],
     ) -> None:
         self._redis = client
-        self._peers = peers  # how many other replicas are live
+        self._peers = peers  # whether other replicas are live
         self._local = local
         self._keys = Keys(config.namespace)
         self._timeout_s = config.path_timeout_s
@@ -80,7 +84,8 @@ class SharedPath:
         if need == 0 or any(local.match(w.name, hashes) >= need for w in candidates):
             self._metrics.skipped.inc()
             return None
-        keys = [key for w in candidates for key in self._worker_keys(w.name)]
+        keys = [self._keys.binding(request.session_key)]
+        keys += [key for w in candidates for key in self._worker_keys(w.name)]
         now_ms = time.time() * 1000
         reply = await self._bounded(
             "lookup",
@@ -90,7 +95,12 @@ class SharedPath:
         )
         if reply is None:
             return None
-        return {w.name: int(held) for w, held in zip(candidates, reply, strict=True)}
+        bound, *held = reply
+        matches = {w.name: int(n) for w, n in zip(candidates, held, strict=True)}
+        bound_to = bound.decode() if isinstance(bound, bytes) else None
+        if bound_to in matches:
+            matches[bound_to] = max(matches[bound_to], need)
+        return matches
 
     async def reserve(self, worker: str, hashes: Sequence[int]) -> None:
         """The prompt was dispatched to ``worker``: its blocks count as held from now."""
@@ -105,7 +115,13 @@ class SharedPath:
         pipe.pexpire(key, int(RESERVATION_TTL_S * 1000))
         await self._bounded("reserve", pipe.execute())
 
-    async def record(self, worker: str, prompt: Sequence[int], reply: Sequence[int]) -> None:
+    async def record(
+        self,
+        worker: str,
+        prompt: Sequence[int],
+        reply: Sequence[int],
+        session_key: str | None = None,
+    ) -> None:
         """``worker`` computed the prompt and the reply: the session's next turn will
         find them on it (head first, so that trimming drops the tail first)."""
         chain = (*prompt, *reply)
@@ -118,6 +134,8 @@ class SharedPath:
         pipe.pexpire(key, self._key_ttl_ms)
         if prompt:
             pipe.zrem(self._keys.reserved(worker), *map(member, prompt))
+        if session_key is not None:
+            pipe.set(self._keys.binding(session_key), worker, px=self._key_ttl_ms)
         await self._bounded("record", pipe.execute())
 
     def withdraw(self, worker: str, hashes: Sequence[int]) -> None:

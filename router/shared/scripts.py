@@ -60,16 +60,18 @@ class StreamPosition(NamedTuple):
         return self.added - self.kept > read or self.added < read
 
 
-# KEYS: each candidate worker's residency set and reservations, in turn. ARGV[1]: now
-# (ms); the rest: the request's chain of block members, head first. Returns, per worker,
-# how many leading blocks it holds or has reserved (unlapsed). A worker's blocks form a
-# prefix of a chain (a set is trimmed tail first), so each is found by binary search:
-# about 13 lookups per worker for a 100K-token prompt.
+# KEYS[1]: the session's binding (a key nobody writes when the request has no session
+# key); then each candidate worker's residency set and reservations, in turn. ARGV[1]:
+# now (ms); the rest: the request's chain of block members, head first. Returns the
+# worker the session is bound to (false: none), then, per worker, how many leading
+# blocks it holds or has reserved (unlapsed). A worker's blocks form a prefix of a chain
+# (a set is trimmed tail first), so each is found by binary search: about 13 lookups per
+# worker for a 100K-token prompt.
 LONGEST_PREFIXES = """
 local now = tonumber(ARGV[1])
 local n = #ARGV - 1
-local out = {}
-for w = 1, #KEYS, 2 do
+local out = {redis.call('GET', KEYS[1])}
+for w = 2, #KEYS, 2 do
     local residency, reserved = KEYS[w], KEYS[w + 1]
     local lo, hi = 0, n
     while lo < hi do

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 512
 READ_BLOCK_MS = 250
 BACKOFF_MAX_S = 5.0
+PEERS_HOLD_S = 10.0
 REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
 
 
@@ -81,6 +82,7 @@ class RedisSync:
         self._gap_check_at = 0.0
         self.up = False
         self.peers = 0  # other live replicas, as of the last load share
+        self._peers_seen_at = float("-inf")
         # Why the next resync is wanted (a ``RESYNC_REASONS`` entry); None: in step.
         self._resync_reason: str | None = "start"
         self._resyncing = asyncio.Lock()
@@ -322,6 +324,13 @@ class RedisSync:
 
     # -- load and rates, the policy --------------------------------------------------------
 
+    def has_peers(self) -> bool:
+        """Other replicas were live lately. Sticky for a while: a replica whose load
+        share came late (a busy machine) must not make the others drop read-your-writes
+        for a turn."""
+        hold = max(PEERS_HOLD_S, 10 * self._config.load_interval_s)
+        return time.monotonic() - self._peers_seen_at < hold
+
     async def _share(self) -> None:
         await self._share_load()
         await self._follow_policy()
@@ -347,6 +356,8 @@ class RedisSync:
         results = await self._op("load", pipe.execute())
         others = [r.decode() for r in results[-1] if r.decode() != self.replica]
         self.peers = len(others)
+        if others:
+            self._peers_seen_at = time.monotonic()
         self._metrics.replicas.set(1 + self.peers)
         pipe = self._redis.pipeline(transaction=False)
         for other in others:
