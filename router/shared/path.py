@@ -95,9 +95,13 @@ class SharedPath:
         )
         if reply is None:
             return None
-        bound, *held = reply
-        matches = {w.name: int(n) for w, n in zip(candidates, held, strict=True)}
-        bound_to = bound.decode() if isinstance(bound, bytes) else None
+        try:
+            bound, *held = reply
+            matches = {w.name: int(n) for w, n in zip(candidates, held, strict=True)}
+            bound_to = bound.decode() if isinstance(bound, bytes) else None
+        except (TypeError, ValueError, UnicodeDecodeError):  # not our script's answer
+            self._metrics.operations.labels("lookup", "error").inc()
+            return None
         if bound_to in matches:
             matches[bound_to] = max(matches[bound_to], need)
         return matches
