@@ -45,7 +45,7 @@ from router.shared.metrics import RedisMetrics
 from router.shared.sync import RedisSync
 from router.workers import Fleet
 from tests.conftest import EngineFactory, RunningEngine
-from tests.router_client import Streamed, chat_body, conversation, engines, post
+from tests.router_client import Streamed, chat_body, conversation, engines, parse_sse, post
 from tests.test_sim_fleet import free_port_run
 
 TOKEN = "s3cret"
@@ -376,6 +376,31 @@ async def test_admin_changes_reach_every_process_and_outlive_a_restart(
             listed = {w["name"]: w["draining"] for w in (await reply.json())["workers"]}
         assert listed == {fleet[0].url.removeprefix("http://"): False, "added": True}
         assert "process 1 exited (killed by SIGKILL)" in Group.read(group.log)
+
+
+async def test_a_process_killed_mid_stream_loses_only_its_own_streams(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_group(fleet, tmp_path) as group,
+        aiohttp.ClientSession() as probe,
+        connection_to(probe, group.url, "0") as zero,
+        connection_to(probe, group.url, "1") as one,
+    ):
+        body = chat_body(conversation("long", 100, 50), max_tokens=3_000)
+        doomed = await zero.post(group.url + "/v1/chat/completions", json=body)
+        survivor = await one.post(group.url + "/v1/chat/completions", json=body)
+        assert doomed.status == survivor.status == 200
+        await doomed.content.readany()
+        first = await survivor.content.readany()  # both streams are under way
+        os.kill(group.members()["process 0"], signal.SIGKILL)
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await doomed.read()
+        rest = first + await survivor.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        _, usage, errors = parse_sse(rest)
+        assert not errors and usage is not None and usage["completion_tokens"] == 3_000
 
 
 async def test_a_killed_store_is_started_again_and_the_processes_reconnect(
