@@ -6,6 +6,8 @@ path's own reads and writes (router.shared.path) can route them."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -52,6 +54,21 @@ async def met(http: aiohttp.ClientSession, *replicas: RunningRouter) -> None:
     await wait_for(known)
 
 
+@contextlib.asynccontextmanager
+async def replica_pair(
+    engine_factory: EngineFactory, url: str, **state: Any
+) -> AsyncIterator[tuple[RunningRouter, RunningRouter, aiohttp.ClientSession]]:
+    """Two replicas over four engines, each aware of the other."""
+    async with (
+        engines(engine_factory, 4) as fleet,
+        serve_router(replica_config(fleet, url, 1, **state)) as a,
+        serve_router(replica_config(fleet, url, 2, **state)) as b,
+        aiohttp.ClientSession() as http,
+    ):
+        await met(http, a, b)
+        yield a, b, http
+
+
 async def alternate_turns(
     http: aiohttp.ClientSession, replicas: list[RunningRouter]
 ) -> list[list[tuple[str, int]]]:
@@ -79,13 +96,7 @@ async def alternate_turns(
 async def test_every_later_turn_finds_its_history_on_the_other_replica(
     engine_factory: EngineFactory, redis_url: str
 ) -> None:
-    async with (
-        engines(engine_factory, 4) as fleet,
-        serve_router(replica_config(fleet, redis_url, 1)) as a,
-        serve_router(replica_config(fleet, redis_url, 2)) as b,
-        aiohttp.ClientSession() as http,
-    ):
-        await met(http, a, b)
+    async with replica_pair(engine_factory, redis_url) as (a, b, http):
         seen = await alternate_turns(http, [a, b])
         for turns in seen:
             assert len({worker for worker, _ in turns}) == 1, seen
@@ -108,13 +119,7 @@ async def test_without_read_your_writes_later_turns_miss(
 ) -> None:
     """The control: the same traffic on mirrors alone loses sessions, so the test above
     can fail."""
-    async with (
-        engines(engine_factory, 4) as fleet,
-        serve_router(replica_config(fleet, redis_url, 1, read_your_writes=False)) as a,
-        serve_router(replica_config(fleet, redis_url, 2, read_your_writes=False)) as b,
-        aiohttp.ClientSession() as http,
-    ):
-        await met(http, a, b)
+    async with replica_pair(engine_factory, redis_url, read_your_writes=False) as (a, b, http):
         seen = await alternate_turns(http, [a, b])
         missed = [cached for turns in seen for _, cached in turns[1:] if cached == 0]
         assert missed, seen
@@ -183,13 +188,7 @@ async def test_a_keyed_session_follows_its_binding_where_the_index_lost_it(
 ) -> None:
     """The residency sets are trimmed to capacity and expire; the session's binding
     still names the worker that served its last turn."""
-    async with (
-        engines(engine_factory, 4) as fleet,
-        serve_router(replica_config(fleet, redis_url, 1)) as a,
-        serve_router(replica_config(fleet, redis_url, 2)) as b,
-        aiohttp.ClientSession() as http,
-    ):
-        await met(http, a, b)
+    async with replica_pair(engine_factory, redis_url) as (a, b, http):
         client = aioredis.Redis.from_url(redis_url)
         try:
             for s in range(4):
