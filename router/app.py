@@ -207,13 +207,16 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
     await sync.start()
     task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")
     state.router.policies.publisher = sync.publish_policy
-    if state.config.state.read_your_writes:
+    # The request path has connections of its own: a burst of requests must not take
+    # the sync loops' (an empty pool reads as Redis being away, and costs a resync).
+    path_handle = connect(state.config.state.url) if state.config.state.read_your_writes else None
+    if path_handle is not None:
         state.shared_path = SharedPath(
-            handle.client,
+            path_handle.client,
             index.local,
             state.config.state,
             PathMetrics(state.metrics.registry),
-            sync.has_peers,
+            lambda: sync.up and sync.has_peers(),
         )
     try:
         yield
@@ -221,6 +224,8 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         if state.shared_path is not None:
             await state.shared_path.close()
             state.shared_path = None
+        if path_handle is not None:
+            await path_handle.aclose()
         state.router.policies.publisher = None
         sync.stop()
         try:

@@ -167,12 +167,12 @@ async def serve(
     )
     request_id = headers.request_id or secrets.token_hex(16)
     lifecycle = RequestLifecycle(state.router, state.admission, request, request_id, arrived)
-    await lifecycle.admit()
     shared = state.shared_path
-    if shared is not None:
+    if shared is not None:  # before admission: nothing may wait between room and lease
         lifecycle.remote_matches = await shared.lookup(
             request, lifecycle.route.block_hashes, lifecycle.candidates()
         )
+    await lifecycle.admit()
     client = _Client(
         reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header
     )
@@ -321,8 +321,8 @@ async def _attempt(
             _finished(lifecycle, dispatch, capture, outcome)
         else:
             lifecycle.failed(dispatch, outcome)
-            if shared is not None:
-                shared.withdraw(dispatch.worker.name, dispatch.route.block_hashes)
+        if shared is not None and outcome != "success":  # refused, failed, abandoned
+            shared.withdraw(dispatch.worker.name, dispatch.route.block_hashes)
 
 
 def _finished(
@@ -415,7 +415,7 @@ async def _record(shared: SharedPath, dispatch: Dispatch, capture: ReplyCapture)
     """The reply's blocks reach Redis before its end reaches the client: the session's
     next turn finds them whichever replica it goes to."""
     await shared.record(
-        dispatch.worker.name,
+        dispatch.worker,
         dispatch.route.block_hashes,
         capture.reply_hashes(),
         dispatch.request.session_key,

@@ -264,3 +264,32 @@ async def test_only_the_first_purge_of_an_engine_restart_wipes_its_entries(
             await client.aclose()
         a.index.purge("w0", started_at=3_000.0)  # a second restart purges again
         await wait_for(lambda: _true(b.index.resident_blocks("w0") == 0))
+
+
+async def test_a_late_purge_of_the_same_restart_leaves_redis_alone(
+    redis_server: RedisServer, redis_url: str
+) -> None:
+    """b is cut off when a purges a restart and records new blocks; b's own purge of the
+    same restart reaches Redis later and must not wipe them there."""
+    async with (
+        tcp_proxy(redis_server.port) as proxy,
+        replica(redis_url) as a,
+        replica(proxy.url) as b,
+    ):
+        a.index.touch("w0", chain(1, 8))
+        await wait_for(lambda: _true(b.holds("w0", chain(1, 8))))
+        proxy.cut()
+        await failed(b, "subscribe")
+        a.index.purge("w0", started_at=5_000.0)
+        a.index.touch("w0", chain(100, 8))  # after the restart
+        await wait_for(lambda: _true(not a.index.outbox))
+        b.index.purge("w0", started_at=5_000.0)  # b has not heard of a's purge
+        proxy.restore()
+        await wait_for(lambda: resynced(b, "redis_error"))
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            await wait_for(lambda: _true(not b.index.outbox))
+            assert await client.zcard(residency_key("w0")) == 8
+        finally:
+            await client.aclose()
+        assert a.holds("w0", chain(100, 8)) and b.holds("w0", chain(100, 8))

@@ -4,10 +4,11 @@ A change stays here until the pipeline that carries it has succeeded: a batch is
 with ``peek`` and removed with ``sent`` only after Redis answered, so a failed send loses
 nothing. The outbox is bounded by the hashes it holds, not by its number of changes,
 because one change carries a whole prompt's hashes (about 6,000 for a 100K-token prompt).
-Past the bound (Redis away for long) it keeps only the purges and counts what it
-dropped: the publisher then resyncs, which pushes this replica's whole index back, so only the
-dropped changes' order is lost, never what the index holds. Purges are kept because a
-resync merges Redis's copy back in, and a purge not yet sent would come back from it.
+Past the bound (Redis away for long) it drops the touches (and the forgets too if even
+they do not fit) and counts what it dropped: the publisher then resyncs, which pushes
+this replica's whole index back, so only the dropped touches' order is lost. Purges and
+forgets are kept because a resync merges Redis's copy back in, and a removal not yet
+sent would come back from it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ class Outbox:
         self.hashes = 0
 
     def _overflow(self) -> None:
-        purges = [e for e in self._events if e.op == "purge"]
-        self._dropped += len(self._events) - len(purges)
+        # A resync merges Redis's copy back in, so what was taken away must not be
+        # dropped: purges always stay, forgets while they fit.
+        kept = [e for e in self._events if e.op != "touch"]
+        if sum(len(e.hashes) for e in kept) > self.max_hashes:
+            kept = [e for e in kept if e.op == "purge"]
+        self._dropped += len(self._events) - len(kept)
         self.clear()
-        self._events.extend(purges)
+        self._events.extend(kept)
+        self.hashes = sum(len(e.hashes) for e in kept)

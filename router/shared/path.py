@@ -47,6 +47,13 @@ from router.shared.scripts import LONGEST_PREFIXES
 from router.shared.sync import REDIS_ERRORS
 from router.workers import Worker
 
+
+def _binding_of(worker: Worker) -> str:
+    """What a session's binding holds: the worker, and the start of its engine then (a
+    binding to an engine since restarted promises nothing)."""
+    return f"{worker.name} {worker.engine_started_at}"
+
+
 # A reservation lapses after this long if its request never reports back (its replica
 # died): long enough for any prefill, short enough not to mislead for long.
 RESERVATION_TTL_S = 60.0
@@ -92,18 +99,21 @@ class SharedPath:
             self._redis.eval(
                 LONGEST_PREFIXES, len(keys), *keys, now_ms, *(member(h) for h in hashes)
             ),
+            count_ok=False,
         )
         if reply is None:
             return None
         try:
             bound, *held = reply
             matches = {w.name: int(n) for w, n in zip(candidates, held, strict=True)}
-            bound_to = bound.decode() if isinstance(bound, bytes) else None
+            binding = bound.decode() if isinstance(bound, bytes) else None
         except (TypeError, ValueError, UnicodeDecodeError):  # not our script's answer
             self._metrics.operations.labels("lookup", "error").inc()
             return None
-        if bound_to in matches:
-            matches[bound_to] = max(matches[bound_to], need)
+        self._metrics.operations.labels("lookup", "ok").inc()
+        bound_to = next((w for w in candidates if binding == _binding_of(w)), None)
+        if bound_to is not None:  # the same engine, not restarted since: it holds the history
+            matches[bound_to.name] = max(matches[bound_to.name], need)
         return matches
 
     async def reserve(self, worker: str, hashes: Sequence[int]) -> None:
@@ -121,7 +131,7 @@ class SharedPath:
 
     async def record(
         self,
-        worker: str,
+        worker: Worker,
         prompt: Sequence[int],
         reply: Sequence[int],
         session_key: str | None = None,
@@ -131,15 +141,18 @@ class SharedPath:
         chain = (*prompt, *reply)
         if not chain or not self._peers():
             return
-        key = self._keys.residency(worker)
+        key = self._keys.residency(worker.name)
         pipe = self._redis.pipeline(transaction=False)
         pipe.zadd(key, touch_scores(chain, time.time() * 1000))
-        pipe.zremrangebyrank(key, 0, -(self._local.capacity_blocks(worker) + 1))
+        capacity = self._local.capacity_blocks(worker.name)
+        if capacity > 0:  # 0: removed here meanwhile; the others may still use the set
+            pipe.zremrangebyrank(key, 0, -(capacity + 1))
         pipe.pexpire(key, self._key_ttl_ms)
         if prompt:
-            pipe.zrem(self._keys.reserved(worker), *map(member, prompt))
+            pipe.zrem(self._keys.reserved(worker.name), *map(member, prompt))
         if session_key is not None:
-            pipe.set(self._keys.binding(session_key), worker, px=self._key_ttl_ms)
+            binding = self._keys.binding(session_key)
+            pipe.set(binding, _binding_of(worker), px=self._key_ttl_ms)
         await self._bounded("record", pipe.execute())
 
     def withdraw(self, worker: str, hashes: Sequence[int]) -> None:
@@ -159,7 +172,9 @@ class SharedPath:
     def _worker_keys(self, worker: str) -> tuple[str, str]:
         return self._keys.residency(worker), self._keys.reserved(worker)
 
-    async def _bounded(self, op: str, call: Awaitable[Any]) -> Any:
+    async def _bounded(self, op: str, call: Awaitable[Any], count_ok: bool = True) -> Any:
+        """``call``'s result, or None past the bound or on a Redis error (counted). The
+        wait is observed whatever the result: a slow Redis shows as the bound."""
         started = time.perf_counter()
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -170,8 +185,10 @@ class SharedPath:
         except REDIS_ERRORS:
             self._metrics.operations.labels(op, "error").inc()
             return None
-        self._metrics.operations.labels(op, "ok").inc()
-        self._metrics.seconds.labels(op).observe(time.perf_counter() - started)
+        finally:
+            self._metrics.seconds.labels(op).observe(time.perf_counter() - started)
+        if count_ok:
+            self._metrics.operations.labels(op, "ok").inc()
         return result
 
     async def _quietly(self, call: Awaitable[Any]) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from router.config import StateConfig
 from router.errors import SharedStateUnavailable
@@ -49,7 +49,8 @@ MAX_BATCH = 512
 READ_BLOCK_MS = 250
 BACKOFF_MAX_S = 5.0
 PEERS_HOLD_S = 10.0
-REDIS_ERRORS = (RedisError, OSError, asyncio.TimeoutError)
+# RedisClusterException is no RedisError: a cluster whose nodes are all unreachable raises it.
+REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
 
 class RedisSync:
@@ -79,6 +80,7 @@ class RedisSync:
         self._refused_policy: dict[bytes, bytes] = {}
         self._cursor = "0-0"
         self._read = 0  # entries read off the stream, counted as Redis counts entries added
+        self._snapshots = 0  # resyncs that read Redis's copy
         self._gap_check_at = 0.0
         self.up = False
         self.peers = 0  # other live replicas, as of the last load share
@@ -177,8 +179,11 @@ class RedisSync:
                 self._count_dropped()  # this resync writes them back
                 # Changes not sent yet go first: a purge made while Redis was away must
                 # reach it before its copy is merged in, or the purged entries would return.
-                await self._send_outbox()
-                await self._read_snapshot()
+                # The publisher waits meanwhile, so nothing it sends lands between
+                # reading a set and writing it back.
+                async with self._publishing:
+                    await self._send_queued()
+                    await self._read_snapshot()
             except BaseException:
                 self._resync_reason = reason
                 raise
@@ -189,6 +194,7 @@ class RedisSync:
             await self._op("resync", self._redis.eval(scripts.STREAM_POSITION, 1, self._stream))
         )
         self._cursor, self._read = position.last_id, position.added
+        self._snapshots += 1  # a stream read begun before this is out of date
         local = self._index.local
         for worker in local.workers():
             members = await self._op(
@@ -213,7 +219,8 @@ class RedisSync:
 
     def _trim(self, pipe: Any, worker: str, key: str) -> None:
         capacity = self._index.local.capacity_blocks(worker)
-        pipe.zremrangebyrank(key, 0, -(capacity + 1))
+        if capacity > 0:  # 0: removed here meanwhile; the others may still use the set
+            pipe.zremrangebyrank(key, 0, -(capacity + 1))
         pipe.pexpire(key, int(self._config.key_ttl_s * 1000))
 
     # -- publisher ------------------------------------------------------------------------
@@ -232,13 +239,20 @@ class RedisSync:
 
     async def _send_outbox(self) -> None:
         """Send the outbox, oldest first; a change leaves it once Redis has it."""
-        outbox = self._index.outbox
         async with self._publishing:
-            while outbox:
-                generation, batch = outbox.peek(MAX_BATCH)
-                await self._op("publish", self._send(batch))
-                outbox.sent(generation, len(batch))
-                self._metrics.events.labels("out").inc(len(batch))
+            await self._send_queued()
+
+    async def _send_queued(self) -> None:
+        """What is queued now, not what arrives meanwhile: under a steady backlog the
+        loop still comes round (to count overflows, to let a resync in)."""
+        outbox = self._index.outbox
+        pending = len(outbox)
+        while pending > 0 and outbox:
+            generation, batch = outbox.peek(min(MAX_BATCH, pending))
+            await self._op("publish", self._send(batch))
+            outbox.sent(generation, len(batch))
+            pending -= len(batch)
+            self._metrics.events.labels("out").inc(len(batch))
 
     async def _send(self, batch: list[IndexEvent]) -> None:
         """One pipeline: each event on the stream, and the residency sets changed as the
@@ -293,10 +307,13 @@ class RedisSync:
         if await self._fell_behind():
             self._resync_for("stream_gap")
             return
+        snapshot = self._snapshots
         response = await self._op(
             "subscribe",
             self._redis.xread({self._stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS),
         )
+        if snapshot != self._snapshots:
+            return  # a resync read Redis's copy meanwhile: these entries are in it
         for _, entries in response or ():
             for entry_id, fields in entries:
                 self._cursor = entry_id.decode()
