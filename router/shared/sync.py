@@ -73,8 +73,7 @@ class RedisSync:
         self._metrics = metrics
         self.replica = uuid.uuid4().hex[:12]
         self._replica_bytes = self.replica.encode()
-        self._keys = keys = Keys(config.namespace)
-        self._stream = keys.stream
+        self._keys = Keys(config.namespace)
         self._policy_key = fleet_policy.policy_key(config.namespace)
         # The fleet's policy hash as last refused (not valid here), so it is warned about once.
         self._refused_policy: dict[bytes, bytes] = {}
@@ -190,9 +189,7 @@ class RedisSync:
             self._metrics.resyncs.labels(reason).inc()
 
     async def _read_snapshot(self) -> None:
-        position = StreamPosition.from_reply(
-            await self._op("resync", self._redis.eval(scripts.STREAM_POSITION, 1, self._stream))
-        )
+        position = await self._stream_position("resync")
         self._cursor, self._read = position.last_id, position.added
         self._snapshots += 1  # a stream read begun before this is out of date
         local = self._index.local
@@ -292,7 +289,7 @@ class RedisSync:
                         int(self._config.key_ttl_s * 1000),
                     )
             pipe.xadd(
-                self._stream,
+                self._keys.stream,
                 encode(event, self.replica),  # type: ignore[arg-type]
                 minid=oldest,
                 approximate=True,
@@ -310,7 +307,9 @@ class RedisSync:
         snapshot = self._snapshots
         response = await self._op(
             "subscribe",
-            self._redis.xread({self._stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS),
+            self._redis.xread(
+                {self._keys.stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS
+            ),
         )
         if snapshot != self._snapshots:
             return  # a resync read Redis's copy meanwhile: these entries are in it
@@ -334,10 +333,12 @@ class RedisSync:
         if now < self._gap_check_at:
             return False
         self._gap_check_at = now + self._config.stream_retention_s / 4
-        reply = await self._op(
-            "subscribe", self._redis.eval(scripts.STREAM_POSITION, 1, self._stream)
-        )
-        return StreamPosition.from_reply(reply).missed(self._read)
+        position = await self._stream_position("subscribe")
+        return position.missed(self._read)
+
+    async def _stream_position(self, op: str) -> StreamPosition:
+        reply = await self._op(op, self._redis.eval(scripts.STREAM_POSITION, 1, self._keys.stream))
+        return StreamPosition.from_reply(reply)
 
     # -- load and rates, the policy --------------------------------------------------------
 
