@@ -116,10 +116,16 @@ def replica_specs(
     return specs
 
 
+# The path's round trips a request waits on before it is forwarded.
+BEFORE_FORWARDING = ("lookup", "reserve")
+
+
 async def redis_figures(http: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, float]:
-    """Redis round trips per request on the replicas' paths, and the 99th percentile of
-    one round trip's wait, from their ``/metrics`` (summed over the replicas)."""
-    trips = requests = 0.0
+    """From the replicas' ``/metrics`` (summed over the replicas): Redis round trips per
+    request on their paths, the mean time a request waited on Redis before it was
+    forwarded (lookup and reserve; the record waits before the final chunk, not the
+    first), and the 50th and 99th percentiles of one round trip's wait."""
+    trips = requests = waited_before_forwarding = 0.0
     buckets: dict[float, float] = {}
     for url in urls:
         async with http.get(f"{url}/metrics") as response:
@@ -133,10 +139,17 @@ async def redis_figures(http: aiohttp.ClientSession, urls: Sequence[str]) -> dic
                 elif sample.name == "kvrouter_redis_path_seconds_bucket":
                     bound = float(sample.labels["le"])
                     buckets[bound] = buckets.get(bound, 0.0) + sample.value
-    figures = {"redis_trips": trips / requests} if requests else {}
-    p99 = bucket_quantile(buckets, 0.99)
-    if p99 is not None:
-        figures["redis_wait_p99"] = p99
+                elif sample.name == "kvrouter_redis_path_seconds_sum":
+                    op = sample.labels["op"]
+                    waited_before_forwarding += sample.value if op in BEFORE_FORWARDING else 0
+    figures: dict[str, float] = {}
+    if requests:
+        figures["redis_trips"] = trips / requests
+        figures["redis_wait_before_forwarding"] = waited_before_forwarding / requests
+    for key, q in (("redis_wait_p50", 0.5), ("redis_wait_p99", 0.99)):
+        quantile = bucket_quantile(buckets, q)
+        if quantile is not None:
+            figures[key] = quantile
     return figures
 
 

@@ -141,6 +141,20 @@ FIGURES: tuple[Figure, ...] = (
         False,
     ),
     Figure(
+        "redis_wait_before_forwarding",
+        "Redis wait before forwarding, mean / request (wall)",
+        lambda r: r.extras.get("redis_wait_before_forwarding"),
+        lambda v: f"{v * 1e6:,.0f} µs",
+        False,
+    ),
+    Figure(
+        "redis_wait_p50",
+        "Redis wait p50 / round trip (wall)",
+        lambda r: r.extras.get("redis_wait_p50"),
+        lambda v: f"{v * 1e6:,.0f} µs",
+        False,
+    ),
+    Figure(
         "redis_wait_p99",
         "Redis wait p99 / round trip (wall)",
         lambda r: r.extras.get("redis_wait_p99"),
