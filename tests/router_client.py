@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
@@ -33,6 +33,13 @@ LOAD_GAUGES = (
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+class Listening(Protocol):
+    """A router the helpers talk to: in this process (``RunningRouter``) or not."""
+
+    @property
+    def url(self) -> str: ...
 
 
 @dataclass(slots=True)
@@ -109,7 +116,7 @@ async def post(
 
 
 async def router_samples(
-    http: aiohttp.ClientSession, router: RunningRouter
+    http: aiohttp.ClientSession, router: Listening
 ) -> list[tuple[str, dict[str, str], float]]:
     async with http.get(router.url + "/metrics") as response:
         assert response.status == 200
@@ -119,9 +126,7 @@ async def router_samples(
     ]
 
 
-async def metric(
-    http: aiohttp.ClientSession, router: RunningRouter, name: str, **labels: str
-) -> float:
+async def metric(http: aiohttp.ClientSession, router: Listening, name: str, **labels: str) -> float:
     """The sum of the samples called ``name`` whose labels include ``labels``."""
     return sum(
         v

@@ -7,7 +7,7 @@ path's own reads and writes (router.shared.path) can route them."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -23,7 +23,15 @@ from tests.conftest import (
     router_config,
     serve_router,
 )
-from tests.router_client import chat_body, conversation, engines, metric, post, wait_for
+from tests.router_client import (
+    Listening,
+    chat_body,
+    conversation,
+    engines,
+    metric,
+    post,
+    wait_for,
+)
 from tests.tcp_proxy import tcp_proxy
 
 SESSIONS = 6
@@ -70,7 +78,7 @@ async def replica_pair(
 
 
 async def alternate_turns(
-    http: aiohttp.ClientSession, replicas: list[RunningRouter]
+    http: aiohttp.ClientSession, replicas: Sequence[Listening]
 ) -> list[list[tuple[str, int]]]:
     """Each session's turns, each to the next replica as soon as the last returned;
     (worker, cached tokens) per turn. Half the sessions stream, half do not."""
