@@ -35,3 +35,8 @@ class RecentDemand:
     def add(self, amount: float, now: float) -> None:
         self._value = self.value(now) + amount
         self._at = max(self._at, now)
+
+    def reset(self, value: float, now: float) -> None:
+        """The sum is ``value`` as of ``now`` (another replica's, as it last said)."""
+        self._value = value
+        self._at = now

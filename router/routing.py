@@ -260,5 +260,5 @@ class Router:
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,
             prefill_tokens_per_s=self.learner.prefill_tokens_per_s(worker.name),
-            recent_prompt_tokens=worker.demand.value(now),
+            recent_prompt_tokens=worker.demand.value(now) + worker.remote_demand.value(now),
         )

@@ -41,6 +41,8 @@ class Worker:
     engine_kv_usage: float = 0.0
     metrics_at: float | None = None
     demand: RecentDemand = field(default_factory=RecentDemand)  # prompt tokens sent lately
+    # The same from the other replicas, as they last shared it (fading from then on).
+    remote_demand: RecentDemand = field(default_factory=RecentDemand)
     origin: Origin = field(init=False)  # the URL, parsed once for the upstream client
     # The first-byte bounds of the attempts sent to it that it has not begun to answer.
     unanswered: set[asyncio.Timeout] = field(default_factory=set)

@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 import redis.asyncio as aioredis
 
+from router.clock import monotonic
 from router.config import StateConfig
 from router.index import LocalPrefixIndex
 from router.learning import PrefillRate
@@ -46,6 +47,7 @@ class Replica:
     index: SharedPrefixIndex
     sync: RedisSync
     metrics: RouterMetrics
+    fleet: Fleet
     task: asyncio.Task[None] | None = None
 
     def run(self) -> None:
@@ -81,7 +83,7 @@ async def replica(
         RedisMetrics(metrics.registry),
     )
     await sync.start()
-    running_replica = Replica(index, sync, metrics)
+    running_replica = Replica(index, sync, metrics, fleet)
     if running:
         running_replica.run()
     try:
@@ -293,3 +295,28 @@ async def test_a_late_purge_of_the_same_restart_leaves_redis_alone(
         finally:
             await client.aclose()
         assert a.holds("w0", chain(100, 8)) and b.holds("w0", chain(100, 8))
+
+
+async def test_recent_demand_reaches_the_other_replicas(redis_url: str) -> None:
+    """New sessions are placed beside the least recent demand once caches are full; each
+    replica sends only part of it, so each must hear the others' or they pile sessions
+    onto the worker each of them alone has sent least to."""
+    async with replica(redis_url) as a, replica(redis_url) as b:
+        a.fleet.workers["w0"].demand.add(50_000, monotonic())
+        b.fleet.workers["w1"].demand.add(20_000, monotonic())
+
+        async def heard() -> bool:
+            now = monotonic()
+            return (
+                b.fleet.workers["w0"].remote_demand.value(now) > 40_000
+                and a.fleet.workers["w1"].remote_demand.value(now) > 15_000
+            )
+
+        await wait_for(heard)
+        now = monotonic()
+        # Each hears only the other's: its own is not counted twice.
+        assert a.fleet.workers["w0"].remote_demand.value(now) == 0
+        assert b.fleet.workers["w1"].remote_demand.value(now) == 0
+        # It fades as the replica's own does, from when it was heard.
+        later = b.fleet.workers["w0"].remote_demand.value(now + 30)
+        assert 0.4 < later / b.fleet.workers["w0"].remote_demand.value(now) < 0.6

@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
+from router.clock import monotonic
 from router.config import StateConfig
 from router.errors import SharedStateUnavailable
 from router.learning import PrefillRate
@@ -357,10 +358,15 @@ class RedisSync:
         fleet, rate = self._fleet, self._rate
         ttl = int(self._config.load_interval_s * 3000)
         now = time.time()
-        # Outstanding requests and tokens change slowly enough to share; queued prefill
-        # lasts milliseconds, so a copy a load interval old would only mislead (another
-        # replica's prefill shows up in the engine's own waiting count instead).
-        load = {w.name: f"{w.outstanding_requests},{w.outstanding_tokens}" for w in fleet.all()}
+        # Outstanding requests and tokens, and the recent demand new sessions are placed
+        # by (it fades over tens of seconds), change slowly enough to share; queued
+        # prefill lasts milliseconds, so a copy a load interval old would only mislead
+        # (another replica's prefill shows up in the engine's own waiting count instead).
+        moment = monotonic()
+        load = {
+            w.name: f"{w.outstanding_requests},{w.outstanding_tokens},{w.demand.value(moment):.0f}"
+            for w in fleet.all()
+        }
         pipe = self._redis.pipeline(transaction=False)
         if load:
             pipe.hset(self._keys.load_prefix + self.replica, mapping=load)  # type: ignore[arg-type]
@@ -385,15 +391,19 @@ class RedisSync:
         self._apply_remote(replies[0::2], replies[1::2])
 
     def _apply_remote(self, loads: list[dict[bytes, bytes]], rates: list[bytes | None]) -> None:
+        # requests, tokens, demand by worker; a replica that predates demand sends two
         totals: dict[str, list[int]] = {}
         for load in loads:
             for worker, value in load.items():
-                parts = [int(x) for x in value.split(b",")[:2]]
-                acc = totals.setdefault(worker.decode(), [0, 0])
-                acc[0] += parts[0]
-                acc[1] += parts[1]
+                parts = [int(x) for x in value.split(b",")[:3]]
+                acc = totals.setdefault(worker.decode(), [0, 0, 0])
+                for i, part in enumerate(parts):
+                    acc[i] += part
+        moment = monotonic()
         for w in self._fleet.all():
-            w.remote_requests, w.remote_tokens = totals.get(w.name, (0, 0))
+            requests, tokens, demand = totals.get(w.name, (0, 0, 0))
+            w.remote_requests, w.remote_tokens = requests, tokens
+            w.remote_demand.reset(demand, moment)
         self._rate.blend([(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)])
 
     # -- the routing policy ---------------------------------------------------------------
