@@ -20,6 +20,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         soak,
         sweep,
         throughput,
+        tokenize_cost,
     )
     from bench.replay import cli as replay_cli
     from bench.workloads import cli as workloads_cli
@@ -40,3 +41,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     dashboards.register(sub)
     fuzz.register(sub)
     soak.register(sub)
+    tokenize_cost.register(sub)
