@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import cast
 
 import aiohttp
 import orjson
@@ -43,6 +44,9 @@ from router.shared.metrics import PathMetrics, RedisMetrics
 from router.shared.path import SharedPath
 from router.shared.sync import RedisSync
 from router.state import STATE_KEY, RouterState
+from router.tokens.conversation import ContentFormat
+from router.tokens.keys import TokenKeys, TokenMetrics
+from router.tokens.model import ModelTokenizer
 from router.upstream import UpstreamPool
 from router.workers import Fleet
 
@@ -133,9 +137,23 @@ def build_state(
         config.upstream.auth_headers,
     )
     state = RouterState(config, router, metrics, membership, session, upstream, admission, prober)
+    state.tokens = _token_keys(config, metrics)
     for wc in config.workers:
         state.add_worker(wc)
     return state
+
+
+def _token_keys(config: RouterConfig, metrics: RouterMetrics) -> TokenKeys | None:
+    prefix = config.prefix
+    if prefix.tokenizer is None:
+        return None
+    content_format = None if prefix.content_format == "auto" else prefix.content_format
+    return TokenKeys(
+        ModelTokenizer.from_dir(prefix.tokenizer),
+        prefix.tokenizer_cache_tokens,
+        TokenMetrics(metrics.registry),
+        cast("ContentFormat | None", content_format),
+    )
 
 
 async def health(request: web.Request) -> web.Response:
@@ -249,6 +267,8 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
         stack.push_async_callback(upstream.aclose)
         state = build_state(config, session, upstream)
         app[STATE_KEY] = state
+        if state.tokens is not None:
+            stack.callback(state.tokens.close)
         prober = state.prober
         await prober.probe_all()
         tasks = [asyncio.create_task(prober.run(), name="kvrouter-health")]

@@ -65,14 +65,33 @@ class WorkerConfig:
             raise ConfigError("kv_tokens: must be >= 1")
 
 
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixConfig:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     record_replies: bool = True  # extend a session's prefix with the streamed reply
+    # A model directory (tokenizer.json, tokenizer_config.json): chat prompts keyed by
+    # the model's own tokens, 4 bytes each, so block_bytes / 4 tokens a block
+    # (router/tokens). None: by their text.
+    tokenizer: str | None = None
+    # How messages' content reaches the template (vLLM's --chat-template-content-format).
+    content_format: str = "auto"
+    tokenizer_cache_tokens: int = 16_000_000  # earlier prompts' ids kept to encode less
 
     def __post_init__(self) -> None:
         if not 16 <= self.block_bytes <= 65536:
             raise ConfigError("block_bytes: must be between 16 and 65536")
+        if self.tokenizer is not None and self.block_bytes % BYTES_PER_TOKEN_ESTIMATE:
+            raise ConfigError(
+                "block_bytes: with tokenizer, a whole number of tokens "
+                f"({BYTES_PER_TOKEN_ESTIMATE} bytes each; 64 for the engine's 16-token blocks)"
+            )
+        if self.content_format not in CONTENT_FORMATS:
+            raise ConfigError(f"content_format: one of {', '.join(CONTENT_FORMATS)}")
+        if self.tokenizer_cache_tokens < 0:
+            raise ConfigError("tokenizer_cache_tokens: must be >= 0")
 
     @property
     def block_tokens(self) -> int:

@@ -152,14 +152,28 @@ def session_key_of(
     return None
 
 
-def parse_request(
+@dataclass(frozen=True, slots=True)
+class RequestBody:
+    """A client request read and checked, before its prefix key is computed."""
+
+    kind: Kind
+    model: str
+    raw: bytes
+    fields: Mapping[str, Any]  # the parsed body
+    stream: bool
+    session_key: str | None
+    seed: int  # the chain's seed: the model and the cache salt
+    messages: Sequence[Mapping[str, Any]] | None  # chat
+    prompt: str | Sequence[int] | None  # completions
+
+
+def read_request(
     kind: Kind,
     raw: bytes,
     session_header: str | bytes | None,
     session_fields: Sequence[str],
-    block_bytes: int,
     limits: RequestLimits = DEFAULT_LIMITS,
-) -> ClientRequest:
+) -> RequestBody:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -176,23 +190,53 @@ def parse_request(
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", param="cache_salt")
     session_key = session_key_of(body, session_header, session_fields, limits.max_session_key_bytes)
-    if kind == "chat":
-        canonical, history_bytes = _render_chat(_check_messages(body.get("messages"), limits))
-        history_blocks = history_bytes // block_bytes
-        record_reply = True
-    else:
-        prompt = _prompt(body.get("prompt"))
-        canonical = render_prompt(prompt)
-        history_blocks = 1
-        record_reply = isinstance(prompt, str)
-    key = prefix_key(canonical, block_bytes, chain_seed(model, salt))
-    return ClientRequest(
+    chat = kind == "chat"
+    return RequestBody(
         kind=kind,
         model=model,
-        body=raw,
+        raw=raw,
+        fields=body,
         stream=bool(stream),
         session_key=session_key,
+        seed=chain_seed(model, salt),
+        messages=_check_messages(body.get("messages"), limits) if chat else None,
+        prompt=None if chat else _prompt(body.get("prompt")),
+    )
+
+
+def keyed_by_text(body: RequestBody, block_bytes: int) -> ClientRequest:
+    """The request keyed by its canonical bytes (router.prefix): the default mode."""
+    if body.messages is not None:
+        canonical, history_bytes = _render_chat(body.messages)
+        return keyed(body, canonical, history_bytes // block_bytes, block_bytes, True)
+    assert body.prompt is not None
+    return keyed(body, render_prompt(body.prompt), 1, block_bytes, isinstance(body.prompt, str))
+
+
+def keyed(
+    body: RequestBody, canonical: bytes, history_blocks: int, block_bytes: int, record_reply: bool
+) -> ClientRequest:
+    key = prefix_key(canonical, block_bytes, body.seed)
+    return ClientRequest(
+        kind=body.kind,
+        model=body.model,
+        body=body.raw,
+        stream=body.stream,
+        session_key=body.session_key,
         key=key,
         record_reply=record_reply,
         history_blocks=min(history_blocks, len(key.hashes)),
     )
+
+
+def parse_request(
+    kind: Kind,
+    raw: bytes,
+    session_header: str | bytes | None,
+    session_fields: Sequence[str],
+    block_bytes: int,
+    limits: RequestLimits = DEFAULT_LIMITS,
+) -> ClientRequest:
+    """Read, check and key a request by its text (``read_request``, ``keyed_by_text``)."""
+    body = read_request(kind, raw, session_header, session_fields, limits)
+    return keyed_by_text(body, block_bytes)

@@ -32,7 +32,7 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.lifecycle import RequestLifecycle
-from router.parse import Kind, parse_request
+from router.parse import Kind, keyed_by_text, read_request
 from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER, ChainExtender
 from router.routing import Dispatch, EngineUsage
 from router.shared.path import SharedPath
@@ -157,14 +157,13 @@ async def serve(
     config = state.config
     arrived = monotonic()
     headers = _read_headers(raw_headers, state.session_header)
-    request = parse_request(
-        kind,
-        raw,
-        headers.session,
-        config.session_body_fields,
-        config.prefix.block_bytes,
-        config.limits,
-    )
+    body = read_request(kind, raw, headers.session, config.session_body_fields, config.limits)
+    block_bytes = config.prefix.block_bytes
+    tokens = state.tokens
+    if tokens is not None and body.messages is not None:
+        request = await tokens.key(body, block_bytes)
+    else:
+        request = keyed_by_text(body, block_bytes)
     request_id = headers.request_id or secrets.token_hex(16)
     lifecycle = RequestLifecycle(state.router, state.admission, request, request_id, arrived)
     shared = state.shared_path

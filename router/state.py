@@ -17,6 +17,7 @@ from router.metrics import RouterMetrics
 from router.provision import new_worker
 from router.routing import Router
 from router.shared.path import SharedPath
+from router.tokens.keys import TokenKeys
 from router.upstream import UpstreamPool
 from router.workers import Worker
 
@@ -41,6 +42,8 @@ class RouterState:
     # Read-your-writes across replicas (state.url and state.read_your_writes): set while
     # the shared state runs.
     shared_path: SharedPath | None = None
+    # Chat prompts keyed by the model's own tokens (prefix.tokenizer); None: by text.
+    tokens: TokenKeys | None = None
 
     def __post_init__(self) -> None:
         self.session_header = self.config.session_header.lower().encode("latin-1")

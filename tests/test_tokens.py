@@ -13,20 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from bench.textgen import text_for
 from router.errors import BadRequest, ConfigError
+from router.tokens.conversation import (
+    BILLING_HEADER,
+    detect_content_format,
+    template_conversation,
+    template_tools,
+)
 from router.tokens.incremental import IncrementalEncoder
 from router.tokens.model import ModelTokenizer
+from tests.token_model import DATA, build_model_dir
 
-DATA = Path(__file__).parent / "data" / "qwen3"
-# Qwen3's pre-tokenizer split (tokenizer.json), before its byte-level step.
-QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 TOOLS = [
     {
         "type": "function",
@@ -39,43 +39,9 @@ TOOLS = [
 ]
 
 
-def _added_tokens() -> list[dict[str, Any]]:
-    config = json.loads((DATA / "tokenizer_config.json").read_text())
-    return [
-        {"id": int(i), **{k: v for k, v in token.items() if k != "__type"}}
-        for i, token in config["added_tokens_decoder"].items()
-    ]
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Qwen3's tokenizer_config.json beside a small tokenizer.json of Qwen3's shape."""
-    directory = tmp_path_factory.mktemp("qwen3")
-    shutil.copy(DATA / "tokenizer_config.json", directory)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    corpus = [text_for(f"corpus{i}", 400) for i in range(40)] + [
-        "def read(path):\n    return open(path).read()\n",
-        'Café naïve — «quoted» 数据 {"path": "a/b.py"}\n',
-    ]
-    trainer = trainers.BpeTrainer(
-        vocab_size=1200, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tokenizer.train_from_iterator(corpus, trainer)
-    spec = json.loads(tokenizer.to_str())
-    base = len(spec["model"]["vocab"])
-    added = _added_tokens()
-    first = min(token["id"] for token in added)
-    spec["added_tokens"] = [{**token, "id": token["id"] - first + base} for token in added]
-    (directory / "tokenizer.json").write_text(json.dumps(spec))
-    return directory
+    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +233,90 @@ def test_a_directory_without_a_tokenizer_is_a_config_error(tmp_path: Path) -> No
     (tmp_path / "tokenizer_config.json").write_text("{}")
     with pytest.raises(ConfigError, match="cannot read"):
         ModelTokenizer.from_dir(tmp_path)
+
+
+# -- the messages as vLLM hands them to the template (router.tokens.conversation) ---------
+
+
+def test_messages_reach_the_template_as_vllm_converts_them() -> None:
+    qwen = json.loads((DATA / "tokenizer_config.json").read_text())["chat_template"]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": [{"type": "text", "text": f"{BILLING_HEADER}: cch=1\nBe"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "hmm",
+            "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}},
+                {"id": "2", "type": "function", "function": {"name": "g", "arguments": "[1]"}},
+                {"id": "3", "type": "function", "function": {"name": "h", "arguments": "{bad"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "1", "content": [{"type": "text", "text": "r"}] * 2},
+        {"role": "assistant", "content": "done", "tool_calls": [], "name": "bot"},
+    ]
+    assert template_conversation(messages, "string", qwen) == [
+        {"role": "system", "content": "Be"},
+        {"role": "user", "content": "a\nb"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+                {"id": "2", "type": "function", "function": {"name": "g", "arguments": {}}},
+                {"id": "3", "type": "function", "function": {"name": "h", "arguments": {}}},
+            ],
+            "reasoning": "hmm",
+            "reasoning_content": "hmm",
+        },
+        {"role": "tool", "content": "r\nr", "tool_call_id": "1"},
+        {"role": "assistant", "content": "done", "name": "bot"},
+    ]
+    as_parts = template_conversation(messages[1:2], "openai", qwen)
+    assert as_parts[0]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+
+
+def test_developer_messages_become_one_system_message_where_the_template_lacks_the_role() -> None:
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "developer", "content": "d"},
+    ]
+    assert template_conversation(messages, "string", "{{ messages }}") == [
+        {"role": "system", "content": "s\n\nd"},
+        {"role": "user", "content": "u"},
+    ]
+    knows = "{% if m.role == 'developer' %}{% endif %}"
+    assert [m["role"] for m in template_conversation(messages, "string", knows)] == [
+        "system",
+        "user",
+        "developer",
+    ]
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them() -> None:
+    assert template_tools([{"type": "function", "function": {"name": "f", "extra": 1}}]) == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": None}}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("{% for m in messages %}{{ m.content }}{% endfor %}", "string"),
+        ("{% for m in messages %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}",
+         "openai"),
+        ("{% for m in messages %}{% for p in m['content'] | list %}{% endfor %}{% endfor %}",
+         "openai"),
+        ("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}",
+         "string"),
+    ],
+)  # fmt: skip
+def test_the_content_format_is_read_from_the_template(source: str, expected: str) -> None:
+    assert detect_content_format(source) == expected
+
+
+def test_qwen3_takes_its_content_as_a_string() -> None:
+    qwen = json.loads((DATA / "tokenizer_config.json").read_text())["chat_template"]
+    assert detect_content_format(qwen) == "string"

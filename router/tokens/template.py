@@ -151,8 +151,18 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+def parse_template(source: str) -> jinja2.nodes.Template:
+    """The template's syntax tree, parsed as it is compiled (its tags known)."""
+    return _environment().parse(source)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+@functools.cache
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -163,4 +173,4 @@ def _compile(source: str) -> jinja2.Template:
     environment.globals["strftime_now"] = _strftime_now
     environment.globals["dict"] = _Dict()
     environment.globals["namespace"] = _Namespace
-    return environment.from_string(source)
+    return environment

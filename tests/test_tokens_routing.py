@@ -1,0 +1,117 @@
+"""The router keyed by the model's own tokens (``prefix.tokenizer``), end to end: real
+HTTP through the router to simulated engines, the prompts' ids checked against
+transformers' ``apply_chat_template`` (what vLLM encodes chat prompts with)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from transformers import AutoTokenizer
+
+from bench.textgen import text_for
+from router.config import PrefixConfig
+from router.errors import ConfigError
+from router.state import STATE_KEY
+from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
+from tests.router_client import chat_body, conversation, engines, metric, post
+from tests.token_model import build_model_dir
+
+ENGINE_BLOCK = 16  # tokens; the router's blocks are the engine's
+BLOCK_BYTES = 4 * ENGINE_BLOCK
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
+
+
+def tokens_config(fleet: Any, model_dir: Path) -> Any:
+    return router_config(
+        fleet, prefix=PrefixConfig(block_bytes=BLOCK_BYTES, tokenizer=str(model_dir))
+    )
+
+
+def resident_tokens(router: RunningRouter, worker: str) -> int:
+    state = router.app[STATE_KEY]
+    return state.router.index.resident_blocks(worker) * state.router.block_tokens
+
+
+async def test_a_session_is_keyed_by_the_engines_tokens(
+    engine_factory: EngineFactory, model_dir: Path
+) -> None:
+    reference = AutoTokenizer.from_pretrained(str(model_dir))
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(tokens_config(fleet, model_dir)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        messages = conversation("tok", 300, 120)
+        workers = []
+        for turn in range(4):
+            result = await post(http, router.url, chat_body(messages, max_tokens=16))
+            assert result.status == 200, result.raw
+            assert result.worker is not None
+            workers.append(result.worker)
+            if turn == 0:
+                ids = reference.apply_chat_template(
+                    messages, tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+                # The prompt's whole blocks of real tokens, no more, no fewer.
+                assert resident_tokens(router, result.worker) == len(ids) // 16 * 16
+            else:
+                assert result.cached > 0
+            messages += [
+                {"role": "assistant", "content": result.text},
+                {"role": "user", "content": text_for(f"tok-u{turn + 1}", 80)},
+            ]
+        assert len(set(workers)) == 1, workers
+        tokenized = await metric(
+            http, router, "kvrouter_prefix_tokenized_requests_total", result="tokens"
+        )
+        assert tokenized == 4
+        # From the second turn on, the previous prompt's ids were reused.
+        assert await metric(http, router, "kvrouter_prefix_reused_tokens_total") > 0
+
+
+async def test_what_the_router_cannot_render_is_keyed_by_its_text_and_served(
+    engine_factory: EngineFactory, model_dir: Path
+) -> None:
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(tokens_config(fleet, model_dir)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        cases = [
+            # rendered by cutting the template's output: not done by the router
+            chat_body(
+                [*conversation("c", 50, 20), {"role": "assistant", "content": "Once"}],
+                continue_final_message=True,
+                add_generation_prompt=False,
+            ),
+            # tools the template cannot be given
+            chat_body(conversation("t", 50, 20), tools=["read_file"]),
+            chat_body(conversation("k", 50, 20), chat_template_kwargs="not an object"),
+        ]
+        for body in cases:
+            result = await post(http, router.url, body)
+            assert result.status == 200, result.raw
+        assert await metric(
+            http, router, "kvrouter_prefix_tokenized_requests_total", result="text"
+        ) == len(cases)
+
+
+async def test_a_tokenizer_directory_that_is_not_one_fails_at_start(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    async with engines(engine_factory, 1) as fleet:
+        with pytest.raises(ConfigError, match="no tokenizer"):
+            async with serve_router(tokens_config(fleet, tmp_path)):
+                pass
+
+
+def test_token_blocks_must_be_whole_tokens() -> None:
+    with pytest.raises(ConfigError, match="whole number of tokens"):
+        PrefixConfig(block_bytes=66, tokenizer="/models/qwen3")
