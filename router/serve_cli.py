@@ -65,6 +65,13 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         help="every worker's KV capacity in tokens (default: read from the engines' /metrics)",
     )
     serve.add_argument("--block-bytes", type=int, help="prefix block size in bytes")
+    serve.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="key chat prompts by the model's own tokens: a directory with tokenizer.json "
+        "and tokenizer_config.json (prefix.tokenizer; then --block-bytes 64 for the "
+        "engine's 16-token blocks)",
+    )
     serve.add_argument("--max-attempts", type=int, help="workers tried before the first byte")
     serve.add_argument("--seed", type=int, help="seed for policies that draw at random")
     serve.add_argument(
@@ -130,6 +137,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["capacity"] = {"kv_tokens": args.kv_tokens}
     if args.block_bytes is not None:
         values["prefix"] = {"block_bytes": args.block_bytes}
+    if args.tokenizer is not None:
+        values.setdefault("prefix", {})["tokenizer"] = args.tokenizer
     if args.max_attempts is not None:
         values["upstream"] = {"max_attempts": args.max_attempts}
     if args.log_requests:

@@ -12,8 +12,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.textgen import text_for
+from router.cli import build_parser
 from router.config import PrefixConfig
 from router.errors import ConfigError
+from router.serve_cli import flag_overrides
 from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import chat_body, conversation, engines, metric, post
@@ -115,3 +117,10 @@ async def test_a_tokenizer_directory_that_is_not_one_fails_at_start(
 def test_token_blocks_must_be_whole_tokens() -> None:
     with pytest.raises(ConfigError, match="whole number of tokens"):
         PrefixConfig(block_bytes=66, tokenizer="/models/qwen3")
+
+
+def test_kvrouter_serve_takes_the_tokenizer_as_a_flag() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--worker", "http://e0", "--tokenizer", "/models/qwen3", "--block-bytes", "64"]
+    )
+    assert flag_overrides(args)["prefix"] == {"block_bytes": 64, "tokenizer": "/models/qwen3"}
