@@ -1,13 +1,15 @@
 """``kvrouter bench replicas``: 1, 2, 4, 8 router replicas sharing state through Redis.
 
-One fleet and one agent workload; for each replica count, the replicas start on
+One fleet and one workload (the demo's agent sessions, or a ``bench matrix`` row's with
+its fleet's KV size, ``--row``); for each replica count, the replicas start on
 consecutive ports with ``--state`` pointing at one redis-server (started here on a free
 port, emptied before each run), and the replay sends each request to a replica picked at
 random or to each replica in turn (``--assign``), as a load balancer without affinity
 would. Hit rate, TTFT and load imbalance across workers (coefficient of variation of
 requests and of prefilled tokens) are compared with the single replica; with shared
-state, each run also reports the Redis round trips a request made on its path and the
-99th percentile of one round trip's wait, read from the replicas' ``/metrics``.
+state, each run also reports the Redis round trips a request made on its path, the mean
+wait before forwarding and the 50th and 99th percentiles of one round trip's wait, read
+from the replicas' ``/metrics``.
 ``--mirrors-only`` runs replica counts with shared state but without those round trips
 (``--no-read-your-writes``), ``--unshared`` with private indexes, for contrast.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import socket
 from collections.abc import AsyncIterator, Sequence
@@ -34,9 +37,11 @@ from bench.demo import (
     RouterSpec,
     add_workload_arguments,
     demo_config,
+    demo_workload,
     kvrouter_command,
     run_comparison,
 )
+from bench.matrix import Row, rows
 from bench.replay.client import ASSIGNS, Assign
 
 
@@ -173,7 +178,7 @@ def bucket_quantile(cumulative: dict[float, float], q: float) -> float | None:
 
 
 async def run_replicas(
-    config: DemoConfig, runs: ReplicaRuns, policy: str, console: Console
+    config: DemoConfig, runs: ReplicaRuns, policy: str, console: Console, row: Row | None = None
 ) -> None:
     async with redis_server() as url, aiohttp.ClientSession() as http:
         client = aioredis.Redis.from_url(url)
@@ -190,6 +195,8 @@ async def run_replicas(
                 console,
                 lambda urls: replica_specs(config, runs, policy, url, urls),
                 flush,
+                workload=row.workload if row is not None else demo_workload,
+                per_engine_flags=row.per_engine_flags if row is not None else (),
                 after_each=figures,
             )
         finally:
@@ -219,6 +226,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         default="",
         help="replica counts to run also without shared state, for contrast",
     )
+    parser.add_argument(
+        "--row",
+        choices=[row.name for row in rows()],
+        default=None,
+        help="a workload of `bench matrix` (its fleet's KV size and flags too) instead of "
+        "the demo's agent sessions",
+    )
     # Replicas share a redis-server, a process outside the virtual clock.
     parser.set_defaults(func=run, out=Path("results/replicas"), policies="ttft", clock="real")
 
@@ -235,7 +249,10 @@ def run(args: argparse.Namespace) -> int:
         mirrors_only=_counts(args.mirrors_only),
         unshared=_counts(args.unshared),
     )
-    asyncio.run(run_replicas(config, runs, config.policies[0], Console()))
+    row = {r.name: r for r in rows()}[args.row] if args.row else None
+    if row is not None and row.kv_tokens is not None:
+        config = dataclasses.replace(config, kv_tokens=row.kv_tokens)
+    asyncio.run(run_replicas(config, runs, config.policies[0], Console(), row))
     return 0
 
 
