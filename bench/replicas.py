@@ -127,10 +127,11 @@ BEFORE_FORWARDING = ("lookup", "reserve")
 
 async def redis_figures(http: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, float]:
     """From the replicas' ``/metrics`` (summed over the replicas): Redis round trips per
-    request on their paths, the mean time a request waited on Redis before it was
-    forwarded (lookup and reserve; the record waits before the final chunk, not the
-    first), and the 50th and 99th percentiles of one round trip's wait."""
-    trips = requests = waited_before_forwarding = 0.0
+    request on their paths and the share of them given up at ``state.path_timeout_s``,
+    the mean time a request waited on Redis before it was forwarded (lookup and
+    reserve; the record waits before the final chunk, not the first), and the 50th and
+    99th percentiles of one round trip's wait."""
+    trips = timeouts = requests = waited_before_forwarding = 0.0
     buckets: dict[float, float] = {}
     for url in urls:
         async with http.get(f"{url}/metrics") as response:
@@ -139,6 +140,7 @@ async def redis_figures(http: aiohttp.ClientSession, urls: Sequence[str]) -> dic
             for sample in family.samples:
                 if sample.name == "kvrouter_redis_path_operations_total":
                     trips += sample.value
+                    timeouts += sample.value if sample.labels["result"] == "timeout" else 0
                 elif sample.name == "kvrouter_requests_total":
                     requests += sample.value
                 elif sample.name == "kvrouter_redis_path_seconds_bucket":
@@ -151,6 +153,8 @@ async def redis_figures(http: aiohttp.ClientSession, urls: Sequence[str]) -> dic
     if requests:
         figures["redis_trips"] = trips / requests
         figures["redis_wait_before_forwarding"] = waited_before_forwarding / requests
+    if trips:
+        figures["redis_timeouts"] = timeouts / trips
     for key, q in (("redis_wait_p50", 0.5), ("redis_wait_p99", 0.99)):
         quantile = bucket_quantile(buckets, q)
         if quantile is not None:

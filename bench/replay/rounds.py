@@ -141,6 +141,13 @@ FIGURES: tuple[Figure, ...] = (
         False,
     ),
     Figure(
+        "redis_timeouts",
+        "Redis round trips past the bound",
+        lambda r: r.extras.get("redis_timeouts"),
+        _pct,
+        False,
+    ),
+    Figure(
         "redis_wait_before_forwarding",
         "Redis wait before forwarding, mean / request (wall)",
         lambda r: r.extras.get("redis_wait_before_forwarding"),
