@@ -282,7 +282,9 @@ class StateConfig:
     url: str = ""
     namespace: str = "kvrouter"
     flush_interval_s: float = 0.02  # how long index writes wait to be batched
-    load_interval_s: float = 1.0  # how often replicas share their load and rates
+    # How often replicas share their load (queued prefill included) and rates: often
+    # enough that a prefill queued by another replica is seen while it is queued.
+    load_interval_s: float = 0.1
     key_ttl_s: float = 3600.0  # residency keys of a worker nobody touches expire
     # Changes stay on the stream this long: live replicas read them within milliseconds;
     # a starting replica reads the residency sets instead. Events carry every block hash

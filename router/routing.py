@@ -255,7 +255,7 @@ class Router:
             name=worker.name,
             outstanding_requests=outstanding,
             outstanding_tokens=worker.outstanding_tokens + worker.remote_tokens,
-            queued_prefill_tokens=worker.queued_prefill_tokens,
+            queued_prefill_tokens=worker.queued_prefill_tokens + worker.remote_queued_prefill,
             matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,

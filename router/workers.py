@@ -31,6 +31,7 @@ class Worker:
     # Load other router replicas report on this worker (shared state; 0 when alone).
     remote_requests: int = 0
     remote_tokens: int = 0
+    remote_queued_prefill: int = 0
     # The engine's process_start_time_seconds when last seen; a change means a restart.
     engine_started_at: float | None = None
     epoch: int = 0  # restarts seen; a session remembered on an older epoch lost its cache

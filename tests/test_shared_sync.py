@@ -297,13 +297,15 @@ async def test_a_late_purge_of_the_same_restart_leaves_redis_alone(
         assert a.holds("w0", chain(100, 8)) and b.holds("w0", chain(100, 8))
 
 
-async def test_recent_demand_reaches_the_other_replicas(redis_url: str) -> None:
-    """New sessions are placed beside the least recent demand once caches are full; each
-    replica sends only part of it, so each must hear the others' or they pile sessions
-    onto the worker each of them alone has sent least to."""
+async def test_recent_demand_and_queued_prefill_reach_the_other_replicas(redis_url: str) -> None:
+    """New sessions are placed beside the least recent demand once caches are full, and
+    sessions leave a worker whose queue outweighs their cache; each replica sends only
+    part of both, so each must hear the others' or they pile sessions onto the worker
+    each of them alone has sent least to, and keep them there."""
     async with replica(redis_url) as a, replica(redis_url) as b:
         a.fleet.workers["w0"].demand.add(50_000, monotonic())
         b.fleet.workers["w1"].demand.add(20_000, monotonic())
+        a.fleet.workers["w1"].queued_prefill_tokens = 7_000
 
         async def heard() -> bool:
             now = monotonic()
@@ -313,6 +315,9 @@ async def test_recent_demand_reaches_the_other_replicas(redis_url: str) -> None:
             )
 
         await wait_for(heard)
+        # The prefill queued on a worker by another replica, as one router sees it all.
+        assert b.fleet.workers["w1"].remote_queued_prefill == 7_000
+        assert a.fleet.workers["w1"].remote_queued_prefill == 0
         now = monotonic()
         # Each hears only the other's: its own is not counted twice.
         assert a.fleet.workers["w0"].remote_demand.value(now) == 0

@@ -4,8 +4,9 @@
   each worker's residency as a sorted set (score = last touch, trimmed to the worker's
   capacity, with a TTL) and the changes themselves on a stream for live replicas;
 * subscriber: reads the stream and applies other replicas' changes to the local mirror;
-* load sharer: every ``load_interval_s``, this replica's outstanding load per worker and
-  its learned prefill rate go to Redis with a TTL (a crashed replica's load expires), and
+* load sharer: every ``load_interval_s``, this replica's load per worker (outstanding
+  requests and tokens, recent demand, queued prefill) and its learned prefill rate go to
+  Redis with a TTL (a crashed replica's load expires), and
   the other live replicas' figures come back into ``Worker.remote_*`` and the rate; then
   the fleet's routing policy is read and a newer one installed (``router/shared/policy.py``);
 * at start, and whenever Redis comes back after a failure, the residency sets are read
@@ -50,6 +51,9 @@ MAX_BATCH = 512
 READ_BLOCK_MS = 250
 BACKOFF_MAX_S = 5.0
 PEERS_HOLD_S = 10.0
+# A replica's shared load lives at least this long (ms): a short load_interval_s must
+# not let a busy replica's load lapse between two of its shares.
+LOAD_TTL_MIN_MS = 2_000
 # RedisClusterException is no RedisError: a cluster whose nodes are all unreachable raises it.
 REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
 
@@ -356,15 +360,15 @@ class RedisSync:
 
     async def _share_load(self) -> None:
         fleet, rate = self._fleet, self._rate
-        ttl = int(self._config.load_interval_s * 3000)
+        ttl = max(LOAD_TTL_MIN_MS, int(self._config.load_interval_s * 3000))
         now = time.time()
-        # Outstanding requests and tokens, and the recent demand new sessions are placed
-        # by (it fades over tens of seconds), change slowly enough to share; queued
-        # prefill lasts milliseconds, so a copy a load interval old would only mislead
-        # (another replica's prefill shows up in the engine's own waiting count instead).
+        # Per worker: outstanding requests and tokens, the recent demand new sessions are
+        # placed by, and the prefill queued there (which keeps a session off a worker
+        # busy with other replicas' prompts, as one router sees the whole queue).
         moment = monotonic()
         load = {
-            w.name: f"{w.outstanding_requests},{w.outstanding_tokens},{w.demand.value(moment):.0f}"
+            w.name: f"{w.outstanding_requests},{w.outstanding_tokens},"
+            f"{w.demand.value(moment):.0f},{w.queued_prefill_tokens}"
             for w in fleet.all()
         }
         pipe = self._redis.pipeline(transaction=False)
@@ -391,18 +395,19 @@ class RedisSync:
         self._apply_remote(replies[0::2], replies[1::2])
 
     def _apply_remote(self, loads: list[dict[bytes, bytes]], rates: list[bytes | None]) -> None:
-        # requests, tokens, demand by worker; a replica that predates demand sends two
+        # requests, tokens, demand, queued prefill by worker; a replica that predates
+        # the last two sends only the first two
         totals: dict[str, list[int]] = {}
         for load in loads:
             for worker, value in load.items():
-                parts = [int(x) for x in value.split(b",")[:3]]
-                acc = totals.setdefault(worker.decode(), [0, 0, 0])
+                parts = [int(x) for x in value.split(b",")[:4]]
+                acc = totals.setdefault(worker.decode(), [0, 0, 0, 0])
                 for i, part in enumerate(parts):
                     acc[i] += part
         moment = monotonic()
         for w in self._fleet.all():
-            requests, tokens, demand = totals.get(w.name, (0, 0, 0))
-            w.remote_requests, w.remote_tokens = requests, tokens
+            requests, tokens, demand, queued = totals.get(w.name, (0, 0, 0, 0))
+            w.remote_requests, w.remote_tokens, w.remote_queued_prefill = requests, tokens, queued
             w.remote_demand.reset(demand, moment)
         self._rate.blend([(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)])
 
