@@ -12,11 +12,14 @@ import unicodedata
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 from transformers import AutoTokenizer
 
 from bench.textgen import text_for
 from router.errors import BadRequest, ConfigError
+from router.parse import RequestBody, read_request
 from router.tokens.conversation import (
     BILLING_HEADER,
     detect_content_format,
@@ -24,6 +27,7 @@ from router.tokens.conversation import (
     template_tools,
 )
 from router.tokens.incremental import IncrementalEncoder
+from router.tokens.keys import TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
 from tests.token_model import DATA, build_model_dir
 
@@ -320,3 +324,105 @@ def test_the_content_format_is_read_from_the_template(source: str, expected: str
 def test_qwen3_takes_its_content_as_a_string() -> None:
     qwen = json.loads((DATA / "tokenizer_config.json").read_text())["chat_template"]
     assert detect_content_format(qwen) == "string"
+
+
+# -- keys (router.tokens.keys) --------------------------------------------------------------
+
+
+def _with_template(model_dir: Path, directory: Path, template: str) -> ModelTokenizer:
+    shutil.copy(model_dir / "tokenizer.json", directory)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return ModelTokenizer.from_dir(directory)
+
+
+def _body(messages: list[dict[str, Any]], **fields: Any) -> RequestBody:
+    raw = orjson.dumps({"model": "m", "messages": messages, **fields})
+    return read_request("chat", raw, None, ())
+
+
+async def test_a_later_turns_history_is_the_previous_prompt(model: ModelTokenizer) -> None:
+    keys = TokenKeys(model, 1_000_000, TokenMetrics(CollectorRegistry()))
+    try:
+        first = conversation_turns(2)[0]
+        previous = model.encode(model.template().render(first))
+        await keys.chat(first, None, {})
+        later = await keys.chat(conversation_turns(2)[1], None, {})
+        assert later.history_bytes == 4 * len(previous)
+        assert later.reused_tokens > 0
+    finally:
+        keys.close()
+
+
+async def test_a_template_that_refuses_the_history_still_keys_by_tokens(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    strict = (
+        "{% if messages | selectattr('role', 'equalto', 'user') | list | length == 0 %}"
+        "{{ raise_exception('No user query found in messages.') }}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    keys = TokenKeys(
+        _with_template(model_dir, tmp_path, strict), 1_000_000, TokenMetrics(CollectorRegistry())
+    )
+    try:
+        body = _body([{"role": "system", "content": "s " * 50}, {"role": "user", "content": "u"}])
+        request = await keys.key(body, 64)
+        assert keyed(keys, "tokens") == 1
+        assert request.history_blocks == 0
+        refused = await keys.key(_body([{"role": "system", "content": "only"}]), 64)
+        assert keyed(keys, "text") == 1  # and keyed, served
+        assert refused.key.hashes or refused.key.tail
+    finally:
+        keys.close()
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"chat_template": "{{ messages }}"},
+        {"truncate_prompt_tokens": 100},
+        {"add_special_tokens": True},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    ],
+)
+async def test_what_the_engine_renders_otherwise_is_keyed_by_text(
+    model: ModelTokenizer, fields: dict[str, Any]
+) -> None:
+    keys = TokenKeys(model, 1_000_000, TokenMetrics(CollectorRegistry()))
+    try:
+        messages = fields.pop("messages", [{"role": "user", "content": "hello"}])
+        await keys.key(_body(messages, **fields), 64)
+        assert keyed(keys, "text") == 1
+    finally:
+        keys.close()
+
+
+def keyed(keys: TokenKeys, result: str) -> float:
+    """Requests keyed with ``result`` (tokens, text, busy)."""
+    return sum(
+        sample.value
+        for family in keys.metrics.requests.collect()
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels == {"result": result}
+    )
+
+
+def conversation_turns(turns: int) -> list[list[dict[str, Any]]]:
+    return _grow(turns, rewrite_reasoning=False)
+
+
+def test_padding_and_truncation_in_tokenizer_json_are_off(model_dir: Path, tmp_path: Path) -> None:
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    spec["padding"] = {"strategy": {"Fixed": 512}, "direction": "Right", "pad_to_multiple_of": None,
+                       "pad_id": 0, "pad_type_id": 0, "pad_token": "<|endoftext|>"}  # fmt: skip
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst",
+                          "stride": 0}  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    shutil.copy(model_dir / "tokenizer_config.json", tmp_path)
+    padded = ModelTokenizer.from_dir(tmp_path)
+    plain = ModelTokenizer.from_dir(model_dir)
+    text = "one two three four five six"
+    assert padded.encode(text) == plain.encode(text)
+    assert len(plain.encode(text)) > 4

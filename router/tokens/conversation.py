@@ -47,9 +47,28 @@ def template_conversation(
         template_source
     ):
         conversation = _consolidate_systems(
-            [{**m, "role": "system"} if m["role"] == "developer" else m for m in conversation]
+            [_as_system(m) if m["role"] == "developer" else m for m in conversation]
         )
     return conversation
+
+
+# Content parts the router renders as vLLM does; media and the rest it cannot (their
+# placeholders depend on the model's processor).
+TEXT_PARTS = ("text",)
+
+
+def renders_as_the_engine(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Every content part is text (with its text), so the router's rendering is the
+    engine's."""
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if not isinstance(part, Mapping) or part.get("type") not in TEXT_PARTS:
+                    return False
+                if not isinstance(part.get("text"), str):
+                    return False
+    return True
 
 
 def template_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -146,6 +165,12 @@ def _with_parsed_arguments(call: Any) -> Any:
                 parsed = None
         function["arguments"] = parsed if isinstance(parsed, dict) else {}
     return {**call, "function": function}
+
+
+def _as_system(message: dict[str, Any]) -> dict[str, Any]:
+    converted = {**message, "role": "system"}
+    converted.pop("tools", None)
+    return converted
 
 
 def _knows_developer(template_source: str) -> bool:

@@ -42,6 +42,8 @@ DEFAULT_MAX_TOKENS = 16_000_000  # ids held, ~64 MB
 class Encoded:
     ids: array[int]  # the prompt's ids, typecode "I"
     reused: int  # of them, taken from an earlier prompt without encoding
+    start: int  # where in the text the encoding began (the end of the reused ids' text)
+    ends: list[int]  # each newly encoded token's end, in characters from ``start``
 
 
 class IncrementalEncoder:
@@ -62,7 +64,8 @@ class IncrementalEncoder:
 
     def encode(self, text: str) -> Encoded:
         if self._pattern is None:
-            return Encoded(array("I", self.model.encode(text)), 0)
+            whole = self.model.encoding(text)
+            return Encoded(array("I", whole.ids), 0, 0, [end for _, end in whole.offsets])
         cuts = [match.end() for match in self._pattern.finditer(text)]
         digests = _digests(text, cuts)
         start, prefix = 0, array("I")
@@ -74,12 +77,13 @@ class IncrementalEncoder:
                 self._held.move_to_end(id(ids))
                 start, prefix = cut, ids[:length]
                 break
-        encoding = self.model.tokenizer.encode(text[start:], add_special_tokens=False)
+        encoding = self.model.encoding(text[start:])
         reused = len(prefix)
         ids = prefix
         ids.extend(encoding.ids)
-        self._remember(ids, reused, start, cuts, digests, [end for _, end in encoding.offsets])
-        return Encoded(ids, reused)
+        ends = [end for _, end in encoding.offsets]
+        self._remember(ids, reused, start, cuts, digests, ends)
+        return Encoded(ids, reused, start, ends)
 
     def _remember(
         self,

@@ -15,28 +15,37 @@ it costs a request is measured beside the text mode's.
 from __future__ import annotations
 
 import asyncio
+import bisect
+import logging
 import sys
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AnyStr
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from router.errors import BadRequest
 from router.parse import ClientRequest, RequestBody, keyed, keyed_by_text
 from router.tokens.conversation import (
     ContentFormat,
     detect_content_format,
+    renders_as_the_engine,
     template_conversation,
     template_tools,
 )
-from router.tokens.incremental import IncrementalEncoder
+from router.tokens.incremental import Encoded, IncrementalEncoder
 from router.tokens.model import ModelTokenizer
 
 TOKEN_BYTES = 4
+# Requests queued for the tokenizer's thread past which the next is keyed by its text:
+# waiting behind many long first prompts would cost more than a coarser key.
+MAX_PENDING = 64
+# Request fields that change what the engine renders or encodes in ways the router does
+# not reproduce: a request that sets them is keyed by its text.
+UNRENDERED_FIELDS = ("chat_template", "truncate_prompt_tokens")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +60,10 @@ class TokenMetrics:
         self.requests = Counter(
             "kvrouter_prefix_tokenized_requests",
             "Chat requests keyed by the model's own tokens (prefix.tokenizer), by result: "
-            "tokens, or text (the template could not render them or the request asked "
-            "for what the router does not render, e.g. continue_final_message; the "
-            "engine decides whether they are valid).",
+            "tokens; text (the template could not render them, or the request asked for "
+            "what the router does not render: continue_final_message, its own "
+            "chat_template, media parts...; the engine decides whether they are valid); "
+            "busy (too many waiting for the tokenizer, keyed by text instead).",
             ["result"],
             registry=registry,
         )
@@ -71,7 +81,7 @@ class TokenMetrics:
         self.encoded = Counter(
             "kvrouter_prefix_encoded_tokens", "Prompt tokens encoded.", registry=registry
         )
-        for result in ("tokens", "text"):
+        for result in ("tokens", "text", "busy"):
             self.requests.labels(result)
 
 
@@ -88,27 +98,41 @@ class TokenKeys:
         self._content_format = content_format  # None: read from the template
         self._encoder = IncrementalEncoder(model, max_tokens)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrouter-tokens")
+        self._pending = 0  # requests waiting for or on the tokenizer's thread
 
     async def key(self, body: RequestBody, block_bytes: int) -> ClientRequest:
-        """A chat request keyed by its tokens; by its text where they cannot be had."""
+        """A chat request keyed by its tokens; by its text where they cannot be had (the
+        engine, not the router, decides whether such a request is valid)."""
         assert body.messages is not None
         fields = body.fields
         tools = fields.get("tools")
         tools = tools if isinstance(tools, list) and tools else None
         kwargs = template_kwargs_of(fields)
-        if kwargs is None or (tools and not all(isinstance(t, Mapping) for t in tools)):
-            self.metrics.requests.labels("text").inc()
-            return keyed_by_text(body, block_bytes)
+        if (
+            kwargs is None
+            or (tools is not None and not all(isinstance(t, Mapping) for t in tools))
+            or not renders_as_the_engine(body.messages)
+        ):
+            return self._by_text(body, block_bytes, "text")
+        if self._pending >= MAX_PENDING:
+            return self._by_text(body, block_bytes, "busy")
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+        self._pending += 1
         try:
             chat = await self.chat(body.messages, tools, kwargs, add_generation_prompt)
-        except (BadRequest, TypeError, ValueError, KeyError, AttributeError, RecursionError):
-            # Whatever the router cannot render, the engine may: it decides, the router
-            # routes such a request by its text.
-            self.metrics.requests.labels("text").inc()
-            return keyed_by_text(body, block_bytes)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a template error, or anything else the router cannot render
+            log.debug("chat prompt keyed by its text", exc_info=True)
+            return self._by_text(body, block_bytes, "text")
+        finally:
+            self._pending -= 1
         self.metrics.requests.labels("tokens").inc()
         return keyed(body, chat.canonical, chat.history_bytes // block_bytes, block_bytes, False)
+
+    def _by_text(self, body: RequestBody, block_bytes: int, result: str) -> ClientRequest:
+        self.metrics.requests.labels(result).inc()
+        return keyed_by_text(body, block_bytes)
 
     async def chat(
         self,
@@ -139,34 +163,49 @@ class TokenKeys:
         tools = template_tools(tools) if tools else None
         kwargs = dict(template_kwargs or {})
         documents = kwargs.pop("documents", None)
-        text = template.render(
-            messages,
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-            template_kwargs=kwargs,
-        )
+
+        def render(conversation: Sequence[Mapping[str, Any]], generation_prompt: bool) -> str:
+            return template.render(
+                conversation,
+                tools=tools,
+                documents=documents,
+                add_generation_prompt=generation_prompt,
+                template_kwargs=kwargs,
+            )
+
+        text = render(messages, add_generation_prompt)
         encoded = self._encoder.encode(text)
         canonical = _as_bytes(encoded.ids)
         history = _history(messages)
         history_bytes = 0
         if history:
-            # The previous turn's prompt as that turn sent it: what it left cached, as far
-            # as this prompt still starts with it (a template may rewrite earlier turns).
-            before = template.render(
-                history[0],
-                tools=tools,
-                documents=documents,
-                add_generation_prompt=history[1],
-                template_kwargs=kwargs,
-            )
-            earlier = _as_bytes(self._encoder.encode(before).ids)
-            history_bytes = _common_prefix(canonical, earlier) // TOKEN_BYTES * TOKEN_BYTES
+            try:
+                history_bytes = self._history_bytes(history, text, encoded, canonical, render)
+            except Exception:  # a template may refuse the shorter conversation
+                log.debug("the previous turn's prompt did not render", exc_info=True)
         metrics = self.metrics
         metrics.seconds.observe(time.perf_counter() - started)
         metrics.reused.inc(encoded.reused)
         metrics.encoded.inc(len(encoded.ids) - encoded.reused)
         return ChatTokens(canonical, history_bytes, encoded.reused)
+
+    def _history_bytes(
+        self,
+        history: tuple[Sequence[Mapping[str, Any]], bool],
+        text: str,
+        encoded: Encoded,
+        canonical: bytes,
+        render: Callable[[Sequence[Mapping[str, Any]], bool], str],
+    ) -> int:
+        """The previous turn's prompt as that turn sent it: what it left cached, as far
+        as this prompt still starts with it (a template may rewrite earlier turns)."""
+        before = render(*history)
+        shared = _common_prefix(before, text)
+        if shared >= encoded.start:  # within what was just encoded: its offsets say
+            tokens = encoded.reused + bisect.bisect_right(encoded.ends, shared - encoded.start)
+            return tokens * TOKEN_BYTES
+        earlier = _as_bytes(self._encoder.encode(before).ids)
+        return _common_prefix(canonical, earlier) // TOKEN_BYTES * TOKEN_BYTES
 
 
 def template_kwargs_of(fields: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -178,6 +217,10 @@ def template_kwargs_of(fields: Mapping[str, Any]) -> dict[str, Any] | None:
     kwargs that are not an object."""
     given = fields.get("chat_template_kwargs")
     if given is not None and not isinstance(given, Mapping):
+        return None
+    if any(fields.get(name) is not None for name in UNRENDERED_FIELDS) or fields.get(
+        "add_special_tokens"
+    ):
         return None
     user = dict(given or {})
     if fields.get("continue_final_message") or user.get("continue_final_message"):
@@ -214,15 +257,14 @@ def _as_bytes(ids: array[int]) -> bytes:
     return ids.tobytes()
 
 
-def _common_prefix(a: bytes, b: bytes) -> int:
+def _common_prefix(a: AnyStr, b: AnyStr) -> int:
     """Length of the longest common prefix, by halving (each step one C comparison)."""
     if a.startswith(b):
         return len(b)
     low, high = 0, min(len(a), len(b))
-    view_a, view_b = memoryview(a), memoryview(b)
     while low < high:
         middle = (low + high + 1) // 2
-        if view_a[:middle] == view_b[:middle]:
+        if a[:middle] == b[:middle]:
             low = middle
         else:
             high = middle - 1

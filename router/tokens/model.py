@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from router.errors import ConfigError
 from router.tokens.template import ChatTemplate
@@ -63,16 +63,28 @@ class ModelTokenizer:
             config = json.loads(config_file.read_text())
         except Exception as exc:  # tokenizers raises a bare Exception on a bad file
             raise ConfigError(f"prefix.tokenizer: cannot read {root}: {exc}") from exc
+        # transformers turns off what a tokenizer.json may carry for training batches:
+        # pads inside a prompt's ids, or a prompt cut short, would key it wrongly.
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
+        if config.get("split_special_tokens"):
+            raise ConfigError(
+                f"prefix.tokenizer: {root} sets split_special_tokens (special tokens "
+                "encoded as text), which the router does not reproduce"
+            )
         special = _special_tokens(config)
         sources = _template_sources(root, config)
         if not sources:
             raise ConfigError(f"prefix.tokenizer: {root} has no chat template")
         templates = {name: ChatTemplate(source, special) for name, source in sources.items()}
+        added = [a for a in spec.get("added_tokens", []) if isinstance(a.get("content"), str)]
+        contents = [a["content"] for a in added]
         boundaries = tuple(
-            added["content"]
-            for added in spec.get("added_tokens", [])
-            if not (added.get("lstrip") or added.get("rstrip") or added.get("single_word"))
-            and not added.get("normalized", False)
+            token["content"]
+            for token in added
+            if not (token.get("lstrip") or token.get("rstrip") or token.get("single_word"))
+            and not token.get("normalized", False)
+            and not _inside_another(token["content"], contents)
         )
         shape = json.dumps([spec.get("normalizer"), spec.get("pre_tokenizer")])
         return cls(
@@ -94,8 +106,14 @@ class ModelTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` as the engine encodes a rendered chat prompt."""
-        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False).ids
+        ids: list[int] = self.encoding(text).ids
         return ids
+
+    def encoding(self, text: str) -> Encoding:
+        # encode_batch, not encode: only it lets go of the GIL while it works, so a long
+        # prompt encoded on the tokenizer's thread does not stall the event loop.
+        encoding: Encoding = self.tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        return encoding
 
     def boundary_pattern(self) -> re.Pattern[str] | None:
         """Occurrences of the boundary tokens, longest first (so a token that contains
@@ -104,6 +122,12 @@ class ModelTokenizer:
             return None
         ordered = sorted(set(self.boundaries), key=len, reverse=True)
         return re.compile("|".join(re.escape(token) for token in ordered))
+
+
+def _inside_another(token: str, contents: list[str]) -> bool:
+    """A token that is part of a longer added token is cut out only where the longer one
+    is not: a cut after it is not a safe place."""
+    return any(token in other and token != other for other in contents)
 
 
 def _special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
