@@ -139,8 +139,9 @@ async def redis_figures(http: aiohttp.ClientSession, urls: Sequence[str]) -> dic
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == "kvrouter_redis_path_operations_total":
-                    trips += sample.value
-                    timeouts += sample.value if sample.labels["result"] == "timeout" else 0
+                    result = sample.labels["result"]
+                    trips += sample.value if result != "late" else 0  # "late": counted once
+                    timeouts += sample.value if result == "timeout" else 0
                 elif sample.name == "kvrouter_requests_total":
                     requests += sample.value
                 elif sample.name == "kvrouter_redis_path_seconds_bucket":

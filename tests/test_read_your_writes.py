@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from bench.replicas import redis_figures
 from bench.textgen import text_for
 from router.config import StateConfig
+from router.shared.keys import Keys
 from tests.conftest import (
     EngineFactory,
     RedisServer,
@@ -166,6 +167,29 @@ async def test_a_slow_redis_costs_a_request_at_most_the_bound(
         # The first of each session's requests asks (nobody holds its system prompt);
         # every request reserves and records; each gave up at the bound and went on.
         assert given_up == {"lookup": 3, "reserve": 6, "record": 6}
+
+        # The writes still landed, late, off the requests' paths: every turn recorded,
+        # and no reservation left claiming blocks after its request ended.
+        async def late() -> bool:
+            landed = [
+                await metric(http, a, "kvrouter_redis_path_operations_total", op=op, result="late")
+                for op in ("reserve", "record")
+            ]
+            return landed == [6, 6]
+
+        await wait_for(late, timeout_s=10)
+        keys, client = Keys(a.config.state.namespace), aioredis.Redis.from_url(redis_url)
+        try:
+            served = {w.name for w in a.config.workers}
+
+            async def landed() -> bool:
+                recorded = {w for w in served if await client.exists(keys.residency(w))}
+                reserved = sum([await client.zcard(keys.reserved(w)) for w in served])
+                return bool(recorded) and reserved == 0
+
+            await wait_for(landed, timeout_s=10)
+        finally:
+            await client.aclose()
 
 
 async def test_a_replica_alone_makes_no_round_trips_on_the_path(

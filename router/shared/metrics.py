@@ -59,7 +59,7 @@ class RedisMetrics:
 
 
 PATH_OPS = ("lookup", "reserve", "record")
-PATH_RESULTS = ("ok", "timeout", "error")
+PATH_RESULTS = ("ok", "timeout", "error", "late")
 
 
 class PathMetrics:
@@ -71,7 +71,8 @@ class PathMetrics:
             "Redis round trips made on a request's path (read-your-writes): lookup (no "
             "local worker held the session's history), reserve (the decision, before "
             "forwarding), record (the reply's blocks, before the final chunk); by result "
-            "(timeout: past state.path_timeout_s, the request went on without it).",
+            "(timeout: past state.path_timeout_s, the request went on without it; late: a "
+            "write that timed out and then landed, off the request's path).",
             ["op", "result"],
             registry=registry,
         )

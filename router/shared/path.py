@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -58,6 +59,8 @@ def _binding_of(worker: Worker) -> str:
 # died): long enough for any prefill, short enough not to mislead for long.
 RESERVATION_TTL_S = 60.0
 WITHDRAW_TIMEOUT_S = 1.0
+# Writes past the bound left to finish off the request's path, at most (then cancelled).
+MAX_LATE_WRITES = 1024
 
 
 class SharedPath:
@@ -77,7 +80,9 @@ class SharedPath:
         self._key_ttl_ms = int(config.key_ttl_s * 1000)
         self._metrics = metrics
         # Withdrawals of failed dispatches' reservations, sent off the request's path.
-        self._background: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[Any]] = set()
+        # Reservations whose write is landing late, by worker and prompt (router's hashes).
+        self._reserving: dict[tuple[str, int, int, int], asyncio.Future[Any]] = {}
 
     async def lookup(
         self, request: ClientRequest, hashes: Sequence[int], candidates: Sequence[Worker]
@@ -127,7 +132,12 @@ class SharedPath:
         pipe.zadd(key, dict.fromkeys(map(member, hashes), lapses))
         pipe.zremrangebyscore(key, "-inf", now_ms)
         pipe.pexpire(key, int(RESERVATION_TTL_S * 1000))
-        await self._bounded("reserve", pipe.execute())
+        write = asyncio.ensure_future(pipe.execute())
+        await self._bounded("reserve", write, finish_late=True)
+        if not write.done():  # landing late: what withdraws it must not land first
+            reservation = _reservation(worker, hashes)
+            self._reserving[reservation] = write
+            write.add_done_callback(lambda _: self._reserving.pop(reservation, None))
 
     async def record(
         self,
@@ -153,13 +163,16 @@ class SharedPath:
         if session_key is not None:
             binding = self._keys.binding(session_key)
             pipe.set(binding, _binding_of(worker), px=self._key_ttl_ms)
-        await self._bounded("record", pipe.execute())
+        pending = self._reserving.get(_reservation(worker.name, prompt)) if prompt else None
+        await self._bounded("record", _after(pending, pipe.execute), finish_late=True)
 
     def withdraw(self, worker: str, hashes: Sequence[int]) -> None:
         """The dispatch failed: its reservation goes, without holding the request up."""
         if not hashes or not self._peers():
             return
-        call = self._redis.zrem(self._keys.reserved(worker), *map(member, hashes))
+        pending = self._reserving.get(_reservation(worker, hashes))
+        key, members = self._keys.reserved(worker), [member(h) for h in hashes]
+        call = _after(pending, lambda: self._redis.zrem(key, *members))
         task = asyncio.create_task(self._quietly(call))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -172,26 +185,69 @@ class SharedPath:
     def _worker_keys(self, worker: str) -> tuple[str, str]:
         return self._keys.residency(worker), self._keys.reserved(worker)
 
-    async def _bounded(self, op: str, call: Awaitable[Any], count_ok: bool = True) -> Any:
+    async def _bounded(
+        self, op: str, call: Awaitable[Any], count_ok: bool = True, finish_late: bool = False
+    ) -> Any:
         """``call``'s result, or None past the bound or on a Redis error (counted). The
-        wait is observed whatever the result: a slow Redis shows as the bound."""
+        wait is observed whatever the result: a slow Redis shows as the bound.
+
+        ``finish_late``: a write past the bound still completes, off the request's path.
+        Cancelling it would leave a reservation claiming blocks for its whole lapse after
+        the request ended, or a turn unrecorded, and makes redis-py drop the connection
+        (a busy machine would then churn connections on every slow round trip)."""
         started = time.perf_counter()
+        task = asyncio.ensure_future(call)
         try:
-            async with asyncio.timeout(self._timeout_s):
-                result = await call
-        except TimeoutError:
-            self._metrics.operations.labels(op, "timeout").inc()
-            return None
-        except REDIS_ERRORS:
-            self._metrics.operations.labels(op, "error").inc()
-            return None
+            done, _ = await asyncio.wait({task}, timeout=self._timeout_s)
+        except asyncio.CancelledError:
+            self._give_up(op, task, finish_late)
+            raise
         finally:
             self._metrics.seconds.labels(op).observe(time.perf_counter() - started)
+        if not done:
+            self._metrics.operations.labels(op, "timeout").inc()
+            self._give_up(op, task, finish_late)
+            return None
+        error = task.exception()
+        if isinstance(error, REDIS_ERRORS):
+            self._metrics.operations.labels(op, "error").inc()
+            return None
+        if error is not None:
+            raise error
         if count_ok:
             self._metrics.operations.labels(op, "ok").inc()
-        return result
+        return task.result()
+
+    def _give_up(self, op: str, task: asyncio.Future[Any], finish_late: bool) -> None:
+        """The request stops waiting for ``task``; a write goes on without it while
+        there is room (Redis not keeping up: dropped)."""
+        if not finish_late or len(self._background) >= MAX_LATE_WRITES:
+            task.cancel()
+            return
+        self._background.add(task)
+        task.add_done_callback(functools.partial(self._finished_late, op))
+
+    def _finished_late(self, op: str, task: asyncio.Future[Any]) -> None:
+        self._background.discard(task)
+        # A late write's error is retrieved here and left to the sync loops to notice.
+        if not task.cancelled() and task.exception() is None:
+            self._metrics.operations.labels(op, "late").inc()
 
     async def _quietly(self, call: Awaitable[Any]) -> None:
         with contextlib.suppress(*REDIS_ERRORS):
             async with asyncio.timeout(WITHDRAW_TIMEOUT_S):
                 await call
+
+
+def _reservation(worker: str, hashes: Sequence[int]) -> tuple[str, int, int, int]:
+    """A dispatch's reservation, as far as telling it from others matters (two prompts
+    alike in these are siblings: one waiting on the other's write costs nothing)."""
+    return worker, len(hashes), hashes[0], hashes[-1]
+
+
+async def _after(first: asyncio.Future[Any] | None, then: Callable[[], Awaitable[Any]]) -> Any:
+    """``then()``, once ``first`` (if any) has landed or failed: Redis applies them in
+    that order."""
+    if first is not None and not first.done():
+        await asyncio.wait({first})
+    return await then()
