@@ -11,12 +11,20 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
+import orjson
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
 from bench.replicas import redis_figures
 from bench.textgen import text_for
 from router.config import StateConfig
+from router.index import LocalPrefixIndex
+from router.parse import keyed_by_text, read_request
+from router.shared.connect import connect
 from router.shared.keys import Keys
+from router.shared.metrics import PathMetrics
+from router.shared.path import SharedPath
+from router.workers import Worker
 from tests.conftest import (
     EngineFactory,
     RedisServer,
@@ -241,3 +249,37 @@ async def test_a_keyed_session_follows_its_binding_where_the_index_lost_it(
                 assert second.cached > 0
         finally:
             await client.aclose()
+
+
+async def test_a_binding_does_not_outvote_the_index_that_saw_the_session_evicted(
+    redis_url: str,
+) -> None:
+    """Where a worker's residency set is kept it is the truth: a session evicted there
+    is placed afresh (as one router does), not held to the worker by its binding, which
+    pinned evicted sessions to their full worker and piled sessions onto it."""
+    local = LocalPrefixIndex()
+    workers = [Worker(name, f"http://{name}", 64 * 1000) for name in ("w0", "w1")]
+    for w in workers:
+        local.add_worker(w.name, 1000)
+    handle = connect(redis_url)
+    path = SharedPath(
+        handle.client, local, StateConfig(url=redis_url), PathMetrics(CollectorRegistry()),
+        lambda: True,
+    )  # fmt: skip
+    raw = orjson.dumps({"model": "m", "messages": conversation("ev", 400, 100), "user": "ev"})
+    request = keyed_by_text(read_request("chat", raw, None, ("user",)), 64)
+    hashes = list(request.key.hashes)
+    try:
+        await path.record(workers[0], hashes, [], request.session_key)
+        keys = Keys("kvrouter")
+        # The index lost w0's set (expired, say): the binding stands in for it.
+        await handle.client.delete(keys.residency("w0"))
+        found = await path.lookup(request, hashes, workers)
+        assert found is not None and found["w0"] >= request.history_blocks > 0
+        # The set is kept and holds other sessions only: w0 evicted this one.
+        await handle.client.zadd(keys.residency("w0"), {b"other": 1.0})
+        found = await path.lookup(request, hashes, workers)
+        assert found == {"w0": 0, "w1": 0}
+    finally:
+        await path.close()
+        await handle.aclose()

@@ -109,15 +109,20 @@ class SharedPath:
         if reply is None:
             return None
         try:
-            bound, *held = reply
+            bound, *per_worker = reply
+            held, indexed = per_worker[0::2], per_worker[1::2]
             matches = {w.name: int(n) for w, n in zip(candidates, held, strict=True)}
+            known = {w.name: bool(int(e)) for w, e in zip(candidates, indexed, strict=True)}
             binding = bound.decode() if isinstance(bound, bytes) else None
         except (TypeError, ValueError, UnicodeDecodeError):  # not our script's answer
             self._metrics.operations.labels("lookup", "error").inc()
             return None
         self._metrics.operations.labels("lookup", "ok").inc()
         bound_to = next((w for w in candidates if binding == _binding_of(w)), None)
-        if bound_to is not None:  # the same engine, not restarted since: it holds the history
+        # The same engine, not restarted since, holds the history, unless the index says
+        # otherwise: where the worker's residency set is kept, it is the truth (its
+        # engine evicted the session); the binding stands in only where it is gone.
+        if bound_to is not None and not known[bound_to.name]:
             matches[bound_to.name] = max(matches[bound_to.name], need)
         return matches
 

@@ -64,9 +64,9 @@ class StreamPosition(NamedTuple):
 # key); then each candidate worker's residency set and reservations, in turn. ARGV[1]:
 # now (ms); the rest: the request's chain of block members, head first. Returns the
 # worker the session is bound to (false: none), then, per worker, how many leading
-# blocks it holds or has reserved (unlapsed). A worker's blocks form a prefix of a chain
-# (a set is trimmed tail first), so each is found by binary search: about 13 lookups per
-# worker for a 100K-token prompt.
+# blocks it holds or has reserved (unlapsed) and whether its residency set exists (1/0).
+# A worker's blocks form a prefix of a chain (a set is trimmed tail first), so each is
+# found by binary search: about 13 lookups per worker for a 100K-token prompt.
 LONGEST_PREFIXES = """
 local now = tonumber(ARGV[1])
 local n = #ARGV - 1
@@ -85,6 +85,7 @@ for w = 2, #KEYS, 2 do
         if held then lo = mid else hi = mid - 1 end
     end
     out[#out + 1] = lo
+    out[#out + 1] = redis.call('EXISTS', residency)
 end
 return out
 """
