@@ -71,3 +71,10 @@ async def test_round_robin_sends_each_request_to_the_next_replica() -> None:
             "http://a/v1/chat/completions",
             "http://b/v1/chat/completions",
         }
+
+
+def test_a_matrix_row_can_be_replayed_through_the_replicas() -> None:
+    args = build_parser().parse_args(["bench", "replicas", "--row", "chat"])
+    assert args.row == "chat"
+    with pytest.raises(SystemExit):  # not a row
+        build_parser().parse_args(["bench", "replicas", "--row", "nonesuch"])
