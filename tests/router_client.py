@@ -232,3 +232,39 @@ async def fake_engine(chat: Handler, models: Handler | None = None) -> AsyncIter
     app.router.add_post("/v1/chat/completions", chat)
     async with serve_on_loopback(app) as url:
         yield url
+
+
+async def stop_process(process: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
+    if process.returncode is not None:
+        return
+    process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), timeout_s)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
+
+
+async def session_turns(
+    http: aiohttp.ClientSession,
+    pick_url: Callable[[], str],
+    key: str,
+    turns: int,
+    stream: Callable[[int], bool] = lambda turn: True,
+) -> list[int]:
+    """One session's turns, each sent to ``pick_url()`` 50 ms after the last returned;
+    the status of each."""
+    messages = conversation(key, 200, 100)
+    statuses = []
+    for turn in range(turns):
+        body = chat_body(messages, max_tokens=8, stream=stream(turn))
+        result = await post(http, pick_url(), body)
+        statuses.append(result.status)
+        if result.status == 200:
+            messages += [
+                {"role": "assistant", "content": result.text},
+                {"role": "user", "content": f"turn {turn}"},
+            ]
+        await asyncio.sleep(0.05)
+    return statuses

@@ -45,7 +45,15 @@ from router.shared.metrics import RedisMetrics
 from router.shared.sync import RedisSync
 from router.workers import Fleet
 from tests.conftest import EngineFactory, RunningEngine
-from tests.router_client import Streamed, chat_body, conversation, engines, parse_sse, post
+from tests.router_client import (
+    Streamed,
+    chat_body,
+    conversation,
+    engines,
+    parse_sse,
+    post,
+    stop_process,
+)
 from tests.test_sim_fleet import free_port_run
 
 TOKEN = "s3cret"
@@ -126,13 +134,7 @@ async def serve_group(
     try:
         yield Group(process, await _serving_url(process, log), log)
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
 
 
 async def per_process(

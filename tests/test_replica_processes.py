@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import random
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,16 @@ import redis.asyncio as aioredis
 from router.config import RouterConfig
 from router.processes.slot import write_config
 from tests.conftest import EngineFactory, RedisServer, RunningEngine
-from tests.router_client import chat_body, conversation, engines, metric, post, wait_for
+from tests.router_client import (
+    chat_body,
+    conversation,
+    engines,
+    metric,
+    post,
+    session_turns,
+    stop_process,
+    wait_for,
+)
 from tests.tcp_proxy import tcp_proxy
 from tests.test_read_your_writes import alternate_turns, replica_config
 from tests.test_sim_fleet import free_port_run
@@ -63,13 +72,7 @@ async def serve_replica(config: RouterConfig, run_dir: Path) -> AsyncIterator[Re
         await _answering(replica, process)
         yield replica
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 30)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop_process(process)
 
 
 async def _answering(replica: ReplicaProcess, process: asyncio.subprocess.Process) -> None:
@@ -166,20 +169,10 @@ async def test_redis_killed_and_started_empty_under_load_loses_no_request_and_is
         ),
     ):
 
-        async def session(key: str) -> list[int]:
-            messages = conversation(key, 200, 100)
-            statuses = []
-            for turn in range(10):
-                body = chat_body(messages, max_tokens=8, stream=turn % 2 == 0)
-                result = await post(http, rng.choice(replicas).url, body)
-                statuses.append(result.status)
-                if result.status == 200:
-                    messages += [
-                        {"role": "assistant", "content": result.text},
-                        {"role": "user", "content": f"turn {turn}"},
-                    ]
-                await asyncio.sleep(0.05)
-            return statuses
+        def session(key: str) -> Awaitable[list[int]]:
+            return session_turns(
+                http, lambda: rng.choice(replicas).url, key, 10, lambda turn: turn % 2 == 0
+            )
 
         async def redis_up(value: float) -> bool:
             ups = [await metric(http, r, "kvrouter_redis_up") for r in replicas]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -29,6 +30,7 @@ from tests.router_client import (
     held_stream,
     metric,
     post,
+    session_turns,
     wait_for,
 )
 
@@ -172,19 +174,8 @@ async def test_redis_down_and_back_loses_no_request(
         aiohttp.ClientSession() as http,
     ):
 
-        async def traffic(key: str) -> list[int]:
-            messages = conversation(key, 200, 100)
-            statuses = []
-            for turn in range(8):
-                result = await post(http, rng.choice([a, b]).url, chat_body(messages, max_tokens=8))
-                statuses.append(result.status)
-                if result.status == 200:
-                    messages += [
-                        {"role": "assistant", "content": result.text},
-                        {"role": "user", "content": f"turn {turn}"},
-                    ]
-                await asyncio.sleep(0.05)
-            return statuses
+        def traffic(key: str) -> Awaitable[list[int]]:
+            return session_turns(http, lambda: rng.choice([a, b]).url, key, 8)
 
         load = asyncio.gather(*(traffic(f"k{i}") for i in range(4)))
         await asyncio.sleep(0.15)
