@@ -234,18 +234,6 @@ async def fake_engine(chat: Handler, models: Handler | None = None) -> AsyncIter
         yield url
 
 
-async def stop_process(process: asyncio.subprocess.Process, timeout_s: float = 30.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``."""
-    if process.returncode is not None:
-        return
-    process.terminate()
-    try:
-        await asyncio.wait_for(process.wait(), timeout_s)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-
-
 async def session_turns(
     http: aiohttp.ClientSession,
     pick_url: Callable[[], str],

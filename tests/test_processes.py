@@ -134,7 +134,7 @@ async def serve_group(
     try:
         yield Group(process, await _serving_url(process, log), log)
     finally:
-        await stop_process(process)
+        await stop_process(process, timeout_s=30)
 
 
 async def per_process(

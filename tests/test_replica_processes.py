@@ -72,7 +72,7 @@ async def serve_replica(config: RouterConfig, run_dir: Path) -> AsyncIterator[Re
         await _answering(replica, process)
         yield replica
     finally:
-        await stop_process(process)
+        await stop_process(process, timeout_s=30)
 
 
 async def _answering(replica: ReplicaProcess, process: asyncio.subprocess.Process) -> None:
