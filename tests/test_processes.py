@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from bench.demo import stop_process
 from bench.proc_cpu import descendants
 from bench.textgen import text_for
 from bench.throughput import ThroughputConfig, run_rounds, targets
@@ -52,7 +53,6 @@ from tests.router_client import (
     engines,
     parse_sse,
     post,
-    stop_process,
 )
 from tests.test_sim_fleet import free_port_run
 

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 import redis.asyncio as aioredis
 
+from bench.demo import stop_process
 from router.config import RouterConfig
 from router.processes.slot import write_config
 from tests.conftest import EngineFactory, RedisServer, RunningEngine
@@ -32,7 +33,6 @@ from tests.router_client import (
     metric,
     post,
     session_turns,
-    stop_process,
     wait_for,
 )
 from tests.tcp_proxy import tcp_proxy
