@@ -27,16 +27,13 @@ from router.config import RouterConfig
 from router.processes.slot import write_config
 from tests.conftest import EngineFactory, RedisServer, RunningEngine
 from tests.router_client import (
-    chat_body,
-    conversation,
     engines,
     metric,
-    post,
     session_turns,
     wait_for,
 )
 from tests.tcp_proxy import tcp_proxy
-from tests.test_read_your_writes import alternate_turns, replica_config
+from tests.test_read_your_writes import alternate_turns, replica_config, served_past_the_bound
 from tests.test_sim_fleet import free_port_run
 
 START_TIMEOUT_S = 60.0
@@ -135,23 +132,7 @@ async def test_a_slow_redis_keeps_a_replica_process_within_the_bound(
         ),
     ):
         proxy.delay_s = 0.2  # every Redis reply to the first replica a fifth of a second late
-        for s in range(3):
-            messages = conversation(f"slow{s}", 300, 100)
-            for stream in (True, False):
-                body = chat_body(messages, max_tokens=8, stream=stream)
-                result = await post(http, slowed.url, body)
-                assert result.status == 200, result.raw
-        given_up = {}
-        for op in ("lookup", "reserve", "record"):
-            ok = await metric(
-                http, slowed, "kvrouter_redis_path_operations_total", op=op, result="ok"
-            )
-            assert ok == 0, op
-            given_up[op] = await metric(
-                http, slowed, "kvrouter_redis_path_operations_total", op=op, result="timeout"
-            ) + await metric(
-                http, slowed, "kvrouter_redis_path_operations_total", op=op, result="error"
-            )
+        given_up = await served_past_the_bound(http, slowed)
     # Each session's first request asks (nobody holds its system prompt); every request
     # reserves and records; every one of those round trips gave up at the bound.
     assert given_up == {"lookup": 3, "reserve": 6, "record": 6}

@@ -345,10 +345,10 @@ def _body(messages: list[dict[str, Any]], **fields: Any) -> RequestBody:
 async def test_a_later_turns_history_is_the_previous_prompt(model: ModelTokenizer) -> None:
     keys = TokenKeys(model, 1_000_000, TokenMetrics(CollectorRegistry()))
     try:
-        first = conversation_turns(2)[0]
+        first = _grow(2, rewrite_reasoning=False)[0]
         previous = model.encode(model.template().render(first))
         await keys.chat(first, None, {})
-        later = await keys.chat(conversation_turns(2)[1], None, {})
+        later = await keys.chat(_grow(2, rewrite_reasoning=False)[1], None, {})
         assert later.history_bytes == 4 * len(previous)
         assert later.reused_tokens > 0
     finally:
@@ -369,10 +369,10 @@ async def test_a_template_that_refuses_the_history_still_keys_by_tokens(
     try:
         body = _body([{"role": "system", "content": "s " * 50}, {"role": "user", "content": "u"}])
         request = await keys.key(body, 64)
-        assert keyed(keys, "tokens") == 1
+        assert results(keys, "tokens") == 1
         assert request.history_blocks == 0
         refused = await keys.key(_body([{"role": "system", "content": "only"}]), 64)
-        assert keyed(keys, "text") == 1  # and keyed, served
+        assert results(keys, "text") == 1  # and keyed, served
         assert refused.key.hashes or refused.key.tail
     finally:
         keys.close()
@@ -394,12 +394,12 @@ async def test_what_the_engine_renders_otherwise_is_keyed_by_text(
     try:
         messages = fields.pop("messages", [{"role": "user", "content": "hello"}])
         await keys.key(_body(messages, **fields), 64)
-        assert keyed(keys, "text") == 1
+        assert results(keys, "text") == 1
     finally:
         keys.close()
 
 
-def keyed(keys: TokenKeys, result: str) -> float:
+def results(keys: TokenKeys, result: str) -> float:
     """Requests keyed with ``result`` (tokens, text, busy)."""
     return sum(
         sample.value
@@ -407,10 +407,6 @@ def keyed(keys: TokenKeys, result: str) -> float:
         for sample in family.samples
         if sample.name.endswith("_total") and sample.labels == {"result": result}
     )
-
-
-def conversation_turns(turns: int) -> list[list[dict[str, Any]]]:
-    return _grow(turns, rewrite_reasoning=False)
 
 
 def test_padding_and_truncation_in_tokenizer_json_are_off(model_dir: Path, tmp_path: Path) -> None:
