@@ -17,9 +17,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-import sys
 import time
-from array import array
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import Any, AnyStr
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from router.parse import ClientRequest, RequestBody, keyed, keyed_by_text
+from router.prefix import TOKEN_BYTES, token_bytes
 from router.tokens.conversation import (
     ContentFormat,
     detect_content_format,
@@ -38,7 +37,6 @@ from router.tokens.conversation import (
 from router.tokens.incremental import Encoded, IncrementalEncoder
 from router.tokens.model import ModelTokenizer
 
-TOKEN_BYTES = 4
 # Requests queued for the tokenizer's thread past which the next is keyed by its text:
 # waiting behind many long first prompts would cost more than a coarser key.
 MAX_PENDING = 64
@@ -175,7 +173,7 @@ class TokenKeys:
 
         text = render(messages, add_generation_prompt)
         encoded = self._encoder.encode(text)
-        canonical = _as_bytes(encoded.ids)
+        canonical = token_bytes(encoded.ids)
         history = _history(messages)
         history_bytes = 0
         if history:
@@ -204,7 +202,7 @@ class TokenKeys:
         if shared >= encoded.start:  # within what was just encoded: its offsets say
             tokens = encoded.reused + bisect.bisect_right(encoded.ends, shared - encoded.start)
             return tokens * TOKEN_BYTES
-        earlier = _as_bytes(self._encoder.encode(before).ids)
+        earlier = token_bytes(self._encoder.encode(before).ids)
         return _common_prefix(canonical, earlier) // TOKEN_BYTES * TOKEN_BYTES
 
 
@@ -248,13 +246,6 @@ def _history(
         if messages[i].get("role") == "assistant":
             return (messages[:i], True) if i else None
     return (messages[:-1], False) if len(messages) > 1 else None
-
-
-def _as_bytes(ids: array[int]) -> bytes:
-    if sys.byteorder == "big":
-        ids = array("I", ids)
-        ids.byteswap()
-    return ids.tobytes()
 
 
 def _common_prefix(a: AnyStr, b: AnyStr) -> int:

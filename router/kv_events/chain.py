@@ -1,0 +1,83 @@
+"""The router's own block hashes for the blocks an engine announces.
+
+An engine names a block by its hash, whose algorithm and seed the router never needs:
+each ``BlockStored`` carries the block's tokens and its parent's engine hash, so the
+router chains its own hashes over the same tokens (``router.prefix``, 4 bytes a token,
+seeded by the model and cache_salt as a request's key is) and keeps, per worker, which
+engine hash is which of its own. A block whose parent it never saw cannot be named and
+is skipped: the router then under-counts what the engine holds, never over-counts.
+
+Several engine blocks can map to one router hash (two attention groups, a key the router
+does not see); a router hash is held while any of them is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from router.kv_events.wire import BlockHash, BlockStored
+from router.prefix import TOKEN_BYTES, chain_seed, hash_blocks, token_bytes
+
+
+class EngineChains:
+    """One worker's engine-hash to router-hash map, bounded to ``max_blocks`` entries
+    (the oldest dropped first, should removals go missing)."""
+
+    __slots__ = ("_held", "_names", "max_blocks", "model", "orphans")
+
+    def __init__(self, model: str, max_blocks: int) -> None:
+        self.model = model  # the base model the worker serves (a LoRA names itself)
+        self.max_blocks = max_blocks
+        self._names: OrderedDict[BlockHash, int] = OrderedDict()
+        self._held: Counter[int] = Counter()
+        self.orphans = 0  # stored blocks skipped: their parent was never announced
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def stored(self, event: BlockStored) -> tuple[list[int], list[int]]:
+        """The router hashes the event adds, and those that the bound pushed out."""
+        if event.parent_block_hash is None:
+            parent = chain_seed(event.lora_name or self.model, event.cache_salt)
+        else:
+            known = self._names.get(event.parent_block_hash)
+            if known is None:
+                self.orphans += len(event.block_hashes)
+                return [], []
+            parent = known
+        ours = hash_blocks(token_bytes(event.token_ids), event.block_size * TOKEN_BYTES, parent)
+        added: list[int] = []
+        for engine_hash, router_hash in zip(event.block_hashes, ours, strict=True):
+            if engine_hash in self._names:
+                self._names.move_to_end(engine_hash)
+                continue
+            self._names[engine_hash] = router_hash
+            self._held[router_hash] += 1
+            if self._held[router_hash] == 1:
+                added.append(router_hash)
+        dropped: list[int] = []
+        while len(self._names) > self.max_blocks:
+            _, router_hash = self._names.popitem(last=False)
+            dropped += self._release(router_hash)
+        return added, dropped
+
+    def removed(self, engine_hashes: tuple[BlockHash, ...]) -> list[int]:
+        """The router hashes no engine block holds any more."""
+        gone: list[int] = []
+        for engine_hash in engine_hashes:
+            router_hash = self._names.pop(engine_hash, None)
+            if router_hash is not None:
+                gone += self._release(router_hash)
+        return gone
+
+    def clear(self) -> None:
+        self._names.clear()
+        self._held.clear()
+
+    def _release(self, router_hash: int) -> list[int]:
+        left = self._held[router_hash] - 1
+        if left > 0:
+            self._held[router_hash] = left
+            return []
+        del self._held[router_hash]
+        return [router_hash]

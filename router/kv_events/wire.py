@@ -1,0 +1,216 @@
+"""KV events as engines publish them over ZMQ, decoded into plain values.
+
+A message is three frames, ``(topic, seq, payload)``: ``seq`` is 8 bytes big-endian
+(``-1`` ends a replay), ``payload`` a msgpack batch ``[ts, events, rank]`` (vLLM's
+``KVEventBatch``, SGLang's with ``attn_dp_rank``). Each event is either a tagged map,
+``{"type": "BlockStored", field: value, ...}`` (vLLM >= 0.24, SGLang), or, from older
+vLLM, a positional array ``["BlockStored", block_hashes, parent_block_hash, token_ids,
+block_size, lora_id, medium]``. Block hashes are opaque: bytes (vLLM's sha256 default)
+or integers (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, SGLang).
+
+Whatever a worker sends, ``decode_batch`` returns events or raises ``MalformedEvents``;
+nothing else escapes it, and no event can claim more tokens than its blocks hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias, TypeGuard
+
+import msgspec
+
+BlockHash: TypeAlias = bytes | int
+
+END_OF_REPLAY = -1
+SEQ_BYTES = 8
+# Beyond any real block size (vLLM allows up to 256 tokens a block).
+MAX_BLOCK_SIZE = 4096
+# The mediums whose blocks a request can hit without a transfer.
+DEVICE_MEDIUMS = frozenset({None, "GPU"})
+
+
+class MalformedEvents(ValueError):
+    """A message that is not a KV event batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_name: str | None = None
+    medium: str | None = None
+    # The request's cache_salt, from SGLang's field or vLLM's first block's extra keys.
+    cache_salt: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+Event: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class EventBatch:
+    ts: float
+    events: tuple[Event, ...]
+    rank: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    topic: bytes
+    seq: int
+    payload: bytes
+
+    @property
+    def ends_replay(self) -> bool:
+        return self.seq == END_OF_REPLAY
+
+
+def read_message(frames: Sequence[bytes]) -> Message:
+    """A published or replayed message from its frames (the replay's leading empty
+    delimiter already taken off)."""
+    if len(frames) != 3:
+        raise MalformedEvents(f"a KV event message has 3 frames, not {len(frames)}")
+    topic, seq, payload = frames
+    if len(seq) != SEQ_BYTES:
+        raise MalformedEvents(f"a sequence number has {SEQ_BYTES} bytes, not {len(seq)}")
+    return Message(bytes(topic), int.from_bytes(seq, "big", signed=True), bytes(payload))
+
+
+def decode_batch(payload: bytes) -> EventBatch:
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
+        raise MalformedEvents(f"not msgpack: {exc}") from None
+    if not isinstance(raw, list) or not 2 <= len(raw) <= 3:
+        raise MalformedEvents("a batch is [ts, events, rank]")
+    ts, events = raw[0], raw[1]
+    rank = raw[2] if len(raw) == 3 else None
+    if not _is_number(ts) or not isinstance(events, list):
+        raise MalformedEvents("a batch is [ts, events, rank]")
+    if rank is not None and not _is_int(rank):
+        raise MalformedEvents("a batch's rank is an integer")
+    return EventBatch(float(ts), tuple(_event(e) for e in events), rank)
+
+
+_STORED_POSITIONS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+)
+_REMOVED_POSITIONS = ("block_hashes", "medium")
+
+
+def _event(raw: Any) -> Event:
+    if isinstance(raw, dict):
+        kind, fields = raw.get("type"), raw
+    elif isinstance(raw, list) and raw:
+        kind = raw[0]
+        names = {"BlockStored": _STORED_POSITIONS, "BlockRemoved": _REMOVED_POSITIONS}.get(
+            kind if isinstance(kind, str) else "", ()
+        )
+        if len(raw) - 1 > len(names):
+            raise MalformedEvents(f"too many fields for {kind!r}")
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise MalformedEvents("an event is a tagged map or array")
+    if kind == "BlockStored":
+        return _stored(fields)
+    if kind == "BlockRemoved":
+        return BlockRemoved(
+            _hashes(fields.get("block_hashes")),
+            _optional_str(fields.get("medium"), "medium"),
+            _optional_int(fields.get("group_idx"), "group_idx"),
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise MalformedEvents(f"unknown event type {kind!r}")
+
+
+def _stored(fields: dict[str, Any]) -> BlockStored:
+    hashes = _hashes(fields.get("block_hashes"))
+    parent = fields.get("parent_block_hash")
+    if parent is not None and not _is_hash(parent):
+        raise MalformedEvents("parent_block_hash is bytes, an integer or nil")
+    size = fields.get("block_size")
+    if not _is_int(size) or not 0 < size <= MAX_BLOCK_SIZE:
+        raise MalformedEvents(f"block_size {size!r} is not a block size")
+    tokens = fields.get("token_ids")
+    if not isinstance(tokens, list) or len(tokens) != size * len(hashes):
+        raise MalformedEvents("token_ids are block_size tokens for each block hash")
+    if not all(_is_int(t) and t >= 0 for t in tokens):
+        raise MalformedEvents("token ids are non-negative integers")
+    lora_name = _optional_str(fields.get("lora_name"), "lora_name")
+    salt = _optional_str(fields.get("cache_salt"), "cache_salt")
+    if salt is None:
+        salt = _salt_of_first_block(fields.get("extra_keys"), lora_name)
+    return BlockStored(
+        hashes,
+        parent,
+        tuple(tokens),
+        size,
+        lora_name,
+        _optional_str(fields.get("medium"), "medium"),
+        salt,
+        _optional_int(fields.get("group_idx"), "group_idx"),
+    )
+
+
+def _salt_of_first_block(extra_keys: Any, lora_name: str | None) -> str | None:
+    """vLLM publishes, per block, the LoRA name (when set), ``[mm_identifier, offset]``
+    pairs, then the cache_salt string (first block only), untagged: the salt is the
+    first string after the LoRA name."""
+    if not isinstance(extra_keys, list) or not extra_keys:
+        return None
+    first = extra_keys[0]
+    if not isinstance(first, list):
+        return None
+    keys = first[1:] if lora_name is not None and first[:1] == [lora_name] else first
+    return next((k for k in keys if isinstance(k, str)), None)
+
+
+def _hashes(raw: Any) -> tuple[BlockHash, ...]:
+    if not isinstance(raw, list) or not all(_is_hash(h) for h in raw):
+        raise MalformedEvents("block_hashes is a list of bytes or integers")
+    return tuple(raw)
+
+
+def _is_hash(value: Any) -> TypeGuard[BlockHash]:
+    return isinstance(value, bytes) or _is_int(value)
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+def _optional_str(value: Any, name: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise MalformedEvents(f"{name} is a string or nil")
+    return str(value) if value is not None else None
+
+
+def _optional_int(value: Any, name: str) -> int | None:
+    if value is not None and not _is_int(value):
+        raise MalformedEvents(f"{name} is an integer or nil")
+    return int(value) if value is not None else None
