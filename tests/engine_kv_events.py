@@ -1,6 +1,7 @@
-"""KV event encoders as the engines define them, copied from their sources: vLLM 0.33
-(``vllm/distributed/kv_events.py``: tagged maps), vLLM 0.10.2 (positional arrays) and
-SGLang 0.5.23 (``sglang/srt/disaggregation/kv_events.py``). Each encodes with
+"""KV event encoders as the engines define them, copied from their sources: vLLM 0.33's
+(``vllm/distributed/kv_events.py``: tagged maps) are the simulated engine's own, in
+``bench/sim/kv_events.py``; vLLM 0.10.2's (positional arrays) and SGLang 0.5.23's
+(``sglang/srt/disaggregation/kv_events.py``) are here. Each encodes with
 ``msgspec.msgpack.Encoder().encode(batch)``, as their publishers do."""
 
 from __future__ import annotations
@@ -9,47 +10,16 @@ from typing import Any
 
 import msgspec
 
+from bench.sim.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
+
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventBatch", "encode"]
+
 ENCODER = msgspec.msgpack.Encoder()
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
 
 
 class OldKVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

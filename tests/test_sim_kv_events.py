@@ -1,0 +1,127 @@
+"""The simulated engine's KV event publisher, as vLLM's: real ZMQ sockets over loopback,
+read by the router's decoder."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from bench.sim.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventsConfig,
+    ZmqEventPublisher,
+    offset_endpoint_port,
+)
+from router.kv_events import wire
+
+WAIT_MS = 5000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stored(n: int) -> BlockStored:
+    return BlockStored(
+        block_hashes=[n.to_bytes(32, "big")],
+        parent_block_hash=None,
+        token_ids=[n] * 16,
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
+@pytest.fixture
+def publisher() -> Iterator[tuple[ZmqEventPublisher, int, int]]:
+    port, replay = free_port(), free_port()
+    config = KVEventsConfig.from_cli(
+        f'{{"enable_kv_cache_events": true, "endpoint": "tcp://*:{port}",'
+        f' "replay_endpoint": "tcp://*:{replay}", "buffer_steps": 3, "topic": "kv"}}'
+    )
+    pub = ZmqEventPublisher(config)
+    yield pub, port, replay
+    pub.shutdown()
+
+
+def test_batches_go_out_in_sequence_and_a_replay_returns_the_buffered_ones(
+    publisher: tuple[ZmqEventPublisher, int, int],
+) -> None:
+    pub, port, replay_port = publisher
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    try:
+        # A subscriber misses what was sent before it joined (ZMQ's slow joiner):
+        # publish until one arrives, as an engine's steps would.
+        sent = 0
+        while True:
+            pub.publish(KVEventBatch(ts=float(sent), events=[stored(sent)]))
+            sent += 1
+            if sub.poll(100):
+                break
+            assert sent < 100, "the subscriber never received a batch"
+        first = wire.read_message(sub.recv_multipart())
+        pub.publish(KVEventBatch(ts=99.0, events=[BlockRemoved(block_hashes=[b"x"], medium="GPU")]))
+        pub.publish(KVEventBatch(ts=100.0, events=[AllBlocksCleared()]))
+        received = [first]
+        while len(received) < sent - first.seq + 2:
+            assert sub.poll(WAIT_MS)
+            received.append(wire.read_message(sub.recv_multipart()))
+    finally:
+        sub.close(linger=0)
+    assert [m.seq for m in received] == list(range(first.seq, sent + 2))
+    assert {m.topic for m in received} == {b"kv"}
+    assert wire.decode_batch(received[-2].payload).events == (wire.BlockRemoved((b"x",), "GPU"),)
+    last = wire.decode_batch(received[-1].payload)
+    assert last.events == (wire.AllBlocksCleared(),) and last.rank == 0
+    decoded = wire.decode_batch(received[0].payload).events[0]
+    assert isinstance(decoded, wire.BlockStored) and decoded.token_ids == (first.seq,) * 16
+
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+    try:
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        replayed = []
+        while True:
+            assert dealer.poll(WAIT_MS), "no end of replay"
+            empty, *frames = dealer.recv_multipart()
+            assert empty == b""
+            message = wire.read_message(frames)
+            if message.ends_replay:
+                break
+            replayed.append(message)
+    finally:
+        dealer.close(linger=0)
+    # buffer_steps 3: the last three batches only, in order.
+    assert [m.seq for m in replayed] == [sent - 1, sent, sent + 1]
+    assert [m.payload for m in replayed] == [m.payload for m in received[-3:]]
+
+
+def test_the_config_takes_vllms_fields_and_refuses_others() -> None:
+    assert KVEventsConfig.from_cli('{"enable_kv_cache_events": true}').publisher == "zmq"
+    assert not KVEventsConfig.from_cli('{"enable_kv_cache_events": false}').publishes
+    with pytest.raises(ValueError, match="endpiont"):
+        KVEventsConfig.from_cli('{"endpiont": "tcp://*:1"}')
+    with pytest.raises(ValueError, match="kafka"):
+        KVEventsConfig.from_cli('{"publisher": "kafka"}')
+    with pytest.raises(ValueError):
+        KVEventsConfig.from_cli("[]")
+
+
+def test_data_parallel_ranks_publish_on_ports_above_rank_zeros() -> None:
+    assert offset_endpoint_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint_port("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_endpoint_port("tcp://*:0", 3) == "tcp://*:0"
+    assert offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"
+    assert offset_endpoint_port(None, 2) is None
