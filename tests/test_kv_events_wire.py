@@ -244,3 +244,13 @@ def test_the_map_is_bounded_and_gives_back_what_it_drops() -> None:
     ]
     added, dropped = chains.stored(BlockStored((sha(5),), None, (5, 5, 5, 5), BLOCK))
     assert len(added) == 1 and dropped == [hashes[0]] and len(chains) == 2
+
+
+def test_a_block_stored_twice_is_held_until_both_copies_are_removed() -> None:
+    chains = EngineChains("m", max_blocks=10)
+    block = BlockStored((sha(1),), None, (1, 2, 3, 4), BLOCK)
+    (ours,), _ = chains.stored(block)
+    assert chains.stored(block) == ([], [])
+    assert chains.removed((sha(1),)) == []
+    assert chains.removed((sha(1),)) == [ours]
+    assert len(chains) == 0

@@ -7,8 +7,11 @@ seeded by the model and cache_salt as a request's key is) and keeps, per worker,
 engine hash is which of its own. A block whose parent it never saw cannot be named and
 is skipped: the router then under-counts what the engine holds, never over-counts.
 
-Several engine blocks can map to one router hash (two attention groups, a key the router
-does not see); a router hash is held while any of them is.
+vLLM caches a block computed twice (two requests prefilling the same prefix at once) in
+both copies and announces, and later removes, each: an engine hash is held until it has
+been removed as often as it was stored. Several engine hashes can map to one router hash
+(two attention groups, a key the router does not see); a router hash is held while any
+of them is.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ class EngineChains:
     """One worker's engine-hash to router-hash map, bounded to ``max_blocks`` entries
     (the oldest dropped first, should removals go missing)."""
 
-    __slots__ = ("_held", "_names", "max_blocks", "model", "orphans")
+    __slots__ = ("_copies", "_held", "_names", "max_blocks", "model", "orphans")
 
     def __init__(self, model: str, max_blocks: int) -> None:
         self.model = model  # the base model the worker serves (a LoRA names itself)
         self.max_blocks = max_blocks
         self._names: OrderedDict[BlockHash, int] = OrderedDict()
-        self._held: Counter[int] = Counter()
+        self._copies: Counter[BlockHash] = Counter()  # stores not yet removed, per engine hash
+        self._held: Counter[int] = Counter()  # engine hashes held, per router hash
         self.orphans = 0  # stored blocks skipped: their parent was never announced
 
     def __len__(self) -> int:
@@ -48,6 +52,7 @@ class EngineChains:
         ours = hash_blocks(token_bytes(event.token_ids), event.block_size * TOKEN_BYTES, parent)
         added: list[int] = []
         for engine_hash, router_hash in zip(event.block_hashes, ours, strict=True):
+            self._copies[engine_hash] += 1
             if engine_hash in self._names:
                 self._names.move_to_end(engine_hash)
                 continue
@@ -57,7 +62,8 @@ class EngineChains:
                 added.append(router_hash)
         dropped: list[int] = []
         while len(self._names) > self.max_blocks:
-            _, router_hash = self._names.popitem(last=False)
+            engine_hash, router_hash = self._names.popitem(last=False)
+            del self._copies[engine_hash]
             dropped += self._release(router_hash)
         return added, dropped
 
@@ -65,6 +71,11 @@ class EngineChains:
         """The router hashes no engine block holds any more."""
         gone: list[int] = []
         for engine_hash in engine_hashes:
+            copies = self._copies.get(engine_hash, 0)
+            if copies > 1:
+                self._copies[engine_hash] = copies - 1
+                continue
+            self._copies.pop(engine_hash, None)
             router_hash = self._names.pop(engine_hash, None)
             if router_hash is not None:
                 gone += self._release(router_hash)
@@ -72,6 +83,7 @@ class EngineChains:
 
     def clear(self) -> None:
         self._names.clear()
+        self._copies.clear()
         self._held.clear()
 
     def _release(self, router_hash: int) -> list[int]:
