@@ -158,6 +158,7 @@ class Engine:
             parent,
             reason,
             self.prefix_hashes.hashes(prompt, parent),
+            cache_salt,
         )
         self.scheduler.add(request)
         self._changed(request.arrival)

@@ -23,7 +23,7 @@ into an ordered dict, and a request frees hundreds of blocks.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 NO_HASH = -1
 NOT_FREE = -1  # ``_entry`` of a block not in the free queue (entries are >= 0)
@@ -42,6 +42,7 @@ class BlockPool:
         "_releases",
         "block_tokens",
         "num_blocks",
+        "on_evict",
     )
 
     def __init__(self, num_blocks: int, block_tokens: int) -> None:
@@ -60,6 +61,8 @@ class BlockPool:
         self._entry = list(range(num_blocks))
         self._queue: deque[int] = deque(self._entry)
         self._num_free = num_blocks
+        # Told each cached hash a reused block drops (the KV events' BlockRemoved).
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -135,7 +138,12 @@ class BlockPool:
         h = self._hash[block]
         if self._cached.get(h) == block:
             del self._cached[h]
+            if self.on_evict is not None:
+                self.on_evict(h)
         self._hash[block] = NO_HASH
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._cached
 
     def register(self, block: int, block_hash: int) -> None:
         """Record that a full block now holds the prefix named by ``block_hash``."""
@@ -175,4 +183,6 @@ class BlockPool:
 
     def reset(self) -> None:
         """Forget everything (an engine restart). Only valid with no request running."""
+        on_evict = self.on_evict
         self.__init__(self.num_blocks, self.block_tokens)  # type: ignore[misc]
+        self.on_evict = on_evict

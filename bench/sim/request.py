@@ -40,8 +40,10 @@ class SimRequest:
         "_drawn_at",
         "arrival",
         "blocks",
+        "cache_salt",
         "cached_tokens",
         "end_reason",
+        "engine_hashes",
         "finish_reason",
         "finished_at",
         "first_token_at",
@@ -74,6 +76,7 @@ class SimRequest:
         parent_hash: int = 0,
         end_reason: str = "length",
         hashes: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.id = request_id
         self.prompt = prompt
@@ -86,6 +89,9 @@ class SimRequest:
         self.rng = rng
         # ``hashes``, when given, must be ``chain_hashes`` of the prompt (``PrefixHashes``).
         self.hashes = chain_hashes(prompt, block_tokens, parent_hash) if hashes is None else hashes
+        self.cache_salt = cache_salt
+        # vLLM's hashes of the full blocks, computed only when KV events are published.
+        self.engine_hashes: list[bytes] = []
         self.blocks: list[int] = []
         self.num_computed = 0
         self.output_tokens = 0

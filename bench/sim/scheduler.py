@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from bench.sim.kv_cache import BlockPool
+from bench.sim.kv_event_log import EngineEvents
 from bench.sim.request import FINISHED, RUNNING, WAITING, SimRequest
 
 
@@ -59,6 +60,22 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.events: EngineEvents | None = None
+
+    def publish_kv_events(self, events: EngineEvents) -> None:
+        self.events = events
+        self.pool.on_evict = events.removed
+
+    def _cache(self, request: SimRequest, first: int, full: int) -> None:
+        """Register the blocks ``first .. full`` of ``request`` just filled."""
+        pool, events = self.pool, self.events
+        hashes = request.hashes[first:full]
+        if events is not None:
+            fresh = [not pool.is_cached(h) for h in hashes]
+            pool.register_blocks(request.blocks[first:full], hashes)
+            events.stored(request, first, fresh)
+        else:
+            pool.register_blocks(request.blocks[first:full], hashes)
 
     @property
     def has_work(self) -> bool:
@@ -183,25 +200,27 @@ class Scheduler:
             request.num_computed = context + end
             full = request.num_computed // block_tokens
             if full > first:
-                pool.register_blocks(request.blocks[first:full], request.hashes[first:full])
+                self._cache(request, first, full)
             request.token_times += times
             outcome.advanced.append(request)
             if request.output_tokens >= request.max_output:
                 self._finish(request, times[-1])
                 outcome.finished.append(request)
+        if self.events is not None:
+            self.events.flush()
         return outcome
 
     def complete(self, plan: StepPlan, now: float) -> StepOutcome:
         """Apply a step's computation: cache full blocks, sample tokens, finish requests."""
         outcome = StepOutcome()
-        pool, block_tokens = self.pool, self.pool.block_tokens
+        block_tokens = self.pool.block_tokens
         for request, new, context in plan.work:
             if request.status is not RUNNING:
                 continue  # aborted while the step ran
             request.num_computed = context + new
             first, full = context // block_tokens, request.num_computed // block_tokens
             if full > first:  # cache the blocks this step filled
-                pool.register_blocks(request.blocks[first:full], request.hashes[first:full])
+                self._cache(request, first, full)
             if request.num_computed < request.num_tokens:
                 continue  # prefill chunk, no token yet
             if request.first_token_at is None:
@@ -213,6 +232,8 @@ class Scheduler:
             if request.output_tokens >= request.max_output:
                 self._finish(request, now)
                 outcome.finished.append(request)
+        if self.events is not None:
+            self.events.flush()
         return outcome
 
     def _finish(self, request: SimRequest, now: float) -> None:
@@ -242,4 +263,7 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.pool.reset()
+        if self.events is not None:
+            self.events.cleared()
+            self.events.flush()
         return dropped
