@@ -3,9 +3,11 @@ read by the router's decoder."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import zmq
 
@@ -18,7 +20,9 @@ from bench.sim.kv_events import (
     ZmqEventPublisher,
     offset_endpoint_port,
 )
+from bench.sim.vllm_hash import BlockHasher
 from router.kv_events import wire
+from tests.conftest import TEST_MODEL, EngineFactory
 
 WAIT_MS = 5000
 
@@ -125,3 +129,55 @@ def test_data_parallel_ranks_publish_on_ports_above_rank_zeros() -> None:
     assert offset_endpoint_port("tcp://*:0", 3) == "tcp://*:0"
     assert offset_endpoint_port("inproc://cache", 2) == "inproc://cache_dp2"
     assert offset_endpoint_port(None, 2) is None
+
+
+def replay_from(port: int, start: int) -> list[wire.Message]:
+    """Every buffered batch from ``start`` on, asked of the replay socket."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        dealer.send_multipart((b"", start.to_bytes(8, "big")))
+        messages: list[wire.Message] = []
+        while True:
+            assert dealer.poll(WAIT_MS), "no end of replay"
+            _, *frames = dealer.recv_multipart()
+            message = wire.read_message(frames)
+            if message.ends_replay:
+                return messages
+            messages.append(message)
+    finally:
+        dealer.close(linger=0)
+
+
+async def test_a_served_engine_announces_a_prompts_blocks_as_vllm_does(
+    engine_factory: EngineFactory,
+) -> None:
+    port, replay = free_port(), free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{replay}",
+    )
+    prompt = "abcd" * 40  # 40 stand-in tokens of 4 bytes: two full blocks of 16
+    async with engine_factory(kv_events=config, prefix_caching_hash_algo="sha256_cbor") as sim:
+        async with httpx.AsyncClient(base_url=sim.url) as client:
+            answer = await client.post(
+                "/v1/completions",
+                json={"model": TEST_MODEL, "prompt": prompt, "max_tokens": 1},
+            )
+        assert answer.status_code == 200, answer.text
+        messages = await asyncio.to_thread(replay_from, replay, 0)
+    events = [e for m in messages for e in wire.decode_batch(m.payload).events]
+    stored = [e for e in events if isinstance(e, wire.BlockStored)]
+    assert [m.seq for m in messages] == list(range(len(messages)))
+    assert len(stored) == 1 and stored[0].parent_block_hash is None
+    block = stored[0]
+    token = int.from_bytes(b"abcd", "little")
+    assert block.block_size == 16 and block.token_ids == (token,) * 32
+    # vLLM's default: the hashes' low 64 bits as integers, sha256_cbor as asked.
+    hasher = BlockHasher("sha256_cbor")
+    first = hasher.block(None, [token] * 16)
+    second = hasher.block(first, [token] * 16)
+    assert block.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in (first, second))
+    assert {b.rank for m in messages for b in [wire.decode_batch(m.payload)]} == {0}

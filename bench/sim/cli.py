@@ -16,6 +16,8 @@ from bench.sim.config import (
     DEFAULT_TIME_SCALE,
     EngineConfig,
 )
+from bench.sim.kv_events import KVEventsConfig
+from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key", default=None, help="as vLLM's: /v1 routes want 'Authorization: Bearer KEY'"
     )
+    parser.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="as vLLM's, JSON: publish KV events over ZMQ, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+    )
+    parser.add_argument(
+        "--prefix-caching-hash-algo", choices=sorted(HASH_FUNCTIONS), default="sha256"
+    )
 
 
 def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfig:
@@ -97,6 +108,10 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         seed=args.seed,
         api_key=args.api_key,
         engine_id=engine_id,
+        kv_events=(
+            KVEventsConfig.from_cli(args.kv_events_config) if args.kv_events_config else None
+        ),
+        prefix_caching_hash_algo=args.prefix_caching_hash_algo,
     )
 
 
@@ -125,6 +140,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         str(args.stream_interval),
         "--stream-flush-ms",
         str(args.stream_flush_ms),
+        "--prefix-caching-hash-algo",
+        args.prefix_caching_hash_algo,
     ]
     optional = {
         "--served-model-name": args.served_model_name,

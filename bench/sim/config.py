@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from bench.sim.kv_events import KVEventsConfig
+from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.capacity import GpuSpec, ModelShape
 
 Flavor = Literal["vllm", "sglang"]
@@ -51,9 +53,16 @@ class EngineConfig:
     engine_id: str = "0"
     # As vLLM's --api-key: every /v1 route wants "Authorization: Bearer <key>".
     api_key: str | None = None
+    # As vLLM's --kv-events-config and --prefix-caching-hash-algo.
+    kv_events: KVEventsConfig | None = None
+    prefix_caching_hash_algo: str = "sha256"
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
+            (
+                self.prefix_caching_hash_algo in HASH_FUNCTIONS,
+                f"prefix_caching_hash_algo must be one of {', '.join(HASH_FUNCTIONS)}",
+            ),
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (
                 self.kv_tokens is None or self.kv_tokens >= self.block_tokens,

@@ -9,6 +9,7 @@ import itertools
 import logging
 import math
 import operator
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -18,11 +19,14 @@ import xxhash
 from bench.sim.config import EngineConfig
 from bench.sim.faults import Faults
 from bench.sim.kv_cache import BlockPool
+from bench.sim.kv_event_log import EngineEvents
+from bench.sim.kv_events import ZmqEventPublisher
 from bench.sim.metrics import EngineMetrics
 from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.request import SimRequest
 from bench.sim.roofline import Roofline
 from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
+from bench.sim.vllm_hash import BlockHasher
 from router.capacity import plan as capacity_plan
 from router.clock import monotonic
 
@@ -121,7 +125,7 @@ class Engine:
             "num_cpu_blocks": "None",
             "num_gpu_blocks": str(self.num_blocks),
             "num_gpu_blocks_override": "None" if config.kv_tokens is None else str(self.num_blocks),
-            "prefix_caching_hash_algo": "sha256",
+            "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
             "sliding_window": "None",
         }
 
@@ -337,6 +341,14 @@ class Engine:
 async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
     """An engine with its loop running; the loop is cancelled on exit."""
     engine = Engine(config)
+    publisher = None
+    if config.kv_events is not None and config.kv_events.publishes:
+        publisher = ZmqEventPublisher(config.kv_events)
+        hasher = BlockHasher(config.prefix_caching_hash_algo)
+        int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+        engine.scheduler.publish_kv_events(
+            EngineEvents(publisher, hasher, config.block_tokens, int_hashes)
+        )
     task = asyncio.create_task(engine.run(), name=f"sim-engine-{config.engine_id}")
     try:
         yield engine
@@ -344,3 +356,5 @@ async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if publisher is not None:
+            await asyncio.to_thread(publisher.shutdown)
