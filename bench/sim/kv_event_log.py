@@ -12,12 +12,12 @@ remembered while they stay cached.
 from __future__ import annotations
 
 import time
-from array import array
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from bench.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from bench.sim.request import SimRequest
+from bench.sim.tokenize import token_ids
 from bench.sim.vllm_hash import BlockHasher, block_extra_keys, event_extra_keys, external_hash
 from bench.tokenizer import TOKEN_BYTES
 
@@ -109,8 +109,7 @@ class EngineEvents:
     def _token_ids(self, request: SimRequest, start: int, end: int) -> list[int]:
         step = self.block_tokens * TOKEN_BYTES
         prompt, lo, hi = request.prompt, start * step, end * step
-        data = prompt[lo:hi] if hi <= len(prompt) else (prompt + request.output)[lo:hi]
-        return array("I", data).tolist()
+        return token_ids(prompt[lo:hi] if hi <= len(prompt) else request.tokens[lo:hi])
 
     def _external(self, name: bytes) -> bytes | int:
         return external_hash(name, self.int_hashes)

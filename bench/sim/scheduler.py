@@ -70,12 +70,10 @@ class Scheduler:
         """Register the blocks ``first .. full`` of ``request`` just filled."""
         pool, events = self.pool, self.events
         hashes = request.hashes[first:full]
+        fresh = [not pool.is_cached(h) for h in hashes] if events is not None else []
+        pool.register_blocks(request.blocks[first:full], hashes)
         if events is not None:
-            fresh = [not pool.is_cached(h) for h in hashes]
-            pool.register_blocks(request.blocks[first:full], hashes)
             events.stored(request, first, fresh)
-        else:
-            pool.register_blocks(request.blocks[first:full], hashes)
 
     @property
     def has_work(self) -> bool:

@@ -22,17 +22,26 @@ from router.kv_events.wire import BlockHash, BlockStored
 from router.prefix import TOKEN_BYTES, chain_seed, hash_blocks, token_bytes
 
 
+class _Name:
+    """An announced engine block: the router's hash for it, and its stores not yet removed."""
+
+    __slots__ = ("copies", "router_hash")
+
+    def __init__(self, router_hash: int) -> None:
+        self.router_hash = router_hash
+        self.copies = 1
+
+
 class EngineChains:
     """One worker's engine-hash to router-hash map, bounded to ``max_blocks`` entries
     (the oldest dropped first, should removals go missing)."""
 
-    __slots__ = ("_copies", "_held", "_names", "max_blocks", "model", "orphans")
+    __slots__ = ("_held", "_names", "max_blocks", "model", "orphans")
 
     def __init__(self, model: str, max_blocks: int) -> None:
         self.model = model  # the base model the worker serves (a LoRA names itself)
         self.max_blocks = max_blocks
-        self._names: OrderedDict[BlockHash, int] = OrderedDict()
-        self._copies: Counter[BlockHash] = Counter()  # stores not yet removed, per engine hash
+        self._names: OrderedDict[BlockHash, _Name] = OrderedDict()
         self._held: Counter[int] = Counter()  # engine hashes held, per router hash
         self.orphans = 0  # stored blocks skipped: their parent was never announced
 
@@ -48,42 +57,40 @@ class EngineChains:
             if known is None:
                 self.orphans += len(event.block_hashes)
                 return [], []
-            parent = known
+            parent = known.router_hash
         ours = hash_blocks(token_bytes(event.token_ids), event.block_size * TOKEN_BYTES, parent)
         added: list[int] = []
         for engine_hash, router_hash in zip(event.block_hashes, ours, strict=True):
-            self._copies[engine_hash] += 1
-            if engine_hash in self._names:
+            name = self._names.get(engine_hash)
+            if name is not None:
+                name.copies += 1
                 self._names.move_to_end(engine_hash)
                 continue
-            self._names[engine_hash] = router_hash
+            self._names[engine_hash] = _Name(router_hash)
             self._held[router_hash] += 1
             if self._held[router_hash] == 1:
                 added.append(router_hash)
         dropped: list[int] = []
         while len(self._names) > self.max_blocks:
-            engine_hash, router_hash = self._names.popitem(last=False)
-            del self._copies[engine_hash]
-            dropped += self._release(router_hash)
+            _, name = self._names.popitem(last=False)
+            dropped += self._release(name.router_hash)
         return added, dropped
 
     def removed(self, engine_hashes: tuple[BlockHash, ...]) -> list[int]:
         """The router hashes no engine block holds any more."""
         gone: list[int] = []
         for engine_hash in engine_hashes:
-            copies = self._copies.get(engine_hash, 0)
-            if copies > 1:
-                self._copies[engine_hash] = copies - 1
+            name = self._names.get(engine_hash)
+            if name is None:
                 continue
-            self._copies.pop(engine_hash, None)
-            router_hash = self._names.pop(engine_hash, None)
-            if router_hash is not None:
-                gone += self._release(router_hash)
+            name.copies -= 1
+            if name.copies == 0:
+                del self._names[engine_hash]
+                gone += self._release(name.router_hash)
         return gone
 
     def clear(self) -> None:
         self._names.clear()
-        self._copies.clear()
         self._held.clear()
 
     def _release(self, router_hash: int) -> list[int]:

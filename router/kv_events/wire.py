@@ -26,8 +26,6 @@ END_OF_REPLAY = -1
 SEQ_BYTES = 8
 # Beyond any real block size (vLLM allows up to 256 tokens a block).
 MAX_BLOCK_SIZE = 4096
-# The mediums whose blocks a request can hit without a transfer.
-DEVICE_MEDIUMS = frozenset({None, "GPU"})
 
 
 class MalformedEvents(ValueError):
