@@ -32,6 +32,8 @@ from router.errors import (
 )
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
+from router.kv_events.metrics import KvEventMetrics
+from router.kv_events.subscriptions import KvEventSubscriptions
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.parse import header_bytes
@@ -141,6 +143,11 @@ def build_state(
     for wc in config.workers:
         state.add_worker(wc)
     return state
+
+
+def local_index(index: PrefixIndex) -> LocalPrefixIndex:
+    """This replica's own index, under the shared one if state is shared."""
+    return index.local if isinstance(index, SharedPrefixIndex) else cast(LocalPrefixIndex, index)
 
 
 def _token_keys(config: RouterConfig, metrics: RouterMetrics) -> TokenKeys | None:
@@ -281,6 +288,18 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
                     reconciler.run(config.discovery.interval_s), name="kvrouter-discovery"
                 )
             )
+        if config.subscribes_kv_events:
+            subscriptions = KvEventSubscriptions(
+                state.router.fleet,
+                local_index(state.router.index),
+                config.kv_events,
+                config.prefix.block_tokens,
+                KvEventMetrics(state.metrics.registry),
+            )
+            stack.push_async_callback(subscriptions.aclose)
+            subscriptions.reconcile()
+            state.kv_events = subscriptions
+            tasks.append(asyncio.create_task(subscriptions.run(), name="kvrouter-kv-events"))
         try:
             async with _shared_state(state):
                 yield

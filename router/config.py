@@ -42,11 +42,44 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_KV_TOKENS = 400_000  # ~ Llama-3.1-8B on one H100 at utilization 0.9
 
 
+KV_EVENT_SCHEMES = ("tcp://", "ipc://")
+HOST_PLACEHOLDER = "{host}"
+
+
+def check_kv_endpoint(template: str, where: str) -> None:
+    """A ZMQ endpoint to connect to, ``{host}`` standing for the worker's host."""
+    if not template.startswith(KV_EVENT_SCHEMES):
+        raise ConfigError(f"{where}: {template!r} is not a tcp:// or ipc:// endpoint")
+    try:
+        template.format(host="h")
+    except (KeyError, IndexError, ValueError):
+        raise ConfigError(
+            f"{where}: {template!r} may hold {HOST_PLACEHOLDER} and nothing else"
+        ) from None
+    if template.startswith("tcp://") and "*" in template:
+        raise ConfigError(f"{where}: {template!r} binds; the router connects to the engine's")
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsEndpoints:
+    """Where one worker's engine publishes its KV events (vLLM's --kv-events-config
+    ``endpoint`` and ``replay_endpoint``, as the router reaches them)."""
+
+    endpoint: str
+    replay_endpoint: str = ""  # empty: a gap cannot be replayed, the worker is rebuilt
+
+    def __post_init__(self) -> None:
+        check_kv_endpoint(self.endpoint, "endpoint")
+        if self.replay_endpoint:
+            check_kv_endpoint(self.replay_endpoint, "replay_endpoint")
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     url: str
     name: str = ""  # default: host:port of the url
     kv_tokens: int | None = None  # default: capacity.kv_tokens or computed
+    kv_events: KvEventsEndpoints | None = None  # default: kv_events' templates
 
     def __post_init__(self) -> None:
         try:
@@ -316,6 +349,45 @@ class StateConfig:
                 raise ConfigError(f"{name}: must be > 0")
 
 
+DEFAULT_SPECULATIVE_TTL_S = 5.0
+DEFAULT_REPLAY_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventsConfig:
+    """Exact mode (router/kv_events/): subscribe to each worker's KV events.
+
+    ``endpoint`` and ``replay_endpoint`` are templates, ``{host}`` the worker's host
+    (``tcp://{host}:5557``); ``workers[].kv_events`` overrides them for one worker. A
+    worker runs ``data_parallel_size`` engines, rank r publishing on port + r, as vLLM's
+    data-parallel ranks do. Exact mode keys prompts by the engine's tokens, so it needs
+    ``prefix.tokenizer`` and blocks of the engine's size (``prefix.block_bytes`` = 4 x the
+    engine's ``--block-size``); a worker announcing other blocks stays approximate.
+    """
+
+    endpoint: str = ""  # empty: no subscriptions but workers' own
+    replay_endpoint: str = ""
+    topic: str = ""  # vLLM's kv-events-config topic (a prefix filter)
+    data_parallel_size: int = 1
+    # A block a request computed counts as held this long before the engine announces it.
+    speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
+    # How long a replay may go silent before the worker is rebuilt from events instead.
+    replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.endpoint:
+            check_kv_endpoint(self.endpoint, "endpoint")
+        elif self.replay_endpoint:
+            raise ConfigError("replay_endpoint: set endpoint too")
+        if self.replay_endpoint:
+            check_kv_endpoint(self.replay_endpoint, "replay_endpoint")
+        if not 1 <= self.data_parallel_size <= 1024:
+            raise ConfigError("data_parallel_size: must be 1-1024")
+        for name in ("speculative_ttl_s", "replay_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be > 0")
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     workers: tuple[WorkerConfig, ...] = ()
@@ -334,6 +406,7 @@ class RouterConfig:
     state: StateConfig = field(default_factory=StateConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
     clients: ClientConfig = field(default_factory=ClientConfig)
@@ -364,6 +437,10 @@ class RouterConfig:
         duplicate = next((n for n in names if names.count(n) > 1), None)
         if duplicate:
             raise ConfigError(f"workers: two workers are named {duplicate!r}")
+        if self.subscribes_kv_events and self.prefix.tokenizer is None:
+            raise ConfigError(
+                "kv_events: exact mode keys prompts by the engine's tokens; set prefix.tokenizer"
+            )
         from policies.base import PolicyConfigError
         from policies.registry import build_policy
 
@@ -371,6 +448,11 @@ class RouterConfig:
             build_policy(self.policy, self.policy_knobs)
         except PolicyConfigError as exc:
             raise ConfigError(f"policy: {exc}") from exc
+
+    @property
+    def subscribes_kv_events(self) -> bool:
+        """Some worker's KV events are to be read (exact mode)."""
+        return bool(self.kv_events.endpoint) or any(w.kv_events for w in self.workers)
 
 
 # -- building from mappings --------------------------------------------------------------

@@ -275,9 +275,11 @@ class HealthProber:
             body = orjson.loads(raw)
             data = body.get("data") if isinstance(body, dict) else None
             if isinstance(data, list):
-                self._fleet.set_models(
-                    worker,
-                    frozenset(str(m["id"]) for m in data if isinstance(m, dict) and "id" in m),
+                cards = [m for m in data if isinstance(m, dict) and "id" in m]
+                self._fleet.set_models(worker, frozenset(str(m["id"]) for m in cards))
+                # vLLM lists LoRA adapters with their base model as "parent".
+                worker.base_model = next(
+                    (str(m["id"]) for m in cards if m.get("parent") is None), None
                 )
 
     async def _read_metrics(self, worker: Worker) -> None:

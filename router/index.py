@@ -15,6 +15,11 @@ A request's blocks are touched tail first, so its head blocks are the most recen
 used; eviction then takes a prefix's tail before its head, as vLLM frees blocks. That
 keeps each worker's set (nearly) prefix-closed — if block i is held, so are blocks < i —
 and the longest match is found by binary search in O(log n) lookups.
+
+A worker whose engine publishes KV events is in *exact* mode: its ``Residency`` gives
+way to an ``ExactResidency`` (router.kv_events.residency) that holds what the engine
+announced, and request touches become short-lived guesses until the announcement
+arrives. Every other worker is *approximate*: the modelled LRU above.
 """
 
 from __future__ import annotations
@@ -22,8 +27,13 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Protocol
+from typing import Literal, Protocol
 
+from router.kv_events.residency import ExactResidency
+from router.kv_events.wire import Event
+
+PrefixMode = Literal["exact", "approximate"]
+PREFIX_MODES: tuple[PrefixMode, ...] = ("exact", "approximate")
 NOTHING: Mapping[int, int] = MappingProxyType({})
 
 
@@ -67,6 +77,10 @@ class PrefixIndex(Protocol):
         ...
 
     def resident_blocks(self, worker: str) -> int: ...
+
+    def prefix_mode(self, worker: str) -> PrefixMode:
+        """``exact`` while the worker's residency is what its engine announces."""
+        ...
 
     def size(self) -> int:
         """Entries over all workers."""
@@ -151,11 +165,31 @@ class Residency:
             self.evictions += 1
 
 
+class WorkerResidency(Protocol):
+    """What the index asks of one worker's residency, modelled or announced."""
+
+    capacity_blocks: int
+
+    def __len__(self) -> int: ...
+
+    def longest_prefix(self, hashes: Sequence[int], reserved: Mapping[int, int]) -> int: ...
+
+    def touch(self, hashes: Sequence[int]) -> list[int]: ...
+
+    def forget(self, hashes: Iterable[int]) -> None: ...
+
+    def oldest_first(self) -> list[int]: ...
+
+    def restore(self, oldest_first: Iterable[int]) -> None: ...
+
+    def resize(self, capacity_blocks: int) -> None: ...
+
+
 class LocalPrefixIndex:
     """The in-process index (one router replica's view)."""
 
     def __init__(self) -> None:
-        self._workers: dict[str, Residency] = {}
+        self._workers: dict[str, WorkerResidency] = {}
         # Per worker, how many dispatched requests reserved each hash.
         self._reserved: dict[str, Counter[int]] = {}
 
@@ -174,9 +208,56 @@ class LocalPrefixIndex:
 
     def purge(self, worker: str, started_at: float | None = None) -> None:
         residency = self._workers.get(worker)
-        if residency is not None:
+        if isinstance(residency, ExactResidency):
+            self._workers[worker] = ExactResidency(
+                residency.capacity_blocks, residency.model, residency.ttl_s
+            )
+        elif residency is not None:
             self._workers[worker] = Residency(residency.capacity_blocks)
         self._reserved.pop(worker, None)
+
+    # -- exact mode ----------------------------------------------------------------------
+
+    def make_exact(self, worker: str, model: str, ttl_s: float) -> None:
+        """The worker's engine announces its cache from now on; what the model held
+        stays as inherited entries until announcements fill the capacity."""
+        residency = self._workers.get(worker)
+        if residency is None or isinstance(residency, ExactResidency):
+            return
+        self._workers[worker] = ExactResidency(
+            residency.capacity_blocks, model, ttl_s, residency.oldest_first()
+        )
+
+    def make_approximate(self, worker: str) -> None:
+        """The worker's announcements stopped: back to the modelled LRU, seeded with
+        what was last known."""
+        residency = self._workers.get(worker)
+        if isinstance(residency, ExactResidency):
+            modelled = Residency(residency.capacity_blocks)
+            modelled.restore(residency.oldest_first())
+            self._workers[worker] = modelled
+
+    def apply_events(self, worker: str, rank: int, events: Iterable[Event]) -> bool:
+        """Apply a batch the worker's rank announced; False if the worker is not exact."""
+        residency = self._workers.get(worker)
+        if not isinstance(residency, ExactResidency):
+            return False
+        residency.apply(rank, events)
+        return True
+
+    def clear_rank(self, worker: str, rank: int) -> None:
+        """What the rank announced is no longer known (its stream broke, it restarted)."""
+        residency = self._workers.get(worker)
+        if isinstance(residency, ExactResidency):
+            residency.clear_rank(rank)
+
+    def prefix_mode(self, worker: str) -> PrefixMode:
+        exact = isinstance(self._workers.get(worker), ExactResidency)
+        return "exact" if exact else "approximate"
+
+    def orphan_blocks(self, worker: str) -> int:
+        residency = self._workers.get(worker)
+        return residency.orphans if isinstance(residency, ExactResidency) else 0
 
     def migrate(self, source: str, target: str) -> int:
         held = self.oldest_first(source)

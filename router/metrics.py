@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from router.index import PrefixIndex
+from router.index import PREFIX_MODES, PrefixIndex
 from router.loop_metrics import EventLoopCollector, running_loop
 from router.metric_types import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from router.outcomes import CAUSES, OUTCOMES
@@ -116,11 +116,25 @@ class _FleetCollector(Collector):
             ):
                 families[key].add_metric([w.name], value)
         yield from families.values()
+        yield self._prefix_modes()
         yield GaugeMetricFamily(
             "kvrouter_index_blocks",
             "Prefix-index entries over all workers.",
             value=self._index.size(),
         )
+
+    def _prefix_modes(self) -> GaugeMetricFamily:
+        modes = GaugeMetricFamily(
+            "kvrouter_prefix_mode",
+            "1 for the mode of the worker's prefix residency: exact (what its engine's KV "
+            "events announce) or approximate (a modelled LRU of the router's own hashes).",
+            labels=["worker", "mode"],
+        )
+        for w in self._fleet.all():
+            current = self._index.prefix_mode(w.name)
+            for mode in PREFIX_MODES:
+                modes.add_metric([w.name, mode], 1 if mode == current else 0)
+        return modes
 
 
 class RouterMetrics:

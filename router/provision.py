@@ -36,5 +36,11 @@ def new_worker(config: RouterConfig, wc: WorkerConfig) -> tuple[Worker, bool]:
     capacity = worker_capacity(config, wc.kv_tokens)
     health = config.health
     breaker = CircuitBreaker(health.failure_threshold, health.cooldown_s, health.max_cooldown_s)
-    worker = Worker(wc.name, wc.url.rstrip("/"), capacity or DEFAULT_KV_TOKENS, breaker=breaker)
+    worker = Worker(
+        wc.name,
+        wc.url.rstrip("/"),
+        capacity or DEFAULT_KV_TOKENS,
+        breaker=breaker,
+        kv_events=wc.kv_events,
+    )
     return worker, capacity is not None

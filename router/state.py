@@ -12,6 +12,7 @@ from router.admission import Admission
 from router.auth import bearers
 from router.config import RouterConfig, WorkerConfig
 from router.health import HealthProber
+from router.kv_events.subscriptions import KvEventSubscriptions
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.provision import new_worker
@@ -44,6 +45,8 @@ class RouterState:
     shared_path: SharedPath | None = None
     # Chat prompts keyed by the model's own tokens (prefix.tokenizer); None: by text.
     tokens: TokenKeys | None = None
+    # Exact mode's subscriptions to the workers' KV events (kv_events); None: none.
+    kv_events: KvEventSubscriptions | None = None
 
     def __post_init__(self) -> None:
         self.session_header = self.config.session_header.lower().encode("latin-1")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from router.breaker import CircuitBreaker
 from router.clock import monotonic
+from router.config import KvEventsEndpoints
 from router.demand import RecentDemand
 from router.upstream import Origin
 
@@ -25,6 +26,10 @@ class Worker:
     healthy: bool = True
     draining: bool = False  # no new requests; in-flight ones finish
     models: frozenset[str] = frozenset()
+    # The model the engine serves as itself (not a LoRA adapter): what its KV events'
+    # blocks are keyed by (/v1/models' card without a parent).
+    base_model: str | None = None
+    kv_events: KvEventsEndpoints | None = None  # this worker's own, over the templates
     outstanding_requests: int = 0
     outstanding_tokens: int = 0
     queued_prefill_tokens: int = 0

@@ -89,9 +89,12 @@ class EngineChains:
                 gone += self._release(name.router_hash)
         return gone
 
-    def clear(self) -> None:
+    def clear(self) -> list[int]:
+        """Forget every block; returns the router hashes that were held."""
+        held = list(self._held)
         self._names.clear()
         self._held.clear()
+        return held
 
     def _release(self, router_hash: int) -> list[int]:
         left = self._held[router_hash] - 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from router.index import LocalPrefixIndex
+from router.index import LocalPrefixIndex, PrefixMode
 from router.shared.events import IndexEvent
 from router.shared.outbox import Outbox
 
@@ -30,6 +30,10 @@ class SharedPrefixIndex:
 
     def resident_blocks(self, worker: str) -> int:
         return self.local.resident_blocks(worker)
+
+    def prefix_mode(self, worker: str) -> PrefixMode:
+        # Every replica subscribes to the engines' events itself (router.kv_events).
+        return self.local.prefix_mode(worker)
 
     def size(self) -> int:
         return self.local.size()

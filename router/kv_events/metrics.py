@@ -1,0 +1,80 @@
+"""What the router's KV event subscriptions count, per worker, on the app's registry."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from prometheus_client import CollectorRegistry, Counter
+
+ReplayResult = Literal["complete", "incomplete", "failed"]
+REPLAY_RESULTS: tuple[ReplayResult, ...] = ("complete", "incomplete", "failed")
+# Why a rank's announced blocks were dropped: the engine restarted (its sequence began
+# again), a gap could not be replayed, or a batch could not be read.
+ResetReason = Literal["restart", "gap", "malformed"]
+RESET_REASONS: tuple[ResetReason, ...] = ("restart", "gap", "malformed")
+EVENT_TYPES = ("stored", "removed", "cleared")
+
+
+class KvEventMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.batches = Counter(
+            "kvrouter_kv_event_batches",
+            "KV event batches applied from the worker's engine (live or replayed).",
+            ["worker"],
+            registry=registry,
+        )
+        self.events = Counter(
+            "kvrouter_kv_events",
+            "KV events applied, by type: stored, removed, cleared.",
+            ["worker", "type"],
+            registry=registry,
+        )
+        self.gaps = Counter(
+            "kvrouter_kv_event_gaps",
+            "Gaps in a worker's event sequence (messages the subscriber never received).",
+            ["worker"],
+            registry=registry,
+        )
+        self.replays = Counter(
+            "kvrouter_kv_event_replays",
+            "Replays asked of the worker's replay endpoint, by result: complete, "
+            "incomplete (the engine no longer had every missed batch) or failed.",
+            ["worker", "result"],
+            registry=registry,
+        )
+        self.resets = Counter(
+            "kvrouter_kv_event_resets",
+            "Times a rank's announced blocks were dropped and rebuilt from later events, by "
+            "reason: restart, gap (not replayed), malformed (a batch that could not be read).",
+            ["worker", "reason"],
+            registry=registry,
+        )
+        self.rejected = Counter(
+            "kvrouter_kv_event_rejected_blocks",
+            "Blocks announced with a block size other than the router's (prefix.block_bytes "
+            "/ 4 tokens): the worker stays approximate.",
+            ["worker"],
+            registry=registry,
+        )
+
+    def worker_added(self, worker: str) -> None:
+        """Every series of the worker exists from its subscription on, at 0."""
+        self.batches.labels(worker)
+        self.gaps.labels(worker)
+        self.rejected.labels(worker)
+        for kind in EVENT_TYPES:
+            self.events.labels(worker, kind)
+        for result in REPLAY_RESULTS:
+            self.replays.labels(worker, result)
+        for reason in RESET_REASONS:
+            self.resets.labels(worker, reason)
+
+    def worker_removed(self, worker: str) -> None:
+        for single in (self.batches, self.gaps, self.rejected):
+            single.remove(worker)
+        for kind in EVENT_TYPES:
+            self.events.remove(worker, kind)
+        for result in REPLAY_RESULTS:
+            self.replays.remove(worker, result)
+        for reason in RESET_REASONS:
+            self.resets.remove(worker, reason)

@@ -1,0 +1,241 @@
+"""One data-parallel rank's KV events, read from its engine and applied in sequence.
+
+A SUB socket reads the live stream; a DEALER asks the engine's replay endpoint (a
+ROUTER: ``("", start_seq)`` in, every kept batch from ``start_seq`` then ``seq = -1``
+out) for what the SUB did not deliver:
+
+* on joining, for the engine's whole buffer (seq 0 on), before the live stream is read;
+  live messages already replayed are skipped;
+* on a gap in the live sequence, from the first missing seq.
+
+A gap the replay cannot fill (no replay endpoint, no answer within ``replay_timeout_s``,
+the engine no longer has the batches) drops what the rank announced: the router then
+under-counts what the worker holds, and rebuilds from later events, never over-counts.
+A live sequence that goes back means a new engine process (its sequence starts again):
+likewise dropped. The worker turns exact at its first sign of life (a replay answered,
+a batch received) and stays approximate if its blocks are not the router's size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from router.index import LocalPrefixIndex
+from router.kv_events.metrics import KvEventMetrics, ReplayResult, ResetReason
+from router.kv_events.wire import (
+    SEQ_BYTES,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    MalformedEvents,
+    Message,
+    decode_batch,
+    read_message,
+)
+from router.prefix import TOKEN_BYTES
+from router.workers import Worker
+
+log = logging.getLogger(__name__)
+
+# Live messages the SUB socket holds while the subscriber replays or is busy.
+RECEIVE_HWM = 100_000
+# A replay longer than this is not an engine's buffer (vLLM keeps 10,000 steps).
+MAX_REPLAY_MESSAGES = 1_000_000
+MODEL_POLL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RankEndpoints:
+    rank: int
+    endpoint: str
+    replay_endpoint: str | None
+    topic: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Exactness:
+    """What makes a worker's residency exact: the router's block size (in tokens) and
+    how long a request's blocks count as held before the engine announces them."""
+
+    block_tokens: int
+    speculative_ttl_s: float
+    replay_timeout_s: float
+
+
+class RankSubscriber:
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        worker: Worker,
+        endpoints: RankEndpoints,
+        index: LocalPrefixIndex,
+        exactness: Exactness,
+        metrics: KvEventMetrics,
+    ) -> None:
+        self._context = context
+        self._worker = worker
+        self._endpoints = endpoints
+        self._index = index
+        self._exactness = exactness
+        self._metrics = metrics
+        self._model = ""
+        self.next_seq: int | None = None  # the next batch to apply; None: any
+        self._last_live: int | None = None
+        self.rejected: str | None = None  # why the worker cannot be exact
+
+    @property
+    def rank(self) -> int:
+        return self._endpoints.rank
+
+    @property
+    def _name(self) -> str:
+        return self._worker.name
+
+    async def run(self) -> None:
+        self._model = await self._base_model()
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        sub.setsockopt(zmq.SUBSCRIBE, self._endpoints.topic)
+        sub.connect(self._endpoints.endpoint)
+        try:
+            if self._endpoints.replay_endpoint is not None:
+                await self._replay(0)  # what the engine announced before we joined
+            while True:
+                frames = await sub.recv_multipart()
+                await self._live(frames)
+                await asyncio.sleep(0)  # a burst of queued batches must not hold the loop
+        finally:
+            sub.close(linger=0)
+
+    async def _base_model(self) -> str:
+        """The model the engine's own blocks are keyed by (a LoRA's name its own)."""
+        while True:
+            worker = self._worker
+            if worker.base_model is not None:
+                return worker.base_model
+            if len(worker.models) == 1:
+                return next(iter(worker.models))
+            await asyncio.sleep(MODEL_POLL_S)
+
+    async def _live(self, frames: list[bytes]) -> None:
+        try:
+            message = read_message(frames)
+        except MalformedEvents as exc:
+            self._reset("malformed", str(exc))
+            return
+        seq = message.seq
+        if self._last_live is not None and seq <= self._last_live:
+            self._reset("restart", f"its sequence went back from {self._last_live} to {seq}")
+        self._last_live = seq
+        expected = self.next_seq
+        if expected is not None and seq < expected:
+            return  # replayed already
+        if expected is not None and seq > expected:
+            self._metrics.gaps.labels(self._name).inc()
+            log.warning(
+                "worker %s rank %d: KV events %d-%d missed",
+                self._name,
+                self._endpoints.rank,
+                expected,
+                seq - 1,
+            )
+            result = await self._replay(expected) if self._endpoints.replay_endpoint else "failed"
+            if result == "failed":
+                self._reset("gap", "the missed events could not be replayed")
+            if self.next_seq is not None and seq < self.next_seq:
+                return
+        self._apply(message)
+
+    async def _replay(self, start: int) -> ReplayResult:
+        """Ask the engine for its kept batches from ``start`` on and apply them."""
+        assert self._endpoints.replay_endpoint is not None
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._endpoints.replay_endpoint)
+        result: ReplayResult = "complete"
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(SEQ_BYTES, "big")))
+            for _ in range(MAX_REPLAY_MESSAGES):
+                async with asyncio.timeout(self._exactness.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
+                if len(frames) != 4 or frames[0]:
+                    raise MalformedEvents("a replayed message is an empty frame and three more")
+                message = read_message(frames[1:])
+                if message.ends_replay:
+                    self._become_exact()  # the engine answered: its publisher is there
+                    break
+                expected = self.next_seq
+                if expected is not None and message.seq < expected:
+                    continue
+                if expected is not None and message.seq > expected:
+                    result = "incomplete"  # rolled out of the engine's buffer
+                    self._reset("gap", f"the engine no longer keeps events {expected} on")
+                self._apply(message)
+            else:
+                result = "failed"
+        except (TimeoutError, MalformedEvents, zmq.ZMQError) as exc:
+            log.warning("worker %s: KV event replay failed: %r", self._name, exc)
+            result = "failed"
+        finally:
+            dealer.close(linger=0)
+        self._metrics.replays.labels(self._name, result).inc()
+        return result
+
+    def _apply(self, message: Message) -> None:
+        self.next_seq = message.seq + 1
+        try:
+            batch = decode_batch(message.payload)
+        except MalformedEvents as exc:
+            self._reset("malformed", str(exc))
+            return
+        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        wrong = [e for e in stored if e.block_size != self._exactness.block_tokens]
+        if wrong:
+            self._reject(wrong[0].block_size, sum(len(e.block_hashes) for e in wrong))
+            return
+        if self.rejected is not None:
+            return
+        self._become_exact()
+        self._index.apply_events(self._name, self._endpoints.rank, batch.events)
+        metrics = self._metrics
+        metrics.batches.labels(self._name).inc()
+        removed = sum(isinstance(e, BlockRemoved) for e in batch.events)
+        cleared = sum(isinstance(e, AllBlocksCleared) for e in batch.events)
+        for kind, count in (("stored", len(stored)), ("removed", removed), ("cleared", cleared)):
+            if count:
+                metrics.events.labels(self._name, kind).inc(count)
+
+    def _become_exact(self) -> None:
+        if self.rejected is None and self._index.prefix_mode(self._name) != "exact":
+            self._index.make_exact(self._name, self._model, self._exactness.speculative_ttl_s)
+            log.info("worker %s: exact prefix mode (its engine's KV events)", self._name)
+
+    def _reject(self, block_size: int, blocks: int) -> None:
+        self._metrics.rejected.labels(self._name).inc(blocks)
+        if self.rejected is None:
+            wanted = self._exactness.block_tokens
+            self.rejected = (
+                f"its engine's blocks are {block_size} tokens, the router's {wanted} "
+                f"(set prefix.block_bytes: {block_size * TOKEN_BYTES})"
+            )
+            log.error("worker %s stays approximate: %s", self._name, self.rejected)
+            self._index.make_approximate(self._name)
+
+    def _reset(self, reason: ResetReason, why: str) -> None:
+        """Drop what this rank announced; later events rebuild it."""
+        log.warning(
+            "worker %s rank %d: dropping its announced blocks (%s: %s)",
+            self._name,
+            self._endpoints.rank,
+            reason,
+            why,
+        )
+        self._metrics.resets.labels(self._name, reason).inc()
+        self._index.clear_rank(self._name, self._endpoints.rank)
+        self.next_seq = None

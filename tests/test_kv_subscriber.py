@@ -1,0 +1,269 @@
+"""Exact mode's residency and its subscriber: an engine's KV events over real ZMQ
+sockets on loopback, applied in sequence, with the gaps, restarts and bad batches an
+operator's fleet produces."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from router.index import LocalPrefixIndex
+from router.kv_events.metrics import KvEventMetrics
+from router.kv_events.residency import ExactResidency
+from router.kv_events.subscriber import Exactness, RankEndpoints, RankSubscriber
+from router.kv_events.wire import AllBlocksCleared
+from router.kv_events.wire import BlockRemoved as Removed
+from router.kv_events.wire import BlockStored as Stored
+from router.workers import Worker
+from tests.kv_publisher import (
+    BLOCK,
+    ScriptedPublisher,
+    removed,
+    router_hashes,
+    scripted_publisher,
+    stored,
+    tokens,
+)
+
+CAPACITY = 1000  # blocks
+
+
+def announced(ids: list[int], first: int, parent: int | None = None) -> Stored:
+    return Stored(tuple(range(first, first + len(ids) // BLOCK)), parent, tuple(ids), BLOCK)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- the residency, from plain values -----------------------------------------------------
+
+
+def test_announced_blocks_are_held_until_removed_or_cleared() -> None:
+    residency = ExactResidency(CAPACITY, "m", ttl_s=5.0)
+    a = tokens(1, 4)
+    residency.apply(0, [announced(a, 10)])
+    assert residency.longest_prefix(router_hashes(a), {}) == 4
+    residency.apply(0, [Removed((12, 13))])  # the engine evicts the tail first
+    assert residency.longest_prefix(router_hashes(a), {}) == 2
+    assert residency.evictions == 2
+    residency.apply(0, [AllBlocksCleared()])
+    assert residency.longest_prefix(router_hashes(a), {}) == 0
+    assert len(residency) == 0
+
+
+def test_a_requests_blocks_count_until_announced_or_their_ttl_lapses() -> None:
+    clock = Clock()
+    residency = ExactResidency(CAPACITY, "m", ttl_s=5.0, clock=clock)
+    a, b = tokens(1, 3), tokens(2, 3)
+    residency.touch(router_hashes(a))
+    residency.touch(router_hashes(b))
+    assert residency.longest_prefix(router_hashes(a), {}) == 3
+    residency.apply(0, [announced(a, 10)])  # a is announced; b never is
+    clock.now = 5.1
+    assert residency.longest_prefix(router_hashes(a), {}) == 3
+    assert residency.longest_prefix(router_hashes(b), {}) == 0
+    assert len(residency) == 3  # guesses are not residents
+
+
+def test_inherited_entries_give_way_as_announced_blocks_fill_the_capacity() -> None:
+    old = tokens(9, 4)
+    residency = ExactResidency(6, "m", ttl_s=5.0, inherited=router_hashes(old))
+    assert residency.longest_prefix(router_hashes(old), {}) == 4
+    residency.apply(0, [announced(tokens(1, 4), 10)])  # 4 announced + 4 inherited > 6
+    assert len(residency) == 6
+    assert residency.longest_prefix(router_hashes(old), {}) == 0  # its oldest went first
+
+
+def test_a_block_two_ranks_hold_stays_until_both_remove_it() -> None:
+    residency = ExactResidency(CAPACITY, "m", ttl_s=5.0)
+    a = tokens(1, 2)
+    residency.apply(0, [announced(a, 10)])
+    residency.apply(1, [announced(a, 10)])
+    residency.apply(0, [Removed((10, 11))])
+    assert residency.longest_prefix(router_hashes(a), {}) == 2
+    residency.clear_rank(1)
+    assert residency.longest_prefix(router_hashes(a), {}) == 0
+
+
+def test_the_index_turns_exact_keeping_what_it_modelled_and_back() -> None:
+    index = LocalPrefixIndex()
+    index.add_worker("w", CAPACITY)
+    a, b = tokens(1, 2), tokens(2, 2)
+    index.touch("w", router_hashes(a))
+    index.make_exact("w", "m", 5.0)
+    assert index.prefix_mode("w") == "exact"
+    assert index.match("w", router_hashes(a)) == 2  # inherited
+    assert index.apply_events("w", 0, [announced(b, 10)])
+    assert index.match("w", router_hashes(b)) == 2
+    index.purge("w")
+    assert index.prefix_mode("w") == "exact"
+    assert index.match("w", router_hashes(a)) == index.match("w", router_hashes(b)) == 0
+    index.apply_events("w", 0, [announced(b, 10)])
+    index.make_approximate("w")
+    assert index.prefix_mode("w") == "approximate"
+    assert index.match("w", router_hashes(b)) == 2
+    assert not index.apply_events("w", 0, [announced(a, 20)])
+
+
+# -- the subscriber over real sockets -------------------------------------------------------
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+class Subscribed:
+    def __init__(self, index: LocalPrefixIndex, subscriber: RankSubscriber) -> None:
+        self.index = index
+        self.subscriber = subscriber
+        self.registry = CollectorRegistry()
+
+    def match(self, ids: list[int]) -> int:
+        return self.index.match("w", router_hashes(ids))
+
+    def count(self, name: str, **labels: str) -> float:
+        value = self.registry.get_sample_value(name, {"worker": "w", **labels})
+        return value or 0.0
+
+
+@contextlib.asynccontextmanager
+async def subscribed(
+    publisher: ScriptedPublisher, replay: bool = True, block_tokens: int = BLOCK
+) -> AsyncIterator[Subscribed]:
+    context = zmq.asyncio.Context()
+    index = LocalPrefixIndex()
+    index.add_worker("w", CAPACITY)
+    worker = Worker("w", "http://127.0.0.1:1", CAPACITY * BLOCK, base_model="m")
+    registry = CollectorRegistry()
+    metrics = KvEventMetrics(registry)
+    metrics.worker_added("w")
+    endpoints = RankEndpoints(
+        0, publisher.endpoint, publisher.replay_endpoint if replay else None, b""
+    )
+    subscriber = RankSubscriber(
+        context, worker, endpoints, index, Exactness(block_tokens, 5.0, 0.5), metrics
+    )
+    task = asyncio.create_task(subscriber.run())
+    result = Subscribed(index, subscriber)
+    result.registry = registry
+    try:
+        if not replay:  # nothing tells it the engine is there but a batch it receives
+            probe = tokens(99, 1)
+            while index.prefix_mode("w") != "exact" and not task.done():
+                await publisher.publish(stored(probe, 990, None))
+                await asyncio.sleep(0.02)
+        await until(lambda: index.prefix_mode("w") == "exact" or subscriber.rejected is not None)
+        yield result
+        assert not task.done(), task  # nothing a worker sent ended the subscriber
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        context.destroy(linger=0)
+
+
+async def test_a_subscriber_that_joins_late_replays_what_the_engine_announced() -> None:
+    a, b = tokens(1, 4), tokens(2, 2)
+    async with scripted_publisher() as engine:
+        await engine.publish(stored(a[: 2 * BLOCK], 10, None))  # nobody listens yet
+        await engine.publish(stored(a[2 * BLOCK :], 12, 11))
+        async with subscribed(engine) as sub:
+            await until(lambda: sub.match(a) == 4)
+            await engine.publish(stored(b, 20, None))
+            await until(lambda: sub.match(b) == 2)
+            await engine.publish(removed(12, 13))
+            await until(lambda: sub.match(a) == 2)
+            assert sub.count("kvrouter_kv_event_replays_total", result="complete") == 1
+            assert sub.count("kvrouter_kv_events_total", type="stored") == 3
+            assert sub.count("kvrouter_kv_events_total", type="removed") == 1
+
+
+async def test_a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() -> None:
+    a, c = tokens(1, 4), tokens(3, 1)
+    async with scripted_publisher() as engine, subscribed(engine) as sub:
+        await engine.publish(stored(a[: 2 * BLOCK], 10, None))
+        await engine.publish(stored(a[2 * BLOCK :], 12, 11), live=False)  # lost
+        await engine.publish(stored(c, 30, None))
+        await until(lambda: sub.match(c) == 1)
+        assert sub.match(a) == 4
+        assert sub.count("kvrouter_kv_event_gaps_total") == 1
+        assert sub.count("kvrouter_kv_event_replays_total", result="complete") == 2
+        assert sub.count("kvrouter_kv_event_resets_total", reason="gap") == 0
+
+
+async def test_a_gap_the_engine_no_longer_keeps_drops_the_rank_and_rebuilds() -> None:
+    a, c = tokens(1, 2), tokens(3, 1)
+    async with scripted_publisher() as engine, subscribed(engine) as sub:
+        await engine.publish(stored(a, 10, None))
+        await until(lambda: sub.match(a) == 2)
+        lost = await engine.publish(removed(10, 11), live=False)
+        engine.forget_before(lost + 1)  # rolled out of the engine's buffer
+        await engine.publish(stored(c, 30, None))
+        await until(lambda: sub.match(c) == 1)
+        # The lost batch may have evicted a: the router under-counts, never over-counts.
+        assert sub.match(a) == 0
+        assert sub.count("kvrouter_kv_event_replays_total", result="incomplete") == 1
+        assert sub.count("kvrouter_kv_event_resets_total", reason="gap") == 1
+
+
+async def test_a_gap_without_a_replay_endpoint_drops_the_rank_and_rebuilds() -> None:
+    a, c = tokens(1, 2), tokens(3, 1)
+    async with scripted_publisher(replay=False) as engine, subscribed(engine, False) as sub:
+        await engine.publish(stored(a, 10, None))
+        await until(lambda: sub.match(a) == 2)
+        await engine.publish(removed(10, 11), live=False)
+        await engine.publish(stored(c, 30, None))
+        await until(lambda: sub.match(c) == 1)
+        assert sub.match(a) == 0
+        assert sub.count("kvrouter_kv_event_resets_total", reason="gap") == 1
+
+
+async def test_an_engine_restart_drops_what_the_old_process_announced() -> None:
+    a, b = tokens(1, 2), tokens(2, 2)
+    async with scripted_publisher() as engine, subscribed(engine) as sub:
+        await engine.publish(stored(a, 10, None))
+        await engine.publish(stored(tokens(5, 1), 50, None))
+        await until(lambda: sub.match(a) == 2)
+        engine.restart()  # its sequence begins again at 0
+        await engine.publish(stored(b, 20, None))
+        await until(lambda: sub.match(b) == 2)
+        assert sub.match(a) == 0
+        assert sub.count("kvrouter_kv_event_resets_total", reason="restart") == 1
+
+
+async def test_blocks_of_another_size_keep_the_worker_approximate() -> None:
+    a = tokens(1, 2)
+    async with scripted_publisher() as engine, subscribed(engine) as sub:
+        await engine.publish(stored(a, 10, None, block_size=2 * BLOCK))
+        await until(lambda: sub.subscriber.rejected is not None)
+        assert "prefix.block_bytes: 128" in str(sub.subscriber.rejected)
+        assert sub.index.prefix_mode("w") == "approximate"
+        assert sub.count("kvrouter_kv_event_rejected_blocks_total") == 1
+        await engine.publish(stored(a, 40, None))
+        await asyncio.sleep(0.1)
+        assert sub.index.prefix_mode("w") == "approximate"
+
+
+async def test_a_batch_that_cannot_be_read_costs_the_rank_not_the_subscriber() -> None:
+    a, b = tokens(1, 2), tokens(2, 2)
+    async with scripted_publisher() as engine, subscribed(engine) as sub:
+        await engine.publish(stored(a, 10, None))
+        await until(lambda: sub.match(a) == 2)
+        await engine.publish(payload=b"\xc1 not msgpack")
+        await engine.publish(stored(b, 20, None))
+        await until(lambda: sub.match(b) == 2)
+        assert sub.match(a) == 0  # what the unread batch did is unknown
+        assert sub.count("kvrouter_kv_event_resets_total", reason="malformed") == 1
