@@ -122,7 +122,7 @@ async def list_workers(request: web.Request) -> web.Response:
     )
 
 
-WORKER_FIELDS = ("url", "name", "kv_tokens")
+WORKER_FIELDS = ("url", "name", "kv_tokens", "kv_events")
 
 
 def _worker_config(body: dict[str, Any]) -> WorkerConfig:
@@ -145,6 +145,8 @@ async def add_worker(request: web.Request) -> web.Response:
     config = _worker_config(await _body(request))
     if config.name in state.router.fleet.workers:
         raise Conflict(f"a worker named {config.name!r} exists")
+    if config.kv_events is not None and state.kv_events is None:
+        raise BadRequest("kv_events: exact mode keys prompts by tokens; set prefix.tokenizer")
     worker = state.add_worker(config)
     await state.prober.probe_all()
     return _json(_describe(state, worker), status=201)

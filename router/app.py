@@ -288,7 +288,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
                     reconciler.run(config.discovery.interval_s), name="kvrouter-discovery"
                 )
             )
-        if config.subscribes_kv_events:
+        if config.prefix.tokenizer is not None:  # exact mode is possible
             subscriptions = KvEventSubscriptions(
                 state.router.fleet,
                 local_index(state.router.index),

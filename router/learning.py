@@ -20,7 +20,8 @@ capacity, but blocks pinned by running requests, preemptions and timing make the
 hold less than that. When the engine reports fewer cached tokens than the model predicted,
 the worker's modelled capacity shrinks a step; when it reports at least as many, it grows
 back a smaller step, never past the nominal capacity. Predictions then stay honest under
-cache pressure, which is when they matter.
+cache pressure, which is when they matter. Workers in exact mode (their engines' KV
+events) are not calibrated: their evictions are announced.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ class ResidencyCalibrator:
         return self._share.get(worker, 1.0)
 
     def observe(self, worker: Worker, predicted: int, cached: int, prompt: int) -> None:
-        if prompt <= 0:
-            return
+        if prompt <= 0 or self._index.prefix_mode(worker.name) == "exact":
+            return  # an exact worker's engine says what it evicted: nothing to calibrate
         share = self.share(worker.name)
         if predicted - cached > CALIBRATION_TOLERANCE * prompt:
             share = max(MIN_CAPACITY_SHARE, share * (1 - SHRINK_STEP))

@@ -64,6 +64,8 @@ class RouterState:
         self.membership.add(worker)
         if not known:
             self.prober.discover_capacity(worker.name)
+        if self.kv_events is not None:
+            self.kv_events.reconcile()
         return worker
 
     def mark_unreachable(self, worker: Worker) -> None:

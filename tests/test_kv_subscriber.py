@@ -19,6 +19,7 @@ from router.kv_events.subscriber import Exactness, RankEndpoints, RankSubscriber
 from router.kv_events.wire import AllBlocksCleared
 from router.kv_events.wire import BlockRemoved as Removed
 from router.kv_events.wire import BlockStored as Stored
+from router.learning import ResidencyCalibrator
 from router.workers import Worker
 from tests.kv_publisher import (
     BLOCK,
@@ -267,3 +268,16 @@ async def test_a_batch_that_cannot_be_read_costs_the_rank_not_the_subscriber() -
         await until(lambda: sub.match(b) == 2)
         assert sub.match(a) == 0  # what the unread batch did is unknown
         assert sub.count("kvrouter_kv_event_resets_total", reason="malformed") == 1
+
+
+def test_an_exact_workers_capacity_is_not_calibrated_from_its_hit_rate() -> None:
+    index = LocalPrefixIndex()
+    calibrator = ResidencyCalibrator(index, BLOCK)
+    for name in ("modelled", "announced"):
+        index.add_worker(name, CAPACITY)
+    index.make_exact("announced", "m", 5.0)
+    for name in ("modelled", "announced"):
+        worker = Worker(name, "http://127.0.0.1:1", CAPACITY * BLOCK)
+        calibrator.observe(worker, predicted=1000, cached=0, prompt=1000)
+    assert index.capacity_blocks("modelled") < CAPACITY
+    assert index.capacity_blocks("announced") == CAPACITY

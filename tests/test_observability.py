@@ -217,3 +217,79 @@ def test_the_queue_alert_counts_each_engine_once_however_many_replicas_report_it
         ["promtool", "test", "rules", str(path)], capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _promtool_test(tmp_path: Path, input_series: list[dict[str, str]], alerts: list[Any]) -> None:
+    test = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": input_series, "alert_rule_test": alerts}],
+    }
+    path = tmp_path / "alert_test.yml"
+    path.write_text(yaml.safe_dump(test))
+    result = subprocess.run(
+        ["promtool", "test", "rules", str(path)], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _fires(name: str, eval_time: str, worker: str) -> dict[str, Any]:
+    alert = next(rule for rule in rules() if rule.get("alert") == name)
+    return {
+        "eval_time": eval_time,
+        "alertname": name,
+        "exp_alerts": [
+            {
+                "exp_labels": {"severity": "warning", "worker": worker},
+                "exp_annotations": {
+                    k: v.replace("{{ $labels.worker }}", worker)
+                    for k, v in alert["annotations"].items()
+                },
+            }
+        ],
+    }
+
+
+def _quiet(name: str, eval_time: str) -> dict[str, Any]:
+    return {"eval_time": eval_time, "alertname": name, "exp_alerts": []}
+
+
+def test_the_kv_event_alerts_name_the_worker_that_is_not_exact(tmp_path: Path) -> None:
+    def mode(worker: str, mode: str, values: str) -> dict[str, str]:
+        return {
+            "series": f'kvrouter_prefix_mode{{worker="{worker}",mode="{mode}",instance="r1"}}',
+            "values": values,
+        }
+
+    def series(name: str, worker: str, values: str, **labels: str) -> dict[str, str]:
+        extra = "".join(f',{k}="{v}"' for k, v in labels.items())
+        return {"series": f'{name}{{worker="{worker}",instance="r1"{extra}}}', "values": values}
+
+    _promtool_test(
+        tmp_path,
+        [
+            # w0: subscribed and exact, announcing as it serves.
+            mode("w0", "exact", "1x40"),
+            mode("w0", "approximate", "0x40"),
+            series("kvrouter_kv_event_batches_total", "w0", "0+5x40"),
+            series("kvrouter_requests_total", "w0", "0+5x40", outcome="success"),
+            series("kvrouter_kv_event_gaps_total", "w0", "0x40"),
+            # w1: subscribed, never exact, serving, silent; its stream then loses messages.
+            mode("w1", "exact", "0x40"),
+            mode("w1", "approximate", "1x40"),
+            series("kvrouter_kv_event_batches_total", "w1", "0x40"),
+            series("kvrouter_requests_total", "w1", "0+5x40", outcome="success"),
+            series("kvrouter_kv_event_gaps_total", "w1", "0x20 1+1x20"),
+            # w2: not subscribed (no event series): approximate by design, never alerted.
+            mode("w2", "exact", "0x40"),
+            mode("w2", "approximate", "1x40"),
+            series("kvrouter_requests_total", "w2", "0+5x40", outcome="success"),
+        ],
+        [
+            _quiet("KvrouterWorkerNotExact", "3m"),
+            _fires("KvrouterWorkerNotExact", "10m", "w1"),
+            _fires("KvrouterWorkerServesWithoutKvEvents", "20m", "w1"),
+            _quiet("KvrouterKvEventGapsRepeat", "20m"),
+            _fires("KvrouterKvEventGapsRepeat", "30m", "w1"),
+        ],
+    )
