@@ -160,7 +160,7 @@ async def serve(
     body = read_request(kind, raw, headers.session, config.session_body_fields, config.limits)
     block_bytes = config.prefix.block_bytes
     tokens = state.tokens
-    if tokens is not None and body.messages is not None:
+    if tokens is not None:
         request = await tokens.key(body, block_bytes)
     else:
         request = keyed_by_text(body, block_bytes)

@@ -15,10 +15,11 @@ from bench.textgen import text_for
 from router.cli import build_parser
 from router.config import PrefixConfig
 from router.errors import ConfigError
+from router.prefix import chain_seed, prefix_key, token_bytes
 from router.serve_cli import flag_overrides
 from router.state import STATE_KEY
-from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
-from tests.router_client import chat_body, conversation, engines, metric, post
+from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
+from tests.router_client import WORKER, chat_body, conversation, engines, metric, post
 from tests.token_model import build_model_dir
 
 ENGINE_BLOCK = 16  # tokens; the router's blocks are the engine's
@@ -124,3 +125,30 @@ def test_kvrouter_serve_takes_the_tokenizer_as_a_flag() -> None:
         ["serve", "--worker", "http://e0", "--tokenizer", "/models/qwen3", "--block-bytes", "64"]
     )
     assert flag_overrides(args)["prefix"] == {"block_bytes": 64, "tokenizer": "/models/qwen3"}
+
+
+async def test_a_completion_is_keyed_by_the_engines_tokens_too(
+    engine_factory: EngineFactory, model_dir: Path
+) -> None:
+    reference = AutoTokenizer.from_pretrained(str(model_dir))
+    text = text_for("completion", 200)
+    ids = [7 + i for i in range(40)]  # two whole blocks and a part
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(tokens_config(fleet, model_dir)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        index = router.app[STATE_KEY].router.index
+        for prompt, expected in ((text, reference(text)["input_ids"]), (ids, ids)):
+            body = {"model": TEST_MODEL, "prompt": prompt, "max_tokens": 1}
+            async with http.post(router.url + "/v1/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                worker = response.headers[WORKER]
+            key = prefix_key(token_bytes(expected), BLOCK_BYTES, chain_seed(TEST_MODEL))
+            assert len(key.hashes) >= 2
+            # Blocks the engine announces for these ids are the very ones held.
+            assert index.match(worker, key.hashes) == len(key.hashes)
+        assert (
+            await metric(http, router, "kvrouter_prefix_tokenized_requests_total", result="tokens")
+            == 2
+        )

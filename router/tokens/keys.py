@@ -1,10 +1,12 @@
 """Prefix keys from the model's own tokens (``prefix.tokenizer``).
 
 A chat request's messages are rendered with the model's chat template and encoded with
-its tokenizer, as the engine does; the canonical bytes are the ids, 4 little-endian
-bytes each (as a prompt given as token ids already is, ``router.prefix.render_prompt``),
-so a block of ``prefix.block_bytes`` is ``block_bytes / 4`` of the engine's tokens and
-the prompt's token count is exact.
+its tokenizer, as the engine does (a completion's text prompt is encoded as it is, with
+the tokenizer's special tokens unless ``add_special_tokens`` is false; its token ids are
+taken as they are); the canonical bytes are the ids, 4 little-endian bytes each
+(``router.prefix.token_bytes``), so a block of ``prefix.block_bytes`` is ``block_bytes /
+4`` of the engine's tokens, the prompt's token count is exact, and the blocks are the
+ones the engine's KV events announce (router.kv_events).
 
 Encoding runs on a thread of its own, never on the event loop: a 100K-token prompt seen
 for the first time takes a few hundred milliseconds to encode whole (``kvrouter bench
@@ -57,7 +59,7 @@ class TokenMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter(
             "kvrouter_prefix_tokenized_requests",
-            "Chat requests keyed by the model's own tokens (prefix.tokenizer), by result: "
+            "Requests keyed by the model's own tokens (prefix.tokenizer), by result: "
             "tokens; text (the template could not render them, or the request asked for "
             "what the router does not render: continue_final_message, its own "
             "chat_template, media parts...; the engine decides whether they are valid); "
@@ -99,9 +101,10 @@ class TokenKeys:
         self._pending = 0  # requests waiting for or on the tokenizer's thread
 
     async def key(self, body: RequestBody, block_bytes: int) -> ClientRequest:
-        """A chat request keyed by its tokens; by its text where they cannot be had (the
+        """A request keyed by its tokens; by its text where they cannot be had (the
         engine, not the router, decides whether such a request is valid)."""
-        assert body.messages is not None
+        if body.messages is None:
+            return await self._completion(body, block_bytes)
         fields = body.fields
         tools = fields.get("tools")
         tools = tools if isinstance(tools, list) and tools else None
@@ -127,6 +130,37 @@ class TokenKeys:
             self._pending -= 1
         self.metrics.requests.labels("tokens").inc()
         return keyed(body, chat.canonical, chat.history_bytes // block_bytes, block_bytes, False)
+
+    async def _completion(self, body: RequestBody, block_bytes: int) -> ClientRequest:
+        """A completion's prompt as the engine encodes it (vLLM: ``add_special_tokens``,
+        default true); a prompt of token ids is the engine's tokens already."""
+        prompt = body.prompt
+        assert prompt is not None
+        if isinstance(prompt, str):
+            special = body.fields.get("add_special_tokens", True)
+            truncated = body.fields.get("truncate_prompt_tokens") is not None
+            if not isinstance(special, bool) or truncated:
+                return self._by_text(body, block_bytes, "text")
+            if self._pending >= MAX_PENDING:
+                return self._by_text(body, block_bytes, "busy")
+            self._pending += 1
+            try:
+                loop = asyncio.get_running_loop()
+                ids = await loop.run_in_executor(self._thread, self._encode, prompt, special)
+            finally:
+                self._pending -= 1
+        else:
+            ids = list(prompt)
+        self.metrics.requests.labels("tokens").inc()
+        return keyed(body, token_bytes(ids), 1, block_bytes, False)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        started = time.perf_counter()
+        encoding = self.model.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding[0].ids
+        self.metrics.seconds.observe(time.perf_counter() - started)
+        self.metrics.encoded.inc(len(ids))
+        return ids
 
     def _by_text(self, body: RequestBody, block_bytes: int, result: str) -> ClientRequest:
         self.metrics.requests.labels(result).inc()
