@@ -8,6 +8,7 @@ from typing import Any
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
     from bench import (
+        agreement,
         dashboards,
         engine_cpu,
         fuzz,
@@ -42,3 +43,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     fuzz.register(sub)
     soak.register(sub)
     tokenize_cost.register(sub)
+    agreement.register(sub)

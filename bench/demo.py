@@ -20,7 +20,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import aiohttp
 from rich.console import Console
@@ -95,6 +95,9 @@ class RouterSpec:
     commands: tuple[tuple[str, ...], ...]
     ports: tuple[int, ...]
     assign: Assign = "random"  # how the replay spreads requests over the replicas
+    # Where each replica's stdout goes (e.g. its --log-requests lines), the i-th replica
+    # to ``{stdout}.{i}``; None: discarded. Real clock only.
+    stdout: Path | None = None
 
 
 def kvrouter_command(
@@ -141,18 +144,27 @@ async def stop_process(process: asyncio.subprocess.Process, timeout_s: float = 1
         await process.wait()
 
 
+def _log_file(stdout: Path, replica: int) -> BinaryIO:
+    """Replica ``replica``'s stdout file (a local file: opening it does not wait)."""
+    return Path(f"{stdout}.{replica}").open("wb")
+
+
 @contextlib.asynccontextmanager
 async def running_router(spec: RouterSpec, host: str) -> AsyncIterator[list[str]]:
     """Every replica of ``spec`` running and healthy; yields their base URLs."""
     processes: list[asyncio.subprocess.Process] = []
     urls = [f"http://{host}:{port}" for port in spec.ports]
     try:
-        for argv in spec.commands:
-            processes.append(
-                await asyncio.create_subprocess_exec(
-                    *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL
+        for i, argv in enumerate(spec.commands):
+            with contextlib.ExitStack() as files:
+                out: Any = asyncio.subprocess.DEVNULL
+                if spec.stdout is not None:
+                    out = files.enter_context(_log_file(spec.stdout, i))
+                processes.append(
+                    await asyncio.create_subprocess_exec(
+                        *argv, stdout=out, stderr=asyncio.subprocess.DEVNULL
+                    )
                 )
-            )
         await wait_healthy(urls, timeout_s=60)
         yield urls
     finally:
@@ -168,8 +180,9 @@ async def empty_caches(engines: Sequence[EngineProcess | InProcessEngine]) -> No
 
 
 RouterSpecs = Callable[[Sequence[str]], Sequence[RouterSpec]]
-# Read from the routers (their URLs) once a replay is over: figures kept beside the run's.
-AfterRun = Callable[[Sequence[str]], Awaitable[Mapping[str, float]]]
+# Read from the routers (the spec measured, its URLs) once a replay is over, while they
+# still run: figures kept beside the run's.
+AfterRun = Callable[[RouterSpec, Sequence[str]], Awaitable[Mapping[str, float]]]
 
 
 def demo_workload(config: DemoConfig) -> list[Turn]:
@@ -249,7 +262,7 @@ async def run_comparison(
     """Replay a workload (default: the demo's agent sessions) through each router in
     front of the same fleet, ``config.repeat`` rounds with the routers' order rotated
     each round; ``before_each`` runs before each router starts (e.g. to empty shared
-    state), ``after_each`` after its replay with the router's URLs (figures read from the
+    state), ``after_each`` after its replay with the router's spec and URLs (figures read from the
     routers, kept beside the run's); ``per_engine_flags[i]`` are extra flags for engine
     ``i`` (e.g. a slower one). Prints medians and ranges; writes every run,
     ``rounds.json`` and the plots of the last round to ``config.out``.
@@ -306,7 +319,7 @@ async def run_comparison(
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:
                         result = await replay(replay_config, sessions, display.add)
-                    extras = await after_each(urls) if after_each is not None else None
+                    extras = await after_each(spec, urls) if after_each is not None else None
                 save_result(result, config.out / f"{spec.label}.r{round_index + 1}.json")
                 ref = capacity_reference(turns, result.records, reference)
                 rounds.add(spec.label, ScoredRun.of(result, ref.hit_rate, extras))

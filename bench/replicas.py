@@ -191,7 +191,7 @@ async def run_replicas(
         async def flush() -> None:
             await client.flushall()
 
-        async def figures(urls: Sequence[str]) -> dict[str, float]:
+        async def figures(spec: RouterSpec, urls: Sequence[str]) -> dict[str, float]:
             return await redis_figures(http, urls)
 
         try:

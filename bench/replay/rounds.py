@@ -134,6 +134,27 @@ FIGURES: tuple[Figure, ...] = (
         False,
     ),
     Figure(
+        "agreement",
+        "later turns predicted within a block",
+        lambda r: r.extras.get("agreement"),
+        _pct,
+        True,
+    ),
+    Figure(
+        "over_predicted",
+        "later turns over-predicted",
+        lambda r: r.extras.get("over_predicted"),
+        _pct,
+        False,
+    ),
+    Figure(
+        "under_predicted",
+        "later turns under-predicted",
+        lambda r: r.extras.get("under_predicted"),
+        _pct,
+        False,
+    ),
+    Figure(
         "redis_trips",
         "Redis round trips / request",
         lambda r: r.extras.get("redis_trips"),

