@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -20,7 +21,10 @@ from bench.sim.kv_events import (
     ZmqEventPublisher,
     offset_endpoint_port,
 )
+from bench.sim.tokenize import token_ids
 from bench.sim.vllm_hash import BlockHasher
+from bench.textgen import text_for
+from bench.tokenizer import encode_piece
 from router.kv_events import wire
 from tests.conftest import TEST_MODEL, EngineFactory
 
@@ -181,3 +185,124 @@ async def test_a_served_engine_announces_a_prompts_blocks_as_vllm_does(
     second = hasher.block(first, [token] * 16)
     assert block.block_hashes == tuple(int.from_bytes(h[-8:], "big") for h in (first, second))
     assert {b.rank for m in messages for b in [wire.decode_batch(m.payload)]} == {0}
+
+
+def stand_in_ids(text: str) -> list[int]:
+    return token_ids(encode_piece(text))
+
+
+async def complete(client: httpx.AsyncClient, prompt: str) -> dict[str, Any]:
+    answer = await client.post(
+        "/v1/completions", json={"model": TEST_MODEL, "prompt": prompt, "max_tokens": 1}
+    )
+    assert answer.status_code == 200, answer.text
+    body: dict[str, Any] = answer.json()
+    return body
+
+
+def stored_ids(messages: list[wire.Message]) -> list[int]:
+    return [
+        t
+        for m in messages
+        for e in wire.decode_batch(m.payload).events
+        if isinstance(e, wire.BlockStored)
+        for t in e.token_ids
+    ]
+
+
+async def receive_while_completing(
+    sub: zmq.Socket[bytes], client: httpx.AsyncClient, key: str
+) -> tuple[wire.Message, int]:
+    """Complete prompts ``key0``, ``key1``, ... until ``sub`` receives a batch (ZMQ's slow
+    joiner: a publisher takes in a subscription only when it next sends); returns the
+    batch and how many were completed."""
+    sent = 0
+    while not await asyncio.to_thread(sub.poll, 100):
+        await complete(client, text_for(f"{key}{sent}", 40))
+        sent += 1
+        assert sent < 50, "the subscriber never received a batch"
+    return wire.read_message(sub.recv_multipart()), sent
+
+
+async def test_a_restarted_engine_publishes_from_sequence_zero_with_nothing_to_replay(
+    engine_factory: EngineFactory,
+) -> None:
+    port, replay = free_port(), free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}"
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    try:
+        async with engine_factory(kv_events=config) as sim:
+            sub.connect(f"tcp://127.0.0.1:{port}")
+            async with httpx.AsyncClient(base_url=sim.url) as client:
+                _, sent = await receive_while_completing(sub, client, "before")
+                for i in range(3):
+                    await complete(client, text_for(f"more{i}", 40))
+                before = await asyncio.to_thread(replay_from, replay, 0)
+                answer = await client.post("/sim/restart")
+                assert answer.status_code == 200
+                while await asyncio.to_thread(sub.poll, 100):
+                    wire.read_message(sub.recv_multipart())  # what was sent before
+                # The subscriber reconnects to the new publisher on its own.
+                first, after_sent = await receive_while_completing(sub, client, "after")
+                after = await asyncio.to_thread(replay_from, replay, 0)
+    finally:
+        sub.close(linger=0)
+    assert [m.seq for m in before] == list(range(sent + 3))
+    # A new process: numbered from 0 again, and only its own batches to replay (the
+    # first being the first prompt's blocks, no AllBlocksCleared).
+    assert [m.seq for m in after] == list(range(after_sent))
+    assert first.seq < after_sent and first.payload == after[first.seq].payload
+    events = wire.decode_batch(after[0].payload).events
+    assert all(isinstance(e, wire.BlockStored) for e in events)
+    assert stored_ids(after[:1]) == stand_in_ids(text_for("after0", 40))[:32]
+
+
+async def test_reset_prefix_cache_clears_the_cache_and_says_so_on_the_same_stream(
+    engine_factory: EngineFactory,
+) -> None:
+    port, replay = free_port(), free_port()
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}"
+    )
+    prompt = text_for("reset", 40)
+    async with engine_factory(kv_events=config) as sim:
+        async with httpx.AsyncClient(base_url=sim.url) as client:
+            await complete(client, prompt)
+            warm = await complete(client, prompt)
+            # A request holding blocks keeps the cache as it is (vLLM refuses).
+            long = {
+                "model": TEST_MODEL,
+                "prompt": "x",
+                "max_tokens": 20_000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with client.stream("POST", "/v1/completions", json=long) as held:
+                assert held.status_code == 200
+                async for _ in held.aiter_lines():
+                    break  # its first token: it runs, holding its blocks
+                assert sim.engine.scheduler.running
+                refused = await client.post("/reset_prefix_cache")
+                still = await complete(client, prompt)
+                forced = await client.post("/reset_prefix_cache?reset_running_requests=true")
+                cold = await complete(client, prompt)
+        messages = await asyncio.to_thread(replay_from, replay, 0)
+    hit = (40 - 1) // 16 * 16
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+    assert refused.status_code == 200 and refused.content == b""
+    assert still["usage"]["prompt_tokens_details"]["cached_tokens"] == hit
+    assert forced.status_code == 200
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    # One stream throughout; the clear goes out with the next step's events, first.
+    assert [m.seq for m in messages] == list(range(len(messages)))
+    cleared = [
+        (i, j)
+        for i, m in enumerate(messages)
+        for j, e in enumerate(wire.decode_batch(m.payload).events)
+        if isinstance(e, wire.AllBlocksCleared)
+    ]
+    assert len(cleared) == 1 and cleared[0][1] == 0

@@ -16,8 +16,9 @@ import pytest
 
 from bench.block_hash import chain_hashes
 from bench.sim.kv_cache import NO_HASH, BlockPool
-from bench.sim.openai_api import ChunkEvents, Kind, sse_event, stream_chunk
+from bench.sim.openai_api import ChunkEvents, sse_event, stream_chunk
 from bench.sim.prefix_hashes import PrefixHashes
+from bench.sim.prompts import Kind
 from bench.sim.request import DRAW_AHEAD_TOKENS, SimRequest
 from bench.textgen import generated_text
 from bench.tokenizer import TOKEN_BYTES

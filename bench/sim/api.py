@@ -26,8 +26,6 @@ import orjson
 
 from bench.sim.engine import Engine
 from bench.sim.openai_api import (
-    ApiError,
-    Kind,
     ParsedRequest,
     full_response,
     models_body,
@@ -35,7 +33,9 @@ from bench.sim.openai_api import (
     parse_request,
     usage,
 )
+from bench.sim.prompts import Kind
 from bench.sim.request import SimRequest
+from bench.sim.request_fields import ApiError
 from bench.sim.sse import stream_completion
 from bench.sim.tokenize import detokenize, render, tokenize
 
@@ -73,6 +73,9 @@ class Stream(Protocol):
 
 class Exchange(Protocol):
     """One request as an endpoint sees it."""
+
+    def query(self, name: str) -> str | None:
+        """The last value of query parameter ``name``, if given."""
 
     async def read(self) -> bytes:
         """The request body; ``ApiError`` 413 past ``MAX_BODY_BYTES``."""
@@ -141,8 +144,12 @@ async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply |
     try:
         if faults.fail_requests:
             raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
-        parsed = parse_request(
-            kind, await _read_json(exchange), engine.config.served_model_name, engine.max_model_len
+        parsed = await parse_request(
+            kind,
+            await _read_json(exchange),
+            engine.config.served_model_name,
+            engine.max_model_len,
+            engine.prompts,
         )
     except ApiError as exc:
         return error_reply(exc)
@@ -181,7 +188,10 @@ async def tokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
     """vLLM's ``POST /tokenize``, chat or completion body (``bench/sim/tokenize.py``)."""
     try:
         body = await _read_json(exchange)
-        return json_reply(tokenize(body, engine.config.served_model_name, engine.max_model_len))
+        tokens = await tokenize(
+            body, engine.config.served_model_name, engine.max_model_len, engine.prompts
+        )
+        return json_reply(tokens)
     except ApiError as exc:
         return error_reply(exc)
 
@@ -189,7 +199,7 @@ async def tokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
 async def detokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
     try:
         body = await _read_json(exchange)
-        return json_reply(detokenize(body, engine.config.served_model_name))
+        return json_reply(await detokenize(body, engine.config.served_model_name, engine.prompts))
     except ApiError as exc:
         return error_reply(exc)
 
@@ -208,7 +218,9 @@ async def _render(engine: Engine, exchange: Exchange, kind: Kind) -> Reply:
     one), with nothing submitted to the engine."""
     try:
         body = await _read_json(exchange)
-        parsed = parse_request(kind, body, engine.config.served_model_name, engine.max_model_len)
+        parsed = await parse_request(
+            kind, body, engine.config.served_model_name, engine.max_model_len, engine.prompts
+        )
     except ApiError as exc:
         return error_reply(exc)
     rendered = render(kind, parsed, body.get("model"))
@@ -298,11 +310,40 @@ async def set_faults(engine: Engine, exchange: Exchange) -> Reply:
 
 
 async def restart(engine: Engine, exchange: Exchange) -> Reply:
-    """Simulate a process restart: in-flight requests dropped, cache empty, counters reset."""
-    dropped = engine.restart()
+    """Simulate a process restart: in-flight requests dropped, cache empty, counters reset,
+    KV events from a new publisher."""
+    dropped = await engine.restart()
     return json_reply(
         {"dropped_requests": len(dropped), "process_start_time_seconds": engine.start_time}
     )
+
+
+async def reset_prefix_cache(engine: Engine, exchange: Exchange) -> Reply:
+    """vLLM's ``POST /reset_prefix_cache`` (served by vLLM with
+    ``VLLM_SERVER_DEV_MODE=1``): the cache forgotten, announced as ``AllBlocksCleared``;
+    refused (logged, still 200, as vLLM does not check) while requests hold blocks,
+    unless ``?reset_running_requests=true`` preempts them first."""
+    try:
+        reset_running = _query_bool(exchange, "reset_running_requests")
+        _query_bool(exchange, "reset_external")  # no connector: nothing external to reset
+    except ApiError as exc:
+        return error_reply(exc)
+    engine.reset_prefix_cache(reset_running)
+    return Reply(200)
+
+
+_TRUE = ("1", "true", "t", "yes", "y", "on")
+_FALSE = ("0", "false", "f", "no", "n", "off")
+
+
+def _query_bool(exchange: Exchange, name: str) -> bool:
+    """A boolean query parameter as FastAPI reads one (default false)."""
+    value = exchange.query(name)
+    if value is None or value.lower() in _FALSE:
+        return False
+    if value.lower() in _TRUE:
+        return True
+    raise ApiError(400, f"'{name}' must be a boolean", param=name)
 
 
 _COMMON: dict[tuple[str, str], Endpoint] = {
@@ -322,6 +363,7 @@ _FLAVORED: dict[str, dict[tuple[str, str], Endpoint]] = {
         ("POST", "/detokenize"): detokenize_handler,
         ("POST", "/v1/chat/completions/render"): render_chat,
         ("POST", "/v1/completions/render"): render_completion,
+        ("POST", "/reset_prefix_cache"): reset_prefix_cache,
     },
     "sglang": {
         ("GET", "/model_info"): model_info,

@@ -19,6 +19,8 @@ from bench.sim.config import (
 from bench.sim.kv_events import KVEventsConfig
 from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
+from router.errors import ConfigError
+from router.tokens.model import ModelTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prefix-caching-hash-algo", choices=sorted(HASH_FUNCTIONS), default="sha256"
     )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="as vLLM's: a model directory (tokenizer.json, tokenizer_config.json with its "
+        "chat template) whose ids prompts are encoded to (default: 4-byte stand-in tokens)",
+    )
 
 
 def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfig:
@@ -112,6 +121,7 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
             KVEventsConfig.from_cli(args.kv_events_config) if args.kv_events_config else None
         ),
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
+        tokenizer=args.tokenizer,
     )
 
 
@@ -149,6 +159,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         "--kv-tokens": args.kv_tokens,
         "--max-model-len": args.max_model_len,
         "--api-key": args.api_key,
+        "--tokenizer": args.tokenizer,
     }
     for flag, value in optional.items():
         if value is not None:
@@ -167,6 +178,14 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     fleet = sub.add_parser("fleet", help="N simulated engines, each in its own process and port")
     fleet.add_argument("--n", type=int, default=4)
     fleet.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT)
+    fleet.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=None,
+        metavar="BASE",
+        help="publish KV events: engine i on port BASE+2i, its replay socket on BASE+2i+1 "
+        "(other fields from --kv-events-config)",
+    )
     add_engine_arguments(fleet)
     fleet.set_defaults(func=run_fleet)
 
@@ -182,14 +201,25 @@ def _run(coro: Any) -> int:
     return 0
 
 
+def _checked_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfig | None:
+    """The engine config of ``args``, its tokenizer read once to check it; None (the
+    error printed) when either is wrong."""
+    try:
+        config = engine_config(args, engine_id)
+        if config.tokenizer is not None:
+            ModelTokenizer.from_dir(config.tokenizer)
+    except (CapacityError, ConfigError, ValueError) as exc:
+        print(f"error: {exc}")
+        return None
+    return config
+
+
 def run_engine(args: argparse.Namespace) -> int:
     from bench.sim.engine import kv_capacity_tokens
     from bench.sim.http1 import serve
 
-    try:
-        config = engine_config(args, args.engine_id)
-    except (CapacityError, ValueError) as exc:
-        print(f"error: {exc}")
+    config = _checked_config(args, args.engine_id)
+    if config is None:
         return 2
     log.info(
         "simulated %s engine %s on http://%s:%d: model %s on %dx %s, %d KV tokens, time scale %g",
@@ -207,11 +237,14 @@ def run_engine(args: argparse.Namespace) -> int:
 
 
 def run_fleet(args: argparse.Namespace) -> int:
-    from bench.sim.fleet import run_fleet_forever
+    from bench.sim.fleet import KVEventPorts, run_fleet_forever
 
-    try:
-        engine_config(args)
-    except (CapacityError, ValueError) as exc:
-        print(f"error: {exc}")
+    if _checked_config(args) is None:
         return 2
-    return _run(run_fleet_forever(args.n, args.host, args.base_port, engine_flags(args)))
+    if args.kv_events_config is not None and args.kv_events_port is None:
+        print("error: a fleet's engines publish KV events on ports of their own: --kv-events-port")
+        return 2
+    kv_events = None
+    if args.kv_events_port is not None:
+        kv_events = KVEventPorts(args.kv_events_port, args.kv_events_config)
+    return _run(run_fleet_forever(args.n, args.host, args.base_port, engine_flags(args), kv_events))

@@ -56,6 +56,9 @@ class EngineConfig:
     # As vLLM's --kv-events-config and --prefix-caching-hash-algo.
     kv_events: KVEventsConfig | None = None
     prefix_caching_hash_algo: str = "sha256"
+    # As vLLM's --tokenizer: a model directory (tokenizer.json, tokenizer_config.json with
+    # its chat template) whose ids prompts are encoded to; None: the stand-in tokens.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [

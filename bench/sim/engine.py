@@ -20,9 +20,11 @@ from bench.sim.config import EngineConfig
 from bench.sim.faults import Faults
 from bench.sim.kv_cache import BlockPool
 from bench.sim.kv_event_log import EngineEvents
-from bench.sim.kv_events import ZmqEventPublisher
+from bench.sim.kv_stream import KVEventStream
 from bench.sim.metrics import EngineMetrics
+from bench.sim.model_prompts import ModelPrompts
 from bench.sim.prefix_hashes import PrefixHashes
+from bench.sim.prompts import STAND_IN, Prompts
 from bench.sim.request import SimRequest
 from bench.sim.roofline import Roofline
 from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
@@ -101,6 +103,9 @@ class Engine:
         self.pool = BlockPool(self.num_blocks, config.block_tokens)
         self.prefix_hashes = PrefixHashes(config.block_tokens)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        # How prompts become tokens: the stand-in's, or the model's (``running_engine``).
+        self.prompts: Prompts = STAND_IN
+        self.kv_stream: KVEventStream | None = None
         self._rng = random.Random(config.seed)
         self._wake = asyncio.Event()
         self._counter = 0
@@ -179,8 +184,9 @@ class Engine:
         self._changed_at = min(self._changed_at, at)
         self._wake.set()
 
-    def restart(self) -> list[SimRequest]:
-        """Lose every request in flight and the whole cache, as a process restart does."""
+    async def restart(self) -> list[SimRequest]:
+        """Lose every request in flight and the whole cache, as a process restart does;
+        KV events start again from a new publisher (sequence 0, nothing to replay)."""
         dropped = self.scheduler.reset()
         self.start_time = time.time()
         self.metrics.reset(self.start_time)
@@ -188,7 +194,35 @@ class Engine:
             request.updated.set()
         self._changed(self.clock.now())
         log.info("simulated restart: dropped %d requests, cache emptied", len(dropped))
+        if self.kv_stream is not None:
+            # The new process knows none of the old one's blocks; what it caches while
+            # the publisher is swapped goes out from the new one.
+            self.publish_kv_events(self.kv_stream)
+            await self.kv_stream.restart()
         return dropped
+
+    def reset_prefix_cache(self, reset_running: bool = False) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached block (``AllBlocksCleared``
+        with the next step's events) if no request holds one; with ``reset_running``,
+        running requests are preempted first (they compute their prompts again)."""
+        done, preempted = self.scheduler.reset_prefix_cache(reset_running)
+        for _ in preempted:
+            self.metrics.record_preemption()
+        if preempted:
+            self._changed(self.clock.now())
+        if not done:
+            log.warning("prefix cache not reset: requests still hold blocks")
+        return done
+
+    def publish_kv_events(self, stream: KVEventStream) -> None:
+        """Announce the pool's changes on ``stream``, from a clean slate."""
+        config = self.config
+        hasher = BlockHasher(config.prefix_caching_hash_algo)
+        int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+        self.kv_stream = stream
+        self.scheduler.publish_kv_events(
+            EngineEvents(stream, hasher, config.block_tokens, int_hashes)
+        )
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -339,22 +373,23 @@ class Engine:
 
 @contextlib.asynccontextmanager
 async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
-    """An engine with its loop running; the loop is cancelled on exit."""
+    """An engine with its loop running, its tokenizer loaded and its KV events published
+    as ``config`` says; the loop is cancelled and the rest closed on exit."""
     engine = Engine(config)
-    publisher = None
-    if config.kv_events is not None and config.kv_events.publishes:
-        publisher = ZmqEventPublisher(config.kv_events)
-        hasher = BlockHasher(config.prefix_caching_hash_algo)
-        int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
-        engine.scheduler.publish_kv_events(
-            EngineEvents(publisher, hasher, config.block_tokens, int_hashes)
-        )
-    task = asyncio.create_task(engine.run(), name=f"sim-engine-{config.engine_id}")
-    try:
-        yield engine
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        if publisher is not None:
-            await asyncio.to_thread(publisher.shutdown)
+    async with contextlib.AsyncExitStack() as stack:
+        if config.tokenizer is not None:
+            # Reading a real tokenizer takes a moment: not on the loop.
+            prompts = await asyncio.to_thread(ModelPrompts.load, config.tokenizer)
+            stack.callback(prompts.close)
+            engine.prompts = prompts
+        if config.kv_events is not None and config.kv_events.publishes:
+            stream = KVEventStream(config.kv_events)
+            stack.push_async_callback(stream.close)
+            engine.publish_kv_events(stream)
+        task = asyncio.create_task(engine.run(), name=f"sim-engine-{config.engine_id}")
+        try:
+            yield engine
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -46,7 +46,7 @@ from bench.sim.api import (
 from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine, running_engine
 from bench.sim.http1_wire import CONTINUE, FAILED, TEXT, Exchange, Heads, Request
-from bench.sim.openai_api import ApiError
+from bench.sim.request_fields import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,9 @@ class _Connection(asyncio.Protocol):
         request.method = parser.get_method().decode("ascii")
         request.version = parser.get_http_version()
         request.keep_alive = parser.should_keep_alive()
-        path = httptools.parse_url(self._url).path.decode("latin-1")
+        url = httptools.parse_url(self._url)
+        path = url.path.decode("latin-1")
+        request.query = (url.query or b"").decode("latin-1")
         request.path = unquote(path) if "%" in path else path
         if (
             request.expect is not None

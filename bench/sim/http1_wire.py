@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from http import HTTPStatus
 from typing import Protocol
+from urllib.parse import parse_qs
 
 from aiohttp.http import SERVER_SOFTWARE
 
@@ -67,6 +68,7 @@ class Request:
         "keep_alive",
         "method",
         "path",
+        "query",
         "upgrade",
         "version",
     )
@@ -74,6 +76,7 @@ class Request:
     def __init__(self) -> None:
         self.method = ""
         self.path = ""
+        self.query = ""  # the raw query string, percent-encoded
         self.version = "1.1"
         self.keep_alive = True
         self.authorization = ""
@@ -107,6 +110,10 @@ class Exchange:
         self._request = request
         self.started = False
         self.chunked = request.version == "1.1"
+
+    def query(self, name: str) -> str | None:
+        values = parse_qs(self._request.query).get(name)
+        return values[-1] if values else None
 
     async def read(self) -> bytes:
         if self._request.dropped_bytes:

@@ -137,16 +137,23 @@ class ZmqEventPublisher:
         self._seq = count()
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
-        self._pub.set_hwm(config.hwm)
-        if _binds(self.endpoint):
-            self._pub.bind(self.endpoint)
-        else:
-            self._pub.connect(self.endpoint)
         self._replay: zmq.Socket[bytes] | None = None
-        if self.replay_endpoint is not None:
-            self._replay = ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
-            self._replay.bind(self.replay_endpoint)
+        try:
+            self._pub.set_hwm(config.hwm)
+            if _binds(self.endpoint):
+                self._pub.bind(self.endpoint)
+            else:
+                self._pub.connect(self.endpoint)
+            if self.replay_endpoint is not None:
+                self._replay = ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))
+                self._replay.bind(self.replay_endpoint)
+        except zmq.ZMQError:
+            # A port taken: close what was opened, so that it can be tried again.
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+            raise
         self._running = True
         self._thread = threading.Thread(target=self._run, daemon=True, name="sim-kv-events")
         self._thread.start()

@@ -4,47 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
-from bench.tokenizer import IM_END, encode_piece, encode_token_ids, render_chat
-
-Kind = Literal["chat", "completion"]
-
-
-class ApiError(Exception):
-    """An error answered with vLLM's error body and an HTTP status."""
-
-    def __init__(
-        self, status: int, message: str, err_type: str | None = None, param: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type or _ERROR_TYPES.get(status, "InternalServerError")
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.err_type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    413: "BadRequestError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
+from bench.sim.prompts import STAND_IN, Kind, Prompts, encode_prompt
+from bench.sim.request_fields import ApiError, field, request_body, requested_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,104 +32,17 @@ class ParsedRequest:
         return len(self.prompt) // 4
 
 
-def _field(
-    body: Mapping[str, Any], name: str, types: type | tuple[type, ...], default: Any = None
-) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    allowed = types if isinstance(types, tuple) else (types,)
-    # bool is an int subclass: never accept it where a number is expected.
-    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-        raise ApiError(400, f"'{name}' has the wrong type", param=name)
-    return value
-
-
-# The end marker of a message, dropped from the last one by ``continue_final_message``.
-_MESSAGE_END = encode_piece(IM_END)
-
-
-def request_body(body: Any) -> Mapping[str, Any]:
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
-
-
-def requested_model(body: Mapping[str, Any], served_model: str) -> str:
-    """The model a request names (the served one when it names none); any other is a
-    404, as vLLM's model check."""
-    model: str = _field(body, "model", str, served_model)
-    if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
-    return model
-
-
-def chat_prompt(body: Mapping[str, Any]) -> bytes:
-    """``messages`` through the chat template, as vLLM's chat and tokenize requests read
-    them: ``add_generation_prompt`` (default true) appends the assistant header;
-    ``continue_final_message`` (default false) leaves the last message open, without
-    its end marker; the two cannot both be on."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    for message in messages:
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, "each message needs a string 'role'", param="messages")
-        content = message.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise ApiError(
-                400, "message 'content' must be a string or a list of parts", param="messages"
-            )
-    generation_prompt = _field(body, "add_generation_prompt", bool, True)
-    continue_final = _field(body, "continue_final_message", bool, False)
-    if generation_prompt and continue_final:
-        raise ApiError(
-            400,
-            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-            param="continue_final_message",
-        )
-    if continue_final:
-        return render_chat(messages, add_generation_prompt=False)[: -len(_MESSAGE_END)]
-    return render_chat(messages, add_generation_prompt=generation_prompt)
-
-
-def completion_prompt(body: Mapping[str, Any], allow_token_ids: bool = True) -> bytes:
-    """``prompt`` tokenized: a string, or (when ``allow_token_ids``) a list of 32-bit token
-    ids taken as they are. A batch of one is unwrapped; larger batches are refused."""
-    prompt = body.get("prompt")
-    if (
-        allow_token_ids
-        and isinstance(prompt, list)
-        and len(prompt) == 1
-        and isinstance(prompt[0], str | list)
-    ):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return encode_piece(prompt)
-    if not allow_token_ids:
-        raise ApiError(400, "'prompt' must be a string", param="prompt")
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
-    ):
-        return encode_token_ids(prompt)
-    raise ApiError(
-        400,
-        "'prompt' must be a string or a non-empty list of token ids "
-        "(batched prompts are not simulated)",
-        param="prompt",
-    )
-
-
-def parse_request(kind: Kind, body: Any, served_model: str, max_model_len: int) -> ParsedRequest:
+async def parse_request(
+    kind: Kind, body: Any, served_model: str, max_model_len: int, prompts: Prompts = STAND_IN
+) -> ParsedRequest:
+    """A completion request checked as vLLM checks it, its prompt encoded by ``prompts``."""
     body = request_body(body)
     model = requested_model(body, served_model)
-    if _field(body, "n", int, 1) != 1:
+    if field(body, "n", int, 1) != 1:
         raise ApiError(400, "only n=1 is simulated", param="n")
-    prompt = chat_prompt(body) if kind == "chat" else completion_prompt(body)
+    prompt = await encode_prompt(prompts, kind, body)
     prompt_tokens = len(prompt) // 4
-    requested = _field(body, "max_completion_tokens", int) or _field(body, "max_tokens", int)
+    requested = field(body, "max_completion_tokens", int) or field(body, "max_tokens", int)
     if requested is not None and requested < 1:
         raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
     max_tokens = requested if requested is not None else max_model_len - prompt_tokens
@@ -176,19 +55,19 @@ def parse_request(kind: Kind, body: Any, served_model: str, max_model_len: int) 
             "completion.",
             param="messages" if kind == "chat" else "prompt",
         )
-    min_tokens = _field(body, "min_tokens", int, 0)
-    ignore_eos = bool(_field(body, "ignore_eos", bool, False))
-    stream_options = _field(body, "stream_options", dict, {})
+    min_tokens = field(body, "min_tokens", int, 0)
+    ignore_eos = bool(field(body, "ignore_eos", bool, False))
+    stream_options = field(body, "stream_options", dict, {})
     return ParsedRequest(
         kind=kind,
         model=model,
         prompt=prompt,
         max_tokens=max_tokens,
         exact_length=ignore_eos or min_tokens >= max_tokens,
-        stream=bool(_field(body, "stream", bool, False)),
+        stream=bool(field(body, "stream", bool, False)),
         include_usage=bool(stream_options.get("include_usage", False)),
-        seed=_field(body, "seed", int),
-        cache_salt=_field(body, "cache_salt", str),
+        seed=field(body, "seed", int),
+        cache_salt=field(body, "cache_salt", str),
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,
     )

@@ -253,7 +253,9 @@ class Scheduler:
         request.blocks = []
 
     def reset(self) -> list[SimRequest]:
-        """Drop every request (an engine restart); returns the ones that were dropped."""
+        """Drop every request and the whole cache (an engine restart); returns the ones
+        that were dropped. A restarted process announces nothing of the old one's cache:
+        its KV events start anew (``Engine.restart``)."""
         dropped = [*self.running, *self.waiting]
         for request in dropped:
             request.status = FINISHED
@@ -261,7 +263,22 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.pool.reset()
+        return dropped
+
+    def reset_prefix_cache(self, reset_running: bool = False) -> tuple[bool, list[SimRequest]]:
+        """vLLM's ``Scheduler.reset_prefix_cache``: with ``reset_running``, every running
+        request is preempted first (newest first, so they wait in their order); then the
+        cache is forgotten if no block is held, announced as ``AllBlocksCleared`` with
+        the next step's events. Returns whether it was, and the requests preempted."""
+        preempted: list[SimRequest] = []
+        if reset_running:
+            while self.running:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+        if self.pool.num_free < self.pool.num_blocks:
+            return False, preempted
+        self.pool.reset()
         if self.events is not None:
             self.events.cleared()
-            self.events.flush()
-        return dropped
+        return True, preempted

@@ -24,7 +24,7 @@ from bench.sim.api import (
 )
 from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine, running_engine
-from bench.sim.openai_api import ApiError
+from bench.sim.request_fields import ApiError
 
 ENGINE_KEY = web.AppKey("engine", Engine)
 CONFIG_KEY = web.AppKey("config", EngineConfig)
@@ -64,6 +64,10 @@ class _Exchange:
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self.stream_response: web.StreamResponse | None = None
+
+    def query(self, name: str) -> str | None:
+        values = self._request.query.getall(name, [])
+        return values[-1] if values else None
 
     async def read(self) -> bytes:
         try:

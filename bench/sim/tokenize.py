@@ -1,9 +1,10 @@
 """vLLM's tokenizer endpoints, simulated: ``/tokenize``, ``/detokenize`` and the render
 endpoints ``/v1/chat/completions/render`` and ``/v1/completions/render``.
 
-The token ids are the simulated engine's own tokens: the prompt ``parse_request`` builds
-(chat template included) cut into 4-byte tokens, each read as a little-endian uint32, the
-inverse of ``bench.tokenizer.encode_token_ids``. So ids from ``/tokenize`` sent back as a
+The token ids are the engine's own tokens: the prompt ``parse_request`` builds (chat
+template included) through the engine's ``Prompts`` (``bench/sim/prompts.py``), 4 bytes
+per token, each read as a little-endian uint32: the stand-in's 4-byte pieces, or the
+model's ids with ``--tokenizer DIR``. So ids from ``/tokenize`` sent back as a
 ``/v1/completions`` prompt are the very tokens, and hit the very cache blocks, of the
 request they were tokenized from; ``/detokenize`` turns them back into the text.
 
@@ -20,30 +21,20 @@ Schemas, as vLLM's ``vllm/entrypoints/serve/tokenize/protocol.py``:
   ``GenerateRequest`` (``request_id``, ``token_ids``, ``sampling_params``, ...); for
   completions a list of them, one per prompt.
 
-The simulated tokenizer adds no special tokens, so ``add_special_tokens`` changes nothing;
-its template ignores ``tools``, as ``/v1/chat/completions`` does, so both agree.
+The stand-in tokenizer adds no special tokens, so ``add_special_tokens`` changes nothing
+there, and its template ignores ``tools``; a model's tokenizer and template honour both,
+in ``/tokenize`` and ``/v1/chat/completions`` alike.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
 from typing import Any
 
-from bench.sim.openai_api import (
-    ApiError,
-    Kind,
-    ParsedRequest,
-    chat_prompt,
-    completion_prompt,
-    new_id,
-    request_body,
-    requested_model,
-)
-from bench.tokenizer import TOKEN_BYTES, encode_token_ids
-
-_PAD = 0xFF  # the filler a template piece is padded with; UTF-8 never produces it
-_VOCAB = 2**32  # every 4-byte token is an id
+from bench.sim.openai_api import ParsedRequest, new_id
+from bench.sim.prompts import Kind, Prompts, check_vocab, encode_prompt
+from bench.sim.request_fields import ApiError, field, request_body, requested_model
+from bench.tokenizer import TOKEN_BYTES
 
 
 def token_ids(encoded: bytes) -> list[int]:
@@ -51,35 +42,25 @@ def token_ids(encoded: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(encoded) // TOKEN_BYTES}I", encoded))
 
 
-def token_text(encoded: bytes) -> str:
-    """Tokens as text: the padding dropped, bytes that are not UTF-8 replaced by U+FFFD
-    (as a byte-level tokenizer decodes ids that split a character)."""
-    return encoded.replace(bytes([_PAD]), b"").decode("utf-8", errors="replace")
-
-
-def tokenize(body: Any, served_model: str, max_model_len: int) -> dict[str, Any]:
+async def tokenize(
+    body: Any, served_model: str, max_model_len: int, prompts: Prompts
+) -> dict[str, Any]:
     """A ``TokenizeResponse`` for a chat body (it has ``messages`` and no ``prompt``) or a
     completion body. Unlike a completion it is not checked against the context length."""
     body = request_body(body)
     requested_model(body, served_model)
     if "prompt" not in body and "messages" not in body:
         raise ApiError(400, "either 'prompt' (a completion) or 'messages' (a chat) is required")
-    chat = "prompt" not in body
-    if chat:
-        _check_chat_options(body)
-    else:
-        _check_bool(body, "add_special_tokens")
-    encoded = chat_prompt(body) if chat else completion_prompt(body, allow_token_ids=False)
+    kind: Kind = "completion" if "prompt" in body else "chat"
+    encoded = await encode_prompt(prompts, kind, body, allow_token_ids=False)
     ids = token_ids(encoded)
     strs = None
-    if _check_bool(body, "return_token_strs"):
-        strs = [
-            token_text(encoded[i : i + TOKEN_BYTES]) for i in range(0, len(encoded), TOKEN_BYTES)
-        ]
+    if field(body, "return_token_strs", bool, False):
+        strs = await prompts.token_strs(ids)
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
 
 
-def detokenize(body: Any, served_model: str) -> dict[str, Any]:
+async def detokenize(body: Any, served_model: str, prompts: Prompts) -> dict[str, Any]:
     """A ``DetokenizeResponse``: the text of ``tokens``."""
     body = request_body(body)
     requested_model(body, served_model)
@@ -88,10 +69,10 @@ def detokenize(body: Any, served_model: str) -> dict[str, Any]:
         isinstance(t, int) and not isinstance(t, bool) for t in tokens
     ):
         raise ApiError(400, "'tokens' must be a list of integers", param="tokens")
-    for token in tokens:
-        if not 0 <= token < _VOCAB:
-            raise ApiError(400, f"Token id {token} is out of vocabulary", param="tokens")
-    return {"prompt": token_text(encode_token_ids(tokens))}
+    if tokens and min(tokens) < 0:
+        raise ApiError(400, f"Token id {min(tokens)} is out of vocabulary", param="tokens")
+    check_vocab(tokens, prompts.vocab_size, "tokens")
+    return {"prompt": await prompts.decode(tokens)}
 
 
 def render(kind: Kind, parsed: ParsedRequest, model: str | None) -> dict[str, Any]:
@@ -120,36 +101,3 @@ def render(kind: Kind, parsed: ParsedRequest, model: str | None) -> dict[str, An
         "priority": 0,
         "kv_transfer_params": None,
     }
-
-
-def _check_chat_options(body: Mapping[str, Any]) -> None:
-    _check_bool(body, "add_special_tokens")
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise ApiError(
-            400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs"
-        )
-    # vLLM refuses a template sent with the request unless started with
-    # --trust-request-chat-template; the simulator has one fixed template.
-    if body.get("chat_template") is not None or (kwargs or {}).get("chat_template") is not None:
-        raise ApiError(
-            400,
-            "Chat template is passed with request, but "
-            "--trust-request-chat-template is not set. Refused request with "
-            "untrusted chat template.",
-            param="chat_template",
-        )
-    tools = body.get("tools")
-    if tools is not None and not _all_objects(tools):
-        raise ApiError(400, "'tools' must be a list of objects", param="tools")
-
-
-def _all_objects(values: Any) -> bool:
-    return isinstance(values, list) and all(isinstance(v, dict) for v in values)
-
-
-def _check_bool(body: Mapping[str, Any], name: str) -> bool:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be a boolean", param=name)
-    return bool(value)
