@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from bench.sim.kv_events import KVEventsConfig
+from bench.textgen import text_for
+from router.config import KvEventsConfig as RouterKvEvents
 from router.config import KvEventsEndpoints, PrefixConfig, WorkerConfig
 from tests.conftest import EngineFactory, RunningEngine, router_config, serve_router
 from tests.kv_publisher import free_port
@@ -134,3 +139,131 @@ async def test_a_worker_with_kv_events_needs_the_engines_tokens(
             async with http.post(router.url + "/admin/workers", json=worker, headers=AUTH) as r:
                 assert r.status == 400
                 assert "prefix.tokenizer" in (await r.json())["error"]["message"]
+
+
+def predictions(records: list[logging.LogRecord]) -> list[tuple[int, int]]:
+    """(predicted, engine-reported) cached tokens of every later turn in the request log."""
+    seen: set[str] = set()
+    pairs = []
+    for record in records:
+        line = orjson.loads(record.getMessage())
+        if line["session"] in seen and line["outcome"] == "success":
+            pairs.append((line["predicted_cached_tokens"], line["engine_cached_tokens"]))
+        seen.add(line["session"])
+    return pairs
+
+
+async def agent_turns(
+    http: aiohttp.ClientSession, url: str, sessions: int, turns: int
+) -> list[str]:
+    """Sessions taking turns one request at a time, each turn appending a reply and a
+    tool result; a pause between requests, as an agent's tool time (the engine's last
+    events arrive meanwhile)."""
+    chats = {f"s{i}": conversation(f"exact-s{i}", 400, 150) for i in range(sessions)}
+    workers = []
+    for turn in range(turns):
+        for key, messages in chats.items():
+            body = chat_body(messages, max_tokens=40, user=key)
+            result = await post(http, url, body)
+            assert result.status == 200, result.raw
+            workers.append(str(result.worker))
+            messages += [
+                {"role": "assistant", "content": result.text},
+                {"role": "user", "content": text_for(f"{key}-t{turn}", 200)},
+            ]
+            await asyncio.sleep(0.2)
+    return workers
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "approximate"])
+async def test_under_eviction_exact_mode_knows_what_each_engine_holds(
+    engine_factory: EngineFactory,
+    model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    exact: bool,
+) -> None:
+    # Two engines of 3,000 tokens for four sessions growing past 1,500 tokens each: every
+    # engine evicts, and each session's turns must find what is left.
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        fleet = [
+            await stack.enter_async_context(
+                publishing_engine(engine_factory, tokenizer=str(model_dir), kv_tokens=3000)
+            )
+            for _ in range(2)
+        ]
+        workers = tuple(
+            WorkerConfig(engine.url, name=f"w{i}", kv_events=endpoints if exact else None)
+            for i, (engine, endpoints) in enumerate(fleet)
+        )
+        config = router_config(
+            [engine for engine, _ in fleet],
+            workers=workers,
+            prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
+            log_requests=True,
+            # Gone before the next turn: what the router knows then, the events told it.
+            kv_events=RouterKvEvents(speculative_ttl_s=0.1),
+        )
+        router = await stack.enter_async_context(serve_router(config))
+        if exact:
+            for name in ("w0", "w1"):
+                await eventually(functools.partial(_is_exact, http, router.url, name))
+        with caplog.at_level(logging.INFO, logger="kvrouter.requests"):
+            await agent_turns(http, router.url, sessions=4, turns=5)
+        removed = await metric(http, router, "kvrouter_kv_events_total", type="removed")
+        pairs = predictions([r for r in caplog.records if r.name == "kvrouter.requests"])
+    assert len(pairs) == 16
+    misjudged = [(p, e) for p, e in pairs if abs(p - e) > ENGINE_BLOCK]
+    if exact:
+        assert removed > 0  # the engines did evict
+        assert misjudged == []
+    else:
+        # The modelled LRU, sized from the engines' nominal capacity, misjudges some
+        # turns under the same eviction: what exact mode is for.
+        assert misjudged != []
+
+
+async def _is_exact(http: aiohttp.ClientSession, url: str, worker: str) -> bool:
+    async with http.get(url + "/metrics") as response:
+        text = await response.text()
+    return f'kvrouter_prefix_mode{{mode="exact",worker="{worker}"}} 1.0' in text
+
+
+async def test_a_restarted_engine_is_rebuilt_from_its_new_events(
+    engine_factory: EngineFactory, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        publishing_engine(engine_factory, tokenizer=str(model_dir)) as (engine, endpoints),
+        aiohttp.ClientSession() as http,
+    ):
+        config = router_config(
+            [engine],
+            workers=(WorkerConfig(engine.url, name="w0", kv_events=endpoints),),
+            prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
+            log_requests=True,
+            # Gone before the next turn: what the router knows then, the events told it.
+            kv_events=RouterKvEvents(speculative_ttl_s=0.1),
+        )
+        async with serve_router(config) as router:
+            await eventually(functools.partial(_is_exact, http, router.url, "w0"))
+            with caplog.at_level(logging.INFO, logger="kvrouter.requests"):
+                await agent_turns(http, router.url, sessions=1, turns=2)
+                async with http.post(engine.url + "/sim/restart") as response:
+                    assert response.status == 200
+
+                async def forgotten() -> bool:
+                    resident = await metric(
+                        http, router, "kvrouter_worker_resident_tokens", worker="w0"
+                    )
+                    return resident == 0
+
+                await eventually(forgotten)  # the prober saw the new process start
+                await agent_turns(http, router.url, sessions=1, turns=2)
+            assert await _is_exact(http, router.url, "w0")
+    pairs = predictions([r for r in caplog.records if r.name == "kvrouter.requests"])
+    # The session's second turn; its opening prompt sent again after the restart, which
+    # found nothing, as the router knew; and the turn after it, which found its history
+    # as the new process announced it (with the old sequence's numbers, it would not be).
+    assert len(pairs) == 3
+    assert all(abs(p - e) <= ENGINE_BLOCK for p, e in pairs), pairs
+    assert pairs[1][1] == 0 and pairs[2][1] > 0
