@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ from bench.demo import (
     kvrouter_command,
     run_comparison,
 )
+from bench.proc_cpu import PROC, CpuSample, sample
 from bench.replay.rounds import Rounds
 from bench.tokenize_cost import qwen3_dir
 
@@ -160,14 +162,49 @@ def router_specs(
 LOG_SETTLE_S = 1.0
 
 
-async def score_request_log(spec: RouterSpec, urls: Sequence[str]) -> dict[str, float]:
-    """The agreement of the run that just ended, from its router's request log."""
-    del urls
-    await asyncio.sleep(LOG_SETTLE_S)
-    assert spec.stdout is not None
-    lines = [line for i in range(len(spec.commands)) for line in read_request_log(log_of(spec, i))]
-    scored = agreement_of(lines)
-    return {**scored.shares(), "later_turns": float(scored.later_turns)}
+def router_pids(port: int, proc: Path = PROC) -> list[int]:
+    """The ``kvrouter serve`` processes listening on ``port`` (by their command line)."""
+    wanted = ("--port", str(port))
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if "serve" in argv and wanted in itertools.pairwise(argv):
+            found.append(int(entry.name))
+    return found
+
+
+class RunScorer:
+    """Each run's figures beside the replay's: the agreement in its router's request log,
+    and the router's CPU from when it served to the end of the replay, per request."""
+
+    def __init__(self) -> None:
+        self._started: tuple[list[int], CpuSample] | None = None
+
+    async def ready(self, spec: RouterSpec, urls: Sequence[str]) -> None:
+        del urls
+        pids = [pid for port in spec.ports for pid in router_pids(port)]
+        self._started = (pids, sample(pids))
+
+    async def score(self, spec: RouterSpec, urls: Sequence[str]) -> dict[str, float]:
+        del urls
+        await asyncio.sleep(LOG_SETTLE_S)
+        assert spec.stdout is not None
+        lines = [
+            line for i in range(len(spec.commands)) for line in read_request_log(log_of(spec, i))
+        ]
+        scored = agreement_of(lines)
+        figures = {**scored.shares(), "later_turns": float(scored.later_turns)}
+        if self._started is not None and self._started[0] and lines:
+            pids, before = self._started
+            cpu = sample(pids).since(before)
+            figures["router_cpu_per_request"] = cpu / len(lines)
+        self._started = None
+        return figures
 
 
 def log_of(spec: RouterSpec, replica: int) -> Path:
@@ -180,6 +217,7 @@ async def run_agreement(
     config: DemoConfig, roomy_kv_tokens: int, model_dir: Path, base_port: int, console: Console
 ) -> dict[str, Rounds]:
     results: dict[str, Rounds] = {}
+    scorer = RunScorer()
     for row, kv_tokens in (("pressure", config.kv_tokens), ("roomy", roomy_kv_tokens)):
         row_config = dataclasses.replace(config, kv_tokens=kv_tokens, out=config.out / row)
         logs = row_config.out / "logs"
@@ -194,7 +232,8 @@ async def run_agreement(
             specs,
             per_engine_flags=engine_flags(row_config, model_dir, base_port),
             title=f"{row}: {kv_tokens:,} KV tokens per engine",
-            after_each=score_request_log,
+            after_each=scorer.score,
+            when_ready=scorer.ready,
         )
     return results
 

@@ -258,11 +258,13 @@ async def run_comparison(
     per_engine_flags: Sequence[Sequence[str]] = (),
     title: str | None = None,
     after_each: AfterRun | None = None,
+    when_ready: Callable[[RouterSpec, Sequence[str]], Awaitable[None]] | None = None,
 ) -> Rounds:
     """Replay a workload (default: the demo's agent sessions) through each router in
     front of the same fleet, ``config.repeat`` rounds with the routers' order rotated
     each round; ``before_each`` runs before each router starts (e.g. to empty shared
-    state), ``after_each`` after its replay with the router's spec and URLs (figures read from the
+    state), ``when_ready`` once it serves, ``after_each`` after its replay with the
+    router's spec and URLs (figures read from the
     routers, kept beside the run's); ``per_engine_flags[i]`` are extra flags for engine
     ``i`` (e.g. a slower one). Prints medians and ranges; writes every run,
     ``rounds.json`` and the plots of the last round to ``config.out``.
@@ -303,6 +305,8 @@ async def run_comparison(
                 if before_each is not None:
                     await before_each()
                 async with router_for(config, spec) as urls:
+                    if when_ready is not None:
+                        await when_ready(spec, urls)
                     console.print(
                         f"round {round_index + 1}/{config.repeat} {spec.label}: "
                         f"replaying through {', '.join(urls)}"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
-from bench.agreement import agreement_of
+from bench.agreement import agreement_of, router_pids
 
 
 def line(ts: float, session: str | None, predicted: int, engine: int | None, **over: Any) -> Any:
@@ -33,3 +35,16 @@ def test_later_turns_are_scored_within_one_block_and_first_turns_are_not() -> No
     scored = agreement_of(lines)
     assert (scored.later_turns, scored.within, scored.over, scored.under) == (4, 2, 1, 1)
     assert scored.shares()["agreement"] == 0.5
+
+
+def test_the_routers_processes_are_found_by_their_port() -> None:
+    port = 54321
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "serve", "--port", str(port)]
+    )
+    try:
+        assert router_pids(port) == [process.pid]
+        assert router_pids(port + 1) == []
+    finally:
+        process.kill()
+        process.wait()

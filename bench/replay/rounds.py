@@ -155,6 +155,13 @@ FIGURES: tuple[Figure, ...] = (
         False,
     ),
     Figure(
+        "router_cpu_per_request",
+        "router CPU / request (wall)",
+        lambda r: r.extras.get("router_cpu_per_request"),
+        lambda v: f"{v * 1000:.2f} ms",
+        False,
+    ),
+    Figure(
         "redis_trips",
         "Redis round trips / request",
         lambda r: r.extras.get("redis_trips"),
