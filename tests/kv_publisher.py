@@ -28,6 +28,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_port_pair() -> int:
+    """A port whose next one is free too (a data-parallel rank 1 publishes there)."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two free ports in a row")
+
+
 def tokens(session: int, blocks: int) -> list[int]:
     return [session * 100_000 + i for i in range(blocks * BLOCK)]
 
@@ -58,8 +71,10 @@ def removed(*engine_hashes: int) -> BlockRemoved:
 
 
 class ScriptedPublisher:
-    def __init__(self, context: zmq.asyncio.Context, replay: bool = True) -> None:
-        self.port = free_port()
+    def __init__(
+        self, context: zmq.asyncio.Context, replay: bool = True, port: int | None = None
+    ) -> None:
+        self.port = port or free_port()
         self.replay_port = free_port()
         self._pub = context.socket(zmq.PUB)
         self._pub.bind(f"tcp://127.0.0.1:{self.port}")
@@ -117,9 +132,11 @@ class ScriptedPublisher:
 
 
 @contextlib.asynccontextmanager
-async def scripted_publisher(replay: bool = True) -> AsyncIterator[ScriptedPublisher]:
+async def scripted_publisher(
+    replay: bool = True, port: int | None = None
+) -> AsyncIterator[ScriptedPublisher]:
     context = zmq.asyncio.Context()
-    publisher = ScriptedPublisher(context, replay)
+    publisher = ScriptedPublisher(context, replay, port)
     try:
         yield publisher
     finally:

@@ -12,18 +12,21 @@ from collections.abc import AsyncIterator, Callable
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from router.config import KvEventsConfig
 from router.index import LocalPrefixIndex
 from router.kv_events.metrics import KvEventMetrics
 from router.kv_events.residency import ExactResidency
 from router.kv_events.subscriber import Exactness, RankEndpoints, RankSubscriber
+from router.kv_events.subscriptions import KvEventSubscriptions
 from router.kv_events.wire import AllBlocksCleared
 from router.kv_events.wire import BlockRemoved as Removed
 from router.kv_events.wire import BlockStored as Stored
 from router.learning import ResidencyCalibrator
-from router.workers import Worker
+from router.workers import Fleet, Worker
 from tests.kv_publisher import (
     BLOCK,
     ScriptedPublisher,
+    free_port_pair,
     removed,
     router_hashes,
     scripted_publisher,
@@ -281,3 +284,37 @@ def test_an_exact_workers_capacity_is_not_calibrated_from_its_hit_rate() -> None
         calibrator.observe(worker, predicted=1000, cached=0, prompt=1000)
     assert index.capacity_blocks("modelled") < CAPACITY
     assert index.capacity_blocks("announced") == CAPACITY
+
+
+async def test_each_data_parallel_rank_is_followed_and_a_removed_worker_let_go() -> None:
+    base = free_port_pair()
+    fleet, index = Fleet(), LocalPrefixIndex()
+    worker = Worker("w", "http://127.0.0.1:1", CAPACITY * BLOCK, base_model="m")
+    fleet.add(worker)
+    index.add_worker("w", CAPACITY)
+    config = KvEventsConfig(endpoint=f"tcp://{{host}}:{base}", data_parallel_size=2)
+    subscriptions = KvEventSubscriptions(
+        fleet, index, config, BLOCK, KvEventMetrics(CollectorRegistry())
+    )
+    a, b = tokens(1, 2), tokens(2, 2)
+    async with (
+        scripted_publisher(False, base) as rank0,
+        scripted_publisher(False, base + 1) as rank1,
+    ):
+        subscriptions.reconcile()
+        try:
+            # No replay endpoint: the ranks are found by what they send.
+            while index.match("w", router_hashes(b)) < 2:
+                await rank0.publish(stored(a, 10, None))
+                await rank1.publish(stored(b, 10, None))  # the same engine hashes, rank 1's
+                await asyncio.sleep(0.02)
+            assert index.match("w", router_hashes(a)) == 2
+            await rank1.publish(removed(10, 11))
+            await until(lambda: index.match("w", router_hashes(b)) == 0)
+            assert index.match("w", router_hashes(a)) == 2  # rank 0's blocks stay
+            fleet.remove("w")
+            subscriptions.reconcile()
+            assert subscriptions.subscribed() == []
+            assert index.prefix_mode("w") == "approximate"
+        finally:
+            await subscriptions.aclose()
