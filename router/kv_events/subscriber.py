@@ -43,7 +43,11 @@ from router.workers import Worker
 log = logging.getLogger(__name__)
 
 # Live messages the SUB socket holds while the subscriber replays or is busy.
-RECEIVE_HWM = 100_000
+RECEIVE_HWM = 10_000
+# One engine step's batch is well under a megabyte (its new blocks' token ids); a larger
+# message drops the connection (ZMQ reconnects; the gap is replayed), so a worker
+# cannot make the router hold more than RECEIVE_HWM x this.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # A replay longer than this is not an engine's buffer (vLLM keeps 10,000 steps).
 MAX_REPLAY_MESSAGES = 1_000_000
 MODEL_POLL_S = 0.5
@@ -101,6 +105,7 @@ class RankSubscriber:
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self._endpoints.topic)
         sub.connect(self._endpoints.endpoint)
         try:
@@ -157,6 +162,7 @@ class RankSubscriber:
         assert self._endpoints.replay_endpoint is not None
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         dealer.connect(self._endpoints.replay_endpoint)
         result: ReplayResult = "complete"
         try:
