@@ -147,7 +147,15 @@ async def test_template_options_render_as_transformers(
             url,
             {"messages": opened, "add_generation_prompt": False, "continue_final_message": True},
         )
+        # The model's template reads tools: a completion with unusable ones is refused.
+        refused = await post(
+            http,
+            f"{sim.url}/v1/chat/completions",
+            {"messages": MESSAGES, "tools": ["read_file"], "max_tokens": 1},
+            status=400,
+        )
     assert with_tools["tokens"] == chat_ids(reference, MESSAGES, tools=tools)
+    assert refused["error"]["param"] == "tools"
     assert thinking["tokens"] == chat_ids(reference, MESSAGES, enable_thinking=False)
     assert thinking["tokens"] != chat_ids(reference, MESSAGES)
     assert continued["tokens"] == chat_ids(

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench.sim.prompts import ChatInput
+from bench.sim.prompts import ChatInput, check_template_options
 from bench.sim.request_fields import ApiError
 from router.errors import BadRequest
 from router.prefix import token_bytes
@@ -98,6 +98,7 @@ class ModelPrompts:
     def render(self, chat: ChatInput) -> str:
         """The prompt text vLLM renders for ``chat``; ``ApiError`` 400 for what the
         template refuses."""
+        check_template_options(chat.body)  # the stand-in ignores them, this template not
         if not renders_as_the_engine(chat.messages):
             raise ApiError(400, "only text content parts are simulated", param="messages")
         template = self.model.template(with_tools=bool(chat.tools))

@@ -91,12 +91,14 @@ def stand_in_text(encoded: bytes) -> str:
     return encoded.replace(bytes([_PAD]), b"").decode("utf-8", errors="replace")
 
 
-def chat_input(body: Mapping[str, Any]) -> ChatInput:
+def chat_input(body: Mapping[str, Any], strict: bool = True) -> ChatInput:
     """``messages`` and the options vLLM's chat and tokenize requests read them with:
     ``add_generation_prompt`` (default true) appends the assistant header;
     ``continue_final_message`` (default false) leaves the last message open; the two
-    cannot both be on. A template sent with the request is refused, as vLLM refuses it
-    without ``--trust-request-chat-template``."""
+    cannot both be on. ``strict`` (``/tokenize``) also refuses a template sent with the
+    request, as vLLM does without ``--trust-request-chat-template``, and tools or
+    template kwargs of the wrong shape; a chat completion leaves those to the engine's
+    ``Prompts`` (the stand-in template reads none of them)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -108,20 +110,11 @@ def chat_input(body: Mapping[str, Any]) -> ChatInput:
             raise ApiError(
                 400, "message 'content' must be a string or a list of parts", param="messages"
             )
-    kwargs = field(body, "chat_template_kwargs", dict, {})
-    if body.get("chat_template") is not None or kwargs.get("chat_template") is not None:
-        raise ApiError(
-            400,
-            "Chat template is passed with request, but "
-            "--trust-request-chat-template is not set. Refused request with "
-            "untrusted chat template.",
-            param="chat_template",
-        )
     tools = body.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
-    ):
-        raise ApiError(400, "'tools' must be a list of objects", param="tools")
+    if strict:
+        check_template_options(body)
+    elif not _objects(tools):
+        tools = None
     generation_prompt = field(body, "add_generation_prompt", bool, True)
     continue_final = field(body, "continue_final_message", bool, False)
     if generation_prompt and continue_final:
@@ -138,6 +131,26 @@ def chat_input(body: Mapping[str, Any]) -> ChatInput:
         continue_final_message=continue_final,
         add_special_tokens=field(body, "add_special_tokens", bool, False),
     )
+
+
+def check_template_options(body: Mapping[str, Any]) -> None:
+    """A template sent with the request (refused), tools and template kwargs (of the
+    right shape), as vLLM checks them."""
+    kwargs = field(body, "chat_template_kwargs", dict, {})
+    if body.get("chat_template") is not None or kwargs.get("chat_template") is not None:
+        raise ApiError(
+            400,
+            "Chat template is passed with request, but "
+            "--trust-request-chat-template is not set. Refused request with "
+            "untrusted chat template.",
+            param="chat_template",
+        )
+    if body.get("tools") is not None and not _objects(body["tools"]):
+        raise ApiError(400, "'tools' must be a list of objects", param="tools")
+
+
+def _objects(values: Any) -> bool:
+    return isinstance(values, list) and all(isinstance(v, dict) for v in values)
 
 
 def completion_input(body: Mapping[str, Any], allow_token_ids: bool = True) -> str | list[int]:
@@ -170,14 +183,15 @@ def completion_input(body: Mapping[str, Any], allow_token_ids: bool = True) -> s
 
 
 async def encode_prompt(
-    prompts: Prompts, kind: Kind, body: Mapping[str, Any], allow_token_ids: bool = True
+    prompts: Prompts, kind: Kind, body: Mapping[str, Any], tokenize: bool = False
 ) -> bytes:
     """The request's prompt in ``prompts``' tokens. A completion's text gets the
     tokenizer's special tokens unless ``add_special_tokens`` is false (vLLM's default for
-    completions); ids are taken as given, if the vocabulary has them."""
+    completions); ids are taken as given, if the vocabulary has them. ``tokenize``:
+    ``/tokenize``'s stricter reading (``chat_input``; a prompt must be text)."""
     if kind == "chat":
-        return await prompts.chat(chat_input(body))
-    given = completion_input(body, allow_token_ids)
+        return await prompts.chat(chat_input(body, strict=tokenize))
+    given = completion_input(body, allow_token_ids=not tokenize)
     if isinstance(given, str):
         return await prompts.text(given, field(body, "add_special_tokens", bool, True))
     check_vocab(given, prompts.vocab_size, "prompt")

@@ -52,7 +52,7 @@ async def tokenize(
     if "prompt" not in body and "messages" not in body:
         raise ApiError(400, "either 'prompt' (a completion) or 'messages' (a chat) is required")
     kind: Kind = "completion" if "prompt" in body else "chat"
-    encoded = await encode_prompt(prompts, kind, body, allow_token_ids=False)
+    encoded = await encode_prompt(prompts, kind, body, tokenize=True)
     ids = token_ids(encoded)
     strs = None
     if field(body, "return_token_strs", bool, False):
