@@ -331,11 +331,28 @@ async def test_a_message_past_the_size_bound_is_never_read_and_costs_a_gap() -> 
         await engine.publish(stored(a, 10, None))
         await until(lambda: sub.match(a) == 2)
         await engine.publish(payload=b"\x00" * (MAX_MESSAGE_BYTES + 1))
-        # ZMQ drops the connection instead (and reconnects); later batches meet a gap
-        # the replay cannot fill (the engine would replay the same message).
+        # ZMQ drops the connection instead, and does not reconnect after it: the
+        # subscriber connects afresh; later batches meet a gap the replay cannot fill
+        # (the engine would replay the same message).
         while sub.match(c) == 0:
             await engine.publish(stored(c, 30, None))
             await asyncio.sleep(0.05)
         assert sub.match(a) == 0
         assert sub.count("kvrouter_kv_event_resets_total", reason="gap") >= 1
         assert sub.count("kvrouter_kv_event_resets_total", reason="malformed") == 0
+
+
+async def test_a_restarted_engines_first_batches_missed_live_are_replayed() -> None:
+    a, c = tokens(1, 2), tokens(3, 4)
+    async with scripted_publisher() as engine, subscribed(engine) as sub:
+        await engine.publish(stored(a, 10, None))
+        await engine.publish(stored(tokens(5, 1), 50, None))
+        await until(lambda: sub.match(a) == 2)
+        engine.restart()
+        # The new process's seq 0 goes out before the subscription reaches it.
+        await engine.publish(stored(c[: 2 * BLOCK], 30, None), live=False)
+        await engine.publish(stored(c[2 * BLOCK :], 32, 31))
+        await until(lambda: sub.match(c) == 4)
+        assert sub.match(a) == 0
+        assert sub.count("kvrouter_kv_event_resets_total", reason="restart") == 1
+        assert sub.count("kvrouter_kv_event_resets_total", reason="gap") == 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from router.index import LocalPrefixIndex
 from router.kv_events.metrics import KvEventMetrics, ReplayResult, ResetReason
@@ -51,6 +52,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # A replay longer than this is not an engine's buffer (vLLM keeps 10,000 steps).
 MAX_REPLAY_MESSAGES = 1_000_000
 MODEL_POLL_S = 0.5
+RECONNECT_S = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,20 +104,43 @@ class RankSubscriber:
 
     async def run(self) -> None:
         self._model = await self._base_model()
+        catch_up = self._endpoints.replay_endpoint is not None
+        while True:
+            await self._follow(catch_up)
+            catch_up = False
+            # The connection broke (and ZMQ will not reconnect after an oversized
+            # message): a fresh one; what went by meanwhile is a gap, replayed.
+            await asyncio.sleep(RECONNECT_S)
+
+    async def _follow(self, catch_up: bool) -> None:
+        """Read the live stream until its connection drops; ``catch_up``: first replay
+        what the engine announced before (live messages queue in the SUB meanwhile)."""
         sub = self._context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sub.setsockopt(zmq.SUBSCRIBE, self._endpoints.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         sub.connect(self._endpoints.endpoint)
         try:
-            if self._endpoints.replay_endpoint is not None:
-                await self._replay(0)  # what the engine announced before we joined
+            if catch_up:
+                await self._replay(0)
             while True:
-                frames = await sub.recv_multipart()
-                await self._live(frames)
-                await asyncio.sleep(0)  # a burst of queued batches must not hold the loop
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())
+                    if event["event"] == zmq.EVENT_DISCONNECTED:
+                        log.warning("worker %s: KV event stream disconnected", self._name)
+                        return
+                if sub in ready:
+                    await self._live(await sub.recv_multipart())
+                    await asyncio.sleep(0)  # a burst of queued batches must not hold the loop
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
 
     async def _base_model(self) -> str:
@@ -137,6 +162,9 @@ class RankSubscriber:
         seq = message.seq
         if self._last_live is not None and seq <= self._last_live:
             self._reset("restart", f"its sequence went back from {self._last_live} to {seq}")
+            # A new process numbers from 0; batches before this one went by unread (a
+            # subscription reaches a new publisher only with its first sends).
+            self.next_seq = 0
         self._last_live = seq
         expected = self.next_seq
         if expected is not None and seq < expected:
