@@ -14,8 +14,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from bench.sim.kv_events import BlockRemoved, BlockStored, EventBatch
+from bench.sim.kv_events import BlockRemoved, BlockStored, EventBatch, KVEventsConfig
+from router.config import KvEventsEndpoints
 from router.prefix import chain_seed, prefix_key, token_bytes
+from tests.conftest import EngineFactory, RunningEngine
 from tests.engine_kv_events import encode
 
 BLOCK = 16  # tokens a block, as vLLM's default
@@ -142,3 +144,18 @@ async def scripted_publisher(
     finally:
         await publisher.aclose()
         context.destroy(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def publishing_engine(
+    engine_factory: EngineFactory, **overrides: Any
+) -> AsyncIterator[tuple[RunningEngine, KvEventsEndpoints]]:
+    """A simulated engine started with vLLM's --kv-events-config on free ports."""
+    port, replay = free_port(), free_port()
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"tcp://*:{port}",
+        replay_endpoint=f"tcp://*:{replay}",
+    )
+    async with engine_factory(kv_events=events, **overrides) as engine:
+        yield engine, KvEventsEndpoints(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")

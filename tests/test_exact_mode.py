@@ -8,7 +8,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +16,11 @@ import aiohttp
 import orjson
 import pytest
 
-from bench.sim.kv_events import KVEventsConfig
 from bench.textgen import text_for
 from router.config import KvEventsConfig as RouterKvEvents
 from router.config import KvEventsEndpoints, PrefixConfig, WorkerConfig
-from tests.conftest import EngineFactory, RunningEngine, router_config, serve_router
-from tests.kv_publisher import free_port
+from tests.conftest import EngineFactory, router_config, serve_router
+from tests.kv_publisher import free_port, publishing_engine
 from tests.router_client import chat_body, conversation, metric, post
 from tests.token_model import build_model_dir
 
@@ -33,21 +32,6 @@ ENGINE_BLOCK = 16
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("qwen3"))
-
-
-@contextlib.asynccontextmanager
-async def publishing_engine(
-    engine_factory: EngineFactory, **overrides: Any
-) -> AsyncIterator[tuple[RunningEngine, KvEventsEndpoints]]:
-    """A simulated engine started with vLLM's --kv-events-config on free ports."""
-    port, replay = free_port(), free_port()
-    events = KVEventsConfig(
-        enable_kv_cache_events=True,
-        endpoint=f"tcp://*:{port}",
-        replay_endpoint=f"tcp://*:{replay}",
-    )
-    async with engine_factory(kv_events=events, **overrides) as engine:
-        yield engine, KvEventsEndpoints(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay}")
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:

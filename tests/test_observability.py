@@ -20,9 +20,11 @@ import yaml
 
 from bench.dashboards import render_all
 from bench.textgen import text_for
-from router.config import HealthConfig, StateConfig
+from router.config import HealthConfig, PrefixConfig, StateConfig, WorkerConfig
 from tests.conftest import EngineFactory, RunningEngine, _free_port, router_config, serve_router
-from tests.router_client import chat_body, conversation, engines, post, set_faults, wait_for
+from tests.kv_publisher import publishing_engine
+from tests.router_client import chat_body, conversation, post, set_faults, wait_for
+from tests.token_model import build_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "rules.yml"
@@ -116,46 +118,62 @@ async def _query(http: aiohttp.ClientSession, prom: str, expr: str) -> list[Any]
 async def test_every_panel_and_rule_returns_data(
     engine_factory: EngineFactory, prometheus_dir: Path, redis_url: str
 ) -> None:
+    model_dir = build_model_dir(prometheus_dir)
     async with (
-        engines(engine_factory, 2) as fleet,
-        serve_router(router_config(fleet, health=FAST, state=StateConfig(url=redis_url))) as router,
+        publishing_engine(engine_factory, tokenizer=str(model_dir), engine_id="0") as announcing,
+        engine_factory(tokenizer=str(model_dir), engine_id="1") as silent,
         aiohttp.ClientSession() as http,
     ):
-        process, prom = _prometheus(
-            prometheus_dir,
-            {"kvrouter": _hosts([router.url]), "engines": _hosts([e.url for e in fleet])},
+        fleet = [announcing[0], silent]
+        # w0 in exact mode (its engine's KV events), w1 approximate: both kinds of series.
+        config = router_config(
+            fleet,
+            workers=(
+                WorkerConfig(fleet[0].url, name="w0", kv_events=announcing[1]),
+                WorkerConfig(fleet[1].url, name="w1"),
+            ),
+            prefix=PrefixConfig(block_bytes=64, tokenizer=str(model_dir)),
+            health=FAST,
+            state=StateConfig(url=redis_url),
         )
-        try:
-            await _wait_ready(http, prom)
-            started = time.time()
+        async with serve_router(config) as router:
+            process, prom = _prometheus(
+                prometheus_dir,
+                {"kvrouter": _hosts([router.url]), "engines": _hosts([e.url for e in fleet])},
+            )
+            try:
+                await _wait_ready(http, prom)
+                started = time.time()
 
-            async def scraping() -> bool:  # rates need samples from before the traffic
-                return len(await _query(http, prom, 'up{job="kvrouter"} == 1')) == 1
+                async def scraping() -> bool:  # rates need samples from before the traffic
+                    return len(await _query(http, prom, 'up{job="kvrouter"} == 1')) == 1
 
-            await wait_for(scraping, timeout_s=20)
-            await asyncio.sleep(2)
-            await _traffic(http, router.url, fleet)
-            await asyncio.sleep(4)  # scrapes and rule evaluations after it
-            empty = [name for name, expr in panel_queries() if not await _query(http, prom, expr)]
-            empty += [
-                r["record"]
-                for r in rules()
-                if "record" in r and not await _query(http, prom, r["record"])
-            ]
-            assert empty == [], f"no data for: {empty}"
-            for rule in (r for r in rules() if "alert" in r):
-                await _query(http, prom, rule["expr"])  # valid; quiet while all is well
-                for name in set(re.findall(r"\b(kvrouter_[a-z_]+)", rule["expr"])):
-                    assert await _query(http, prom, name), (rule["alert"], name)
-            # What an operator would see: every dashboard drawn from this run.
-            out = Path(os.environ.get("KVROUTER_DASHBOARD_PNG_DIR") or prometheus_dir / "png")
-            end = time.time()
-            pngs = await render_all(prom, started, end, out)
-            assert len(pngs) == len(DASHBOARDS)
-            assert all(p.stat().st_size > 10_000 for p in pngs)
-        finally:
-            process.terminate()
-            process.wait(10)
+                await wait_for(scraping, timeout_s=20)
+                await asyncio.sleep(2)
+                await _traffic(http, router.url, fleet)
+                await asyncio.sleep(4)  # scrapes and rule evaluations after it
+                empty = [
+                    name for name, expr in panel_queries() if not await _query(http, prom, expr)
+                ]
+                empty += [
+                    r["record"]
+                    for r in rules()
+                    if "record" in r and not await _query(http, prom, r["record"])
+                ]
+                assert empty == [], f"no data for: {empty}"
+                for rule in (r for r in rules() if "alert" in r):
+                    await _query(http, prom, rule["expr"])  # valid; quiet while all is well
+                    for name in set(re.findall(r"\b(kvrouter_[a-z_]+)", rule["expr"])):
+                        assert await _query(http, prom, name), (rule["alert"], name)
+                # What an operator would see: every dashboard drawn from this run.
+                out = Path(os.environ.get("KVROUTER_DASHBOARD_PNG_DIR") or prometheus_dir / "png")
+                end = time.time()
+                pngs = await render_all(prom, started, end, out)
+                assert len(pngs) == len(DASHBOARDS)
+                assert all(p.stat().st_size > 10_000 for p in pngs)
+            finally:
+                process.terminate()
+                process.wait(10)
 
 
 def _hosts(urls: list[str]) -> list[str]:
