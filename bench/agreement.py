@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from bench.demo import (
@@ -191,8 +193,8 @@ class RunScorer:
         self._started = (pids, sample(pids))
 
     async def score(self, spec: RouterSpec, urls: Sequence[str]) -> dict[str, float]:
-        del urls
         await asyncio.sleep(LOG_SETTLE_S)
+        batches = await event_batches(urls)
         assert spec.stdout is not None
         lines = [
             line for i in range(len(spec.commands)) for line in read_request_log(log_of(spec, i))
@@ -203,8 +205,23 @@ class RunScorer:
             pids, before = self._started
             cpu = sample(pids).since(before)
             figures["router_cpu_per_request"] = cpu / len(lines)
+            figures["kv_event_batches_per_request"] = batches / len(lines)
         self._started = None
         return figures
+
+
+async def event_batches(urls: Sequence[str]) -> float:
+    """KV event batches the routers applied (their /metrics), over every worker."""
+    total = 0.0
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(f"{url}/metrics") as response:
+                text = await response.text()
+            for family in text_string_to_metric_families(text):
+                total += sum(
+                    s.value for s in family.samples if s.name == "kvrouter_kv_event_batches_total"
+                )
+    return total
 
 
 def log_of(spec: RouterSpec, replica: int) -> Path:

@@ -162,6 +162,13 @@ FIGURES: tuple[Figure, ...] = (
         False,
     ),
     Figure(
+        "kv_event_batches_per_request",
+        "KV event batches applied / request",
+        lambda r: r.extras.get("kv_event_batches_per_request"),
+        lambda v: f"{v:.1f}",
+        False,
+    ),
+    Figure(
         "redis_trips",
         "Redis round trips / request",
         lambda r: r.extras.get("redis_trips"),
