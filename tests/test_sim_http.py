@@ -82,9 +82,10 @@ def normalized(raw: bytes) -> bytes:
     raw = re.sub(rb"Date: [^\r]*\r\n", b"Date: -\r\n", raw)
     raw = re.sub(rb"(chatcmpl|cmpl)-[0-9a-f]{32}", rb"\1-id", raw)
     raw = re.sub(rb'"created":\d+', b'"created":0', raw)
-    start = rb'"process_start_time_seconds":[0-9.e+]+'
-    if re.search(start, raw):  # a float of varying length: the length varies too
-        raw = re.sub(rb"Content-Length: \d+", b"Content-Length: -", re.sub(start, b"0", raw))
+    # Floats of varying length (so the length varies too): a start time, simulated times.
+    times = rb'"(process_start_time_seconds|arrived|scheduled)":[0-9.e+-]+'
+    if re.search(times, raw):
+        raw = re.sub(rb"Content-Length: \d+", b"Content-Length: -", re.sub(times, rb'"\1":0', raw))
     return raw
 
 
@@ -216,7 +217,14 @@ CASES: list[tuple[str, bytes, int]] = [
         b'6\r\n{"prom\r\nf\r\npt": "chunked"}\r\n0\r\n\r\n',
         1,
     ),
+    (
+        "completion, X-Request-Id twice",
+        request("POST", "/v1/completions", COMPLETION, ["X-Request-Id: r-7", "X-Request-Id: r-8"]),
+        1,
+    ),
+    ("requests", request("GET", "/sim/requests"), 1),
     ("restart", request("POST", "/sim/restart"), 1),
+    ("requests after restart", request("GET", "/sim/requests"), 1),
 ]
 
 
@@ -244,6 +252,9 @@ async def test_the_front_ends_answer_alike() -> None:
             assert normalized(aiohttp_answer) == normalized(httptools_answer), name
     assert got["aiohttp"]["metrics"].startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"text/event-stream" in got["httptools"]["chat, stream of one token"]
+    listed = orjson.loads(got["httptools"]["requests"].partition(b"\r\n\r\n")[2])["requests"]
+    assert [r["request_id"] for r in listed].count("r-7") == 1  # the first header of two
+    assert got["aiohttp"]["requests after restart"].endswith(b'\r\n\r\n{"requests":[]}')
 
 
 async def test_an_api_key_guards_v1_alike() -> None:

@@ -77,6 +77,9 @@ class Exchange(Protocol):
     def query(self, name: str) -> str | None:
         """The last value of query parameter ``name``, if given."""
 
+    def request_id(self) -> str | None:
+        """The ``X-Request-Id`` header as sent (the first, if repeated), if any."""
+
     async def read(self) -> bytes:
         """The request body; ``ApiError`` 413 past ``MAX_BODY_BYTES``."""
 
@@ -154,7 +157,12 @@ async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply |
     except ApiError as exc:
         return error_reply(exc)
     sim = engine.submit(
-        parsed.prompt, parsed.max_tokens, parsed.exact_length, parsed.seed, parsed.cache_salt
+        parsed.prompt,
+        parsed.max_tokens,
+        parsed.exact_length,
+        parsed.seed,
+        parsed.cache_salt,
+        exchange.request_id(),
     )
     try:
         if parsed.stream:
@@ -309,6 +317,11 @@ async def set_faults(engine: Engine, exchange: Exchange) -> Reply:
     return json_reply(engine.faults.as_dict())
 
 
+async def get_requests(engine: Engine, exchange: Exchange) -> Reply:
+    """The engine's last requests and their cached prefixes (``bench/sim/request_log.py``)."""
+    return json_reply(engine.requests.as_dict())
+
+
 async def restart(engine: Engine, exchange: Exchange) -> Reply:
     """Simulate a process restart: in-flight requests dropped, cache empty, counters reset,
     KV events from a new publisher."""
@@ -356,6 +369,7 @@ _COMMON: dict[tuple[str, str], Endpoint] = {
     ("GET", "/sim/faults"): get_faults,
     ("POST", "/sim/faults"): set_faults,
     ("POST", "/sim/restart"): restart,
+    ("GET", "/sim/requests"): get_requests,
 }
 _FLAVORED: dict[str, dict[tuple[str, str], Endpoint]] = {
     "vllm": {

@@ -26,6 +26,7 @@ from bench.sim.model_prompts import ModelPrompts
 from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.prompts import STAND_IN, Prompts
 from bench.sim.request import SimRequest
+from bench.sim.request_log import RequestLog, RequestRecord
 from bench.sim.roofline import Roofline
 from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
 from bench.sim.vllm_hash import BlockHasher
@@ -106,6 +107,8 @@ class Engine:
         # How prompts become tokens: the stand-in's, or the model's (``running_engine``).
         self.prompts: Prompts = STAND_IN
         self.kv_stream: KVEventStream | None = None
+        # Each request's cached prefix at arrival and when scheduled (``GET /sim/requests``).
+        self.requests = RequestLog()
         self._rng = random.Random(config.seed)
         self._wake = asyncio.Event()
         self._counter = 0
@@ -143,9 +146,11 @@ class Engine:
         exact_length: bool,
         seed: int | None = None,
         cache_salt: str | None = None,
+        request_id: str | None = None,
     ) -> SimRequest:
         """Queue a request; it generates ``max_tokens`` tokens when ``exact_length``,
-        else a natural (lognormal) length capped at ``max_tokens``."""
+        else a natural (lognormal) length capped at ``max_tokens``. ``request_id`` is
+        the client's ``X-Request-Id``, kept in the request's record."""
         self._counter += 1
         rng = random.Random(seed if seed is not None else self._rng.getrandbits(64))
         length, reason = max_tokens, "length"
@@ -169,6 +174,13 @@ class Engine:
             self.prefix_hashes.hashes(prompt, parent),
             cache_salt,
         )
+        request.record = RequestRecord(
+            request_id,
+            request.prompt_tokens,
+            self.scheduler.cached_tokens(request),
+            request.arrival,
+        )
+        self.requests.add(request.record)
         self.scheduler.add(request)
         self._changed(request.arrival)
         return request
@@ -188,6 +200,7 @@ class Engine:
         """Lose every request in flight and the whole cache, as a process restart does;
         KV events start again from a new publisher (sequence 0, nothing to replay)."""
         dropped = self.scheduler.reset()
+        self.requests.clear()  # a new process knows none of the old one's requests
         self.start_time = time.time()
         self.metrics.reset(self.start_time)
         for request in dropped:
@@ -258,9 +271,7 @@ class Engine:
                 self._cursor = self.clock.now()
                 continue
             start = max(self._cursor, now - MAX_CATCH_UP_WALL_S * self.clock.scale)
-            for request, _, _ in plan.work:
-                if request.scheduled_at is None:
-                    request.scheduled_at = max(start, request.arrival)
+            self._mark_scheduled(plan, start)
             span = scheduler.decode_span(plan, MAX_DECODE_SPAN)
             if span == 1:
                 end = start + self.roofline.step_seconds(plan.shape())
@@ -270,6 +281,15 @@ class Engine:
                 end = await self._run_span(plan, start, span)
             self._cursor = end
             self.record_gauges()
+
+    def _mark_scheduled(self, plan: StepPlan, start: float) -> None:
+        """Time the requests ``plan`` runs for the first time, and record the cached
+        prefix each was admitted with (the usage's ``cached_tokens``)."""
+        for request, _, _ in plan.work:
+            if request.scheduled_at is None:
+                request.scheduled_at = at = max(start, request.arrival)
+                if request.record is not None:
+                    request.record.scheduled(request.cached_tokens, at)
 
     async def _run_span(self, plan: StepPlan, start: float, span: int) -> float:
         """Run up to ``span`` decode steps of ``plan``, publishing tokens at least every

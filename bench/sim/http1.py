@@ -221,6 +221,8 @@ class _Connection(asyncio.Protocol):
             self._parsing.authorization = value.decode("utf-8", "surrogateescape")
         elif lowered == b"expect":
             self._parsing.expect = value.decode("utf-8", "surrogateescape")
+        elif lowered == b"x-request-id" and self._parsing.request_id is None:
+            self._parsing.request_id = value.decode("utf-8", "surrogateescape")
 
     def on_headers_complete(self) -> None:
         request, parser = self._parsing, self._parser

@@ -69,6 +69,7 @@ class Request:
         "method",
         "path",
         "query",
+        "request_id",
         "upgrade",
         "version",
     )
@@ -81,6 +82,7 @@ class Request:
         self.keep_alive = True
         self.authorization = ""
         self.expect: str | None = None
+        self.request_id: str | None = None  # X-Request-Id, the first one sent
         self.body: list[bytes] = []
         self.dropped_bytes = 0  # body bytes past MAX_BODY_BYTES, not kept
         self.upgrade = False
@@ -114,6 +116,9 @@ class Exchange:
     def query(self, name: str) -> str | None:
         values = parse_qs(self._request.query).get(name)
         return values[-1] if values else None
+
+    def request_id(self) -> str | None:
+        return self._request.request_id
 
     async def read(self) -> bytes:
         if self._request.dropped_bytes:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from bench.block_hash import chain_hashes
+from bench.sim.request_log import RequestRecord
 from bench.textgen import generated_text
 from bench.tokenizer import TOKEN_BYTES
 
@@ -58,6 +59,7 @@ class SimRequest:
         "prompt",
         "prompt_tokens",
         "published_tokens",
+        "record",
         "rng",
         "scheduled_at",
         "status",
@@ -104,6 +106,8 @@ class SimRequest:
         self.finished_at: float | None = None
         self.finish_reason: str | None = None
         self.token_times: list[float] = []
+        # Its cache facts for ``GET /sim/requests``, once the engine has taken it.
+        self.record: RequestRecord | None = None
         self.updated = asyncio.Event()
         # Called with the request instead of setting ``updated`` while it streams; it
         # returns False to have ``updated`` set after all (see ``notify``).

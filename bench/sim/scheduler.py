@@ -122,14 +122,23 @@ class Scheduler:
             index += 1
         return budget
 
+    def prefix_hit(self, request: SimRequest) -> tuple[list[int], int]:
+        """The cached blocks ``request`` would start from if admitted now, and how many
+        of them are free (``BlockPool.prefix_hit``): the longest run of its leading full
+        blocks whose chained hash is registered. A hit never covers the last token: at
+        least one token must be computed."""
+        pool = self.pool
+        return pool.prefix_hit(request.hashes, (request.num_tokens - 1) // pool.block_tokens)
+
+    def cached_tokens(self, request: SimRequest) -> int:
+        """The tokens of ``request`` a hit would cover now (``prefix_hit``)."""
+        return len(self.prefix_hit(request)[0]) * self.pool.block_tokens
+
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         pool, block_tokens = self.pool, self.pool.block_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            # A hit never covers the last token: at least one token must be computed.
-            hit, hit_free = pool.prefix_hit(
-                request.hashes, (request.num_tokens - 1) // block_tokens
-            )
+            hit, hit_free = self.prefix_hit(request)
             computed = len(hit) * block_tokens
             new = min(request.num_tokens - computed, budget)
             need = _blocks_for(computed + new, block_tokens) - len(hit)

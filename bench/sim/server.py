@@ -69,6 +69,9 @@ class _Exchange:
         values = self._request.query.getall(name, [])
         return values[-1] if values else None
 
+    def request_id(self) -> str | None:
+        return self._request.headers.get("X-Request-Id")
+
     async def read(self) -> bytes:
         try:
             return await self._request.read()
