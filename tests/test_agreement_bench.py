@@ -6,7 +6,7 @@ import subprocess
 import sys
 from typing import Any
 
-from bench.agreement import agreement_of, router_pids
+from bench.agreement import agreement_of, join_arrivals, queued_evictions, router_pids
 
 
 def line(ts: float, session: str | None, predicted: int, engine: int | None, **over: Any) -> Any:
@@ -48,3 +48,23 @@ def test_the_routers_processes_are_found_by_their_port() -> None:
     finally:
         process.kill()
         process.wait()
+
+
+def test_predictions_are_also_held_to_what_the_engine_held_at_arrival() -> None:
+    lines = [
+        line(1.0, "a", 0, 0, request_id="r1"),
+        line(2.0, "a", 1000, 600, request_id="r2"),  # held 1000 at arrival, 600 scheduled
+        line(3.0, "a", 1000, 1000, request_id="r3"),
+        line(4.0, "a", 800, 800, request_id="r4"),  # the engine kept no record of it
+    ]
+    records = [
+        {"request_id": "r1", "cached_at_arrival": 0},
+        {"request_id": "r2", "cached_at_arrival": 1000},
+        {"request_id": "r3", "cached_at_arrival": 1000},
+        {"request_id": None, "cached_at_arrival": 5},
+    ]
+    joined = join_arrivals(lines, records)
+    assert agreement_of(joined).shares()["agreement"] == 2 / 3
+    at_arrival = agreement_of(joined, reported="cached_at_arrival")
+    assert (at_arrival.later_turns, at_arrival.within) == (2, 2)
+    assert queued_evictions(joined) == 1 / 3

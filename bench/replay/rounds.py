@@ -141,6 +141,20 @@ FIGURES: tuple[Figure, ...] = (
         True,
     ),
     Figure(
+        "agreement_at_arrival",
+        "… within a block of what the engine held at arrival",
+        lambda r: r.extras.get("agreement_at_arrival"),
+        _pct,
+        True,
+    ),
+    Figure(
+        "evicted_while_queued",
+        "turns evicted from while queued (engine)",
+        lambda r: r.extras.get("evicted_while_queued"),
+        _pct,
+        False,
+    ),
+    Figure(
         "over_predicted",
         "later turns over-predicted",
         lambda r: r.extras.get("over_predicted"),
