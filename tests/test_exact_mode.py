@@ -18,7 +18,8 @@ import pytest
 
 from bench.textgen import text_for
 from router.config import KvEventsConfig as RouterKvEvents
-from router.config import KvEventsEndpoints, PrefixConfig, WorkerConfig
+from router.config import KvEventsEndpoints, PrefixConfig, StateConfig, WorkerConfig
+from router.state import STATE_KEY
 from tests.conftest import EngineFactory, router_config, serve_router
 from tests.kv_publisher import free_port, publishing_engine
 from tests.router_client import chat_body, conversation, metric, post
@@ -251,3 +252,40 @@ async def test_a_restarted_engine_is_rebuilt_from_its_new_events(
     assert len(pairs) == 3
     assert all(abs(p - e) <= ENGINE_BLOCK for p, e in pairs), pairs
     assert pairs[1][1] == 0 and pairs[2][1] > 0
+
+
+async def test_replicas_sharing_state_each_read_the_events_and_agree(
+    engine_factory: EngineFactory, model_dir: Path, redis_url: str
+) -> None:
+    async with (
+        publishing_engine(engine_factory, tokenizer=str(model_dir)) as (engine, endpoints),
+        aiohttp.ClientSession() as http,
+    ):
+        config = router_config(
+            [engine],
+            workers=(WorkerConfig(engine.url, name="w0", kv_events=endpoints),),
+            prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
+            state=StateConfig(url=redis_url),
+            kv_events=RouterKvEvents(speculative_ttl_s=0.1),
+        )
+        async with serve_router(config) as one, serve_router(config) as other:
+            for router in (one, other):
+                await eventually(functools.partial(_is_exact, http, router.url, "w0"))
+            messages = conversation("replicas", 400, 150)
+            first = await post(http, one.url, chat_body(messages, max_tokens=16))
+            assert first.status == 200, first.raw
+            await asyncio.sleep(0.3)  # past the speculative entries' lapse
+            indexes = [r.app[STATE_KEY].router.index for r in (one, other)]
+            held = [index.resident_blocks("w0") for index in indexes]
+            # What the engine holds, decode blocks included (which no request's touch
+            # names): the other replica, which never saw the request, holds exactly that
+            # because it read the same events.
+            engine_blocks = len(engine.engine.scheduler.pool._cached)
+            assert held == [engine_blocks, engine_blocks]
+            messages += [
+                {"role": "assistant", "content": first.text},
+                {"role": "user", "content": text_for("replicas-u1", 100)},
+            ]
+            second = await post(http, other.url, chat_body(messages, max_tokens=16))
+            assert second.status == 200, second.raw
+            assert second.cached > 0
