@@ -14,9 +14,9 @@ from bench.sim.config import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_STREAM_FLUSH_WALL_S,
     DEFAULT_TIME_SCALE,
+    KV_EVENTS_CONFIGS,
     EngineConfig,
 )
-from bench.sim.kv_events import KVEventsConfig
 from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
 from router.errors import ConfigError
@@ -79,8 +79,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-events-config",
         default=None,
-        help="as vLLM's, JSON: publish KV events over ZMQ, e.g. "
-        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\'',
+        help="as vLLM's (SGLang's with --flavor sglang), JSON: publish KV events over ZMQ, "
+        'e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557"}\' '
+        '(SGLang: \'{"publisher": "zmq", "endpoint": "tcp://*:5557"}\')',
     )
     parser.add_argument(
         "--prefix-caching-hash-algo", choices=sorted(HASH_FUNCTIONS), default="sha256"
@@ -118,7 +119,9 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         api_key=args.api_key,
         engine_id=engine_id,
         kv_events=(
-            KVEventsConfig.from_cli(args.kv_events_config) if args.kv_events_config else None
+            KV_EVENTS_CONFIGS[args.flavor].from_cli(args.kv_events_config)
+            if args.kv_events_config
+            else None
         ),
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         tokenizer=args.tokenizer,

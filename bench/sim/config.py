@@ -6,10 +6,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 from bench.sim.kv_events import KVEventsConfig
+from bench.sim.sglang_kv_events import SglangKVEventsConfig
 from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.capacity import GpuSpec, ModelShape
 
 Flavor = Literal["vllm", "sglang"]
+
+# Each flavour's --kv-events-config: its fields, its events and its publisher.
+KV_EVENTS_CONFIGS: dict[Flavor, type[KVEventsConfig] | type[SglangKVEventsConfig]] = {
+    "vllm": KVEventsConfig,
+    "sglang": SglangKVEventsConfig,
+}
 
 DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_MAX_NUM_SEQS = 256
@@ -53,8 +60,9 @@ class EngineConfig:
     engine_id: str = "0"
     # As vLLM's --api-key: every /v1 route wants "Authorization: Bearer <key>".
     api_key: str | None = None
-    # As vLLM's --kv-events-config and --prefix-caching-hash-algo.
-    kv_events: KVEventsConfig | None = None
+    # As vLLM's --kv-events-config and --prefix-caching-hash-algo; with the sglang
+    # flavour, SGLang's --kv-events-config (its events, hashes and publisher).
+    kv_events: KVEventsConfig | SglangKVEventsConfig | None = None
     prefix_caching_hash_algo: str = "sha256"
     # As vLLM's --tokenizer: a model directory (tokenizer.json, tokenizer_config.json with
     # its chat template) whose ids prompts are encoded to; None: the stand-in tokens.
@@ -73,6 +81,12 @@ class EngineConfig:
             ),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.block_tokens >= 1, "block_tokens must be >= 1"),
+            (
+                self.kv_events is None
+                or isinstance(self.kv_events, KV_EVENTS_CONFIGS[self.flavor]),
+                f"kv_events must be a {KV_EVENTS_CONFIGS[self.flavor].__name__} "
+                f"for a {self.flavor} engine",
+            ),
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.time_scale > 0, "time_scale must be > 0"),

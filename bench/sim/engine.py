@@ -19,7 +19,7 @@ import xxhash
 from bench.sim.config import EngineConfig
 from bench.sim.faults import Faults
 from bench.sim.kv_cache import BlockPool
-from bench.sim.kv_event_log import EngineEvents
+from bench.sim.kv_event_log import EngineEvents, EventLog
 from bench.sim.kv_stream import KVEventStream
 from bench.sim.metrics import EngineMetrics
 from bench.sim.model_prompts import ModelPrompts
@@ -29,6 +29,8 @@ from bench.sim.request import SimRequest
 from bench.sim.request_log import RequestLog, RequestRecord
 from bench.sim.roofline import Roofline
 from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
+from bench.sim.sglang_kv_event_log import SglangEngineEvents
+from bench.sim.sglang_kv_events import SglangKVEventsConfig
 from bench.sim.vllm_hash import BlockHasher
 from router.capacity import plan as capacity_plan
 from router.clock import monotonic
@@ -228,14 +230,18 @@ class Engine:
         return done
 
     def publish_kv_events(self, stream: KVEventStream) -> None:
-        """Announce the pool's changes on ``stream``, from a clean slate."""
+        """Announce the pool's changes on ``stream``, from a clean slate, in the events
+        of the engine's flavour."""
         config = self.config
-        hasher = BlockHasher(config.prefix_caching_hash_algo)
-        int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
         self.kv_stream = stream
-        self.scheduler.publish_kv_events(
-            EngineEvents(stream, hasher, config.block_tokens, int_hashes)
-        )
+        log: EventLog
+        if isinstance(config.kv_events, SglangKVEventsConfig):
+            log = SglangEngineEvents(stream, config.block_tokens, config.kv_events.format)
+        else:
+            hasher = BlockHasher(config.prefix_caching_hash_algo)
+            int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
+            log = EngineEvents(stream, hasher, config.block_tokens, int_hashes)
+        self.scheduler.publish_kv_events(log)
 
     # -- the loop ---------------------------------------------------------------------
 

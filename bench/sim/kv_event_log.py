@@ -29,6 +29,16 @@ class BatchSink(Protocol):
     def publish(self, batch: KVEventBatch) -> None: ...
 
 
+class EventLog(Protocol):
+    """What the scheduler tells of its pool: ``EngineEvents`` (vLLM's events) or
+    ``sglang_kv_event_log.SglangEngineEvents``."""
+
+    def stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None: ...
+    def removed(self, pool_hash: int) -> None: ...
+    def cleared(self) -> None: ...
+    def flush(self) -> None: ...
+
+
 class EngineEvents:
     def __init__(
         self, sink: BatchSink, hasher: BlockHasher, block_tokens: int, int_hashes: bool = False

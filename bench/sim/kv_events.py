@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass, fields
 from itertools import count
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import orjson
@@ -92,6 +92,9 @@ class KVEventsConfig:
     def publishes(self) -> bool:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
+    def open_publisher(self, data_parallel_rank: int = 0) -> ZmqEventPublisher:
+        return ZmqEventPublisher(self, data_parallel_rank)
+
     @classmethod
     def from_cli(cls, text: str) -> KVEventsConfig:
         raw = orjson.loads(text)
@@ -126,12 +129,33 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+class PublisherSettings(Protocol):
+    """The fields a publisher reads: vLLM's ``KVEventsConfig`` and SGLang's
+    (``bench/sim/sglang_kv_events.py``) both have them."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def replay_endpoint(self) -> str | None: ...
+    @property
+    def buffer_steps(self) -> int: ...
+    @property
+    def hwm(self) -> int: ...
+    @property
+    def max_queue_size(self) -> int: ...
+    @property
+    def topic(self) -> str: ...
+
+
 class ZmqEventPublisher:
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+    """vLLM's; SGLang's differs only in how a batch is stamped with its rank and when the
+    PUB socket binds (``_stamp_rank``, ``_binds``)."""
+
+    def __init__(self, config: PublisherSettings, data_parallel_rank: int = 0) -> None:
         self.data_parallel_rank = data_parallel_rank
         self.endpoint = offset_endpoint_port(config.endpoint, data_parallel_rank) or ""
         self.replay_endpoint = offset_endpoint_port(config.replay_endpoint, data_parallel_rank)
-        self._queue: queue.Queue[EventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[msgspec.Struct | None] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._seq = count()
@@ -140,7 +164,7 @@ class ZmqEventPublisher:
         self._replay: zmq.Socket[bytes] | None = None
         try:
             self._pub.set_hwm(config.hwm)
-            if _binds(self.endpoint):
+            if self._binds(self.endpoint):
                 self._pub.bind(self.endpoint)
             else:
                 self._pub.connect(self.endpoint)
@@ -158,12 +182,18 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, daemon=True, name="sim-kv-events")
         self._thread.start()
 
-    def publish(self, batch: EventBatch) -> None:
+    def publish(self, batch: msgspec.Struct) -> None:
         if not self._running:
             raise RuntimeError("Publisher is closed")
-        if batch.data_parallel_rank is None:
-            batch.data_parallel_rank = self.data_parallel_rank
+        self._stamp_rank(batch)
         self._queue.put(batch)
+
+    def _stamp_rank(self, batch: msgspec.Struct) -> None:
+        if isinstance(batch, EventBatch) and batch.data_parallel_rank is None:
+            batch.data_parallel_rank = self.data_parallel_rank
+
+    def _binds(self, endpoint: str) -> bool:
+        return _binds(endpoint)
 
     def shutdown(self) -> None:
         self._running = False

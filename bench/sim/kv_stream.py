@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Protocol
 
+import msgspec
 import zmq
 
-from bench.sim.kv_events import EventBatch, KVEventsConfig, ZmqEventPublisher
+from bench.sim.kv_events import ZmqEventPublisher
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +32,26 @@ REBIND_TIMEOUT_S = 5.0
 REBIND_INTERVAL_S = 0.02
 
 
-class KVEventStream:
-    """``kv_event_log.BatchSink`` over a restartable ``ZmqEventPublisher``."""
+class StreamConfig(Protocol):
+    """vLLM's ``KVEventsConfig`` or SGLang's: each opens its engine's publisher."""
 
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+    @property
+    def max_queue_size(self) -> int: ...
+    def open_publisher(self, data_parallel_rank: int = 0) -> ZmqEventPublisher: ...
+
+
+class KVEventStream:
+    """``kv_event_log.BatchSink`` (or SGLang's) over a restartable publisher."""
+
+    def __init__(self, config: StreamConfig, data_parallel_rank: int = 0) -> None:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
-        self._publisher: ZmqEventPublisher | None = ZmqEventPublisher(config, data_parallel_rank)
-        self._held: list[EventBatch] | None = None  # batches published during a swap
+        self._publisher: ZmqEventPublisher | None = config.open_publisher(data_parallel_rank)
+        self._held: list[msgspec.Struct] | None = None  # batches published during a swap
         self._swap: asyncio.Task[None] | None = None
         self._closed = False
 
-    def publish(self, batch: EventBatch) -> None:
+    def publish(self, batch: msgspec.Struct) -> None:
         if self._held is not None:
             if len(self._held) < self.config.max_queue_size:
                 self._held.append(batch)
@@ -82,7 +92,7 @@ class KVEventStream:
         deadline = time.monotonic() + REBIND_TIMEOUT_S
         while True:
             try:
-                return ZmqEventPublisher(self.config, self.data_parallel_rank)
+                return self.config.open_publisher(self.data_parallel_rank)
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                     log.error("KV event publisher: %s", exc)

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from bench.sim.kv_cache import BlockPool
-from bench.sim.kv_event_log import EngineEvents
+from bench.sim.kv_event_log import EventLog
 from bench.sim.request import FINISHED, RUNNING, WAITING, SimRequest
 
 
@@ -60,9 +60,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.events: EngineEvents | None = None
+        self.events: EventLog | None = None
 
-    def publish_kv_events(self, events: EngineEvents) -> None:
+    def publish_kv_events(self, events: EventLog) -> None:
         self.events = events
         self.pool.on_evict = events.removed
 
