@@ -57,7 +57,7 @@ def test_predictions_are_also_held_to_what_the_engine_held_at_arrival() -> None:
         line(3.0, "a", 1000, 1000, request_id="r3"),
         line(4.0, "a", 800, 800, request_id="r4"),  # the engine kept no record of it
     ]
-    records = [
+    records: list[dict[str, Any]] = [
         {"request_id": "r1", "cached_at_arrival": 0},
         {"request_id": "r2", "cached_at_arrival": 1000},
         {"request_id": "r3", "cached_at_arrival": 1000},
