@@ -167,7 +167,12 @@ def engine_flags(config: DemoConfig, model_dir: Path, base_port: int) -> list[li
 
 
 def router_specs(
-    config: DemoConfig, urls: Sequence[str], model_dir: Path, base_port: int, run_dir: Path
+    config: DemoConfig,
+    urls: Sequence[str],
+    model_dir: Path,
+    base_port: int,
+    run_dir: Path,
+    modes: Sequence[str] = MODES,
 ) -> list[RouterSpec]:
     port = config.router_port
     tokens = ("--tokenizer", str(model_dir), "--block-bytes", str(TOKEN_BLOCK_BYTES))
@@ -187,7 +192,7 @@ def router_specs(
     }
     return [
         RouterSpec(mode, (commands[mode],), (port,), stdout=run_dir / f"{mode}.requests")
-        for mode in MODES
+        for mode in modes
     ]
 
 
@@ -290,6 +295,7 @@ async def run_agreement(
     base_port: int,
     console: Console,
     rows: Sequence[str] = ROWS,
+    modes: Sequence[str] = MODES,
 ) -> dict[str, Rounds]:
     results: dict[str, Rounds] = {}
     scorer = RunScorer()
@@ -301,7 +307,7 @@ async def run_agreement(
 
         def specs(urls: Sequence[str], cfg: DemoConfig = row_config) -> list[RouterSpec]:
             scorer.engine_urls = urls
-            return router_specs(cfg, urls, model_dir, base_port, cfg.out / "logs")
+            return router_specs(cfg, urls, model_dir, base_port, cfg.out / "logs", modes)
 
         results[row] = await run_comparison(
             row_config,
@@ -338,19 +344,30 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument(
         "--rows", default=",".join(ROWS), help="which memory sizes: pressure, roomy or both"
     )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="which routers: text, tokens, exact"
+    )
     parser.set_defaults(func=run, out=DEFAULT_OUT, clock="real")
+
+
+def _choice(given: str, known: Sequence[str], what: str) -> list[str]:
+    chosen = [item for item in given.split(",") if item]
+    unknown = sorted(set(chosen) - set(known))
+    if unknown or not chosen:
+        raise SystemExit(f"bench agreement: {what} {unknown or given!r}; known: {', '.join(known)}")
+    return chosen
 
 
 def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(demo_config(args), clock="real")
-    rows = [row for row in args.rows.split(",") if row]
-    unknown = sorted(set(rows) - set(ROWS))
-    if unknown:
-        raise SystemExit(f"bench agreement: unknown rows {unknown}; known: {', '.join(ROWS)}")
+    rows = _choice(args.rows, ROWS, "rows")
+    modes = _choice(args.modes, MODES, "modes")
     model_dir = args.model_dir or qwen3_dir()
     console = Console()
     results = asyncio.run(
-        run_agreement(config, args.roomy_kv_tokens, model_dir, args.kv_events_port, console, rows)
+        run_agreement(
+            config, args.roomy_kv_tokens, model_dir, args.kv_events_port, console, rows, modes
+        )
     )
     summary = {row: rounds.as_dict() for row, rounds in results.items()}
     (config.out / "agreement.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
