@@ -17,6 +17,7 @@ of them is.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 
 from router.kv_events.wire import BlockHash, BlockStored
 from router.prefix import TOKEN_BYTES, chain_seed, hash_blocks, token_bytes
@@ -60,15 +61,17 @@ class EngineChains:
             parent = known.router_hash
         ours = hash_blocks(token_bytes(event.token_ids), event.block_size * TOKEN_BYTES, parent)
         added: list[int] = []
+        names, held = self._names, self._held  # a loop over thousands of blocks a second
         for engine_hash, router_hash in zip(event.block_hashes, ours, strict=True):
-            name = self._names.get(engine_hash)
+            name = names.get(engine_hash)
             if name is not None:
                 name.copies += 1
-                self._names.move_to_end(engine_hash)
+                names.move_to_end(engine_hash)
                 continue
-            self._names[engine_hash] = _Name(router_hash)
-            self._held[router_hash] += 1
-            if self._held[router_hash] == 1:
+            names[engine_hash] = _Name(router_hash)
+            count = held.get(router_hash, 0) + 1
+            held[router_hash] = count
+            if count == 1:
                 added.append(router_hash)
         dropped: list[int] = []
         while len(self._names) > self.max_blocks:
@@ -76,7 +79,7 @@ class EngineChains:
             dropped += self._release(name.router_hash)
         return added, dropped
 
-    def removed(self, engine_hashes: tuple[BlockHash, ...]) -> list[int]:
+    def removed(self, engine_hashes: Sequence[BlockHash]) -> list[int]:
         """The router hashes no engine block holds any more."""
         gone: list[int] = []
         for engine_hash in engine_hashes:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from router.clock import monotonic
 from router.kv_events.chain import EngineChains
-from router.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from router.kv_events.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
 
 # Engine names kept per rank, beyond the worker's capacity: room for removals missed.
 NAMES_PER_CAPACITY_BLOCK = 2
@@ -72,19 +72,28 @@ class ExactResidency:
     # -- what the engine announces ----------------------------------------------------
 
     def apply(self, rank: int, events: Iterable[Event]) -> None:
+        removed: list[BlockHash] = []  # consecutive removals, applied together
         for event in events:
+            if isinstance(event, BlockRemoved):
+                removed += event.block_hashes
+                continue
+            if removed:
+                self._removed(rank, removed)
+                removed = []
             if isinstance(event, BlockStored):
                 added, dropped = self._chain(rank).stored(event)
-                for h in added:
-                    self._hold(h)
+                self._hold(added)
                 self._release(dropped)
-            elif isinstance(event, BlockRemoved):
-                gone = self._chain(rank).removed(event.block_hashes)
-                self.evictions += len(gone)
-                self._release(gone)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_rank(rank)
+        if removed:
+            self._removed(rank, removed)
         self._trim_inherited()
+
+    def _removed(self, rank: int, engine_hashes: Sequence[BlockHash]) -> None:
+        gone = self._chain(rank).removed(engine_hashes)
+        self.evictions += len(gone)
+        self._release(gone)
 
     def clear_rank(self, rank: int) -> None:
         """The rank's cache is empty (cleared, restarted, or its stream broke): what it
@@ -107,10 +116,12 @@ class ExactResidency:
             chains = self._chains[rank] = EngineChains(self.model, bound)
         return chains
 
-    def _hold(self, router_hash: int) -> None:
-        self._held[router_hash] += 1
-        self._speculative.pop(router_hash, None)
-        self._inherited.pop(router_hash, None)
+    def _hold(self, router_hashes: Iterable[int]) -> None:
+        held, speculative, inherited = self._held, self._speculative, self._inherited
+        for h in router_hashes:
+            held[h] = held.get(h, 0) + 1
+            speculative.pop(h, None)
+            inherited.pop(h, None)
 
     def _release(self, router_hashes: Iterable[int]) -> None:
         held = self._held

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeGuard
+from typing import Annotated, Any, TypeAlias, TypeGuard
 
 import msgspec
 
@@ -45,15 +45,15 @@ class BlockStored:
     group_idx: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
+# Removals and clears are decoded straight into these (msgspec, in C): vLLM sends one
+# BlockRemoved per evicted block, thousands a second from a busy engine.
+class BlockRemoved(msgspec.Struct, frozen=True, tag="BlockRemoved", tag_field="type"):
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
     group_idx: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class AllBlocksCleared(msgspec.Struct, frozen=True, tag="AllBlocksCleared", tag_field="type"):
     pass
 
 
@@ -89,7 +89,63 @@ def read_message(frames: Sequence[bytes]) -> Message:
     return Message(bytes(topic), int.from_bytes(seq, "big", signed=True), bytes(payload))
 
 
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Stored(msgspec.Struct, frozen=True, tag="BlockStored", tag_field="type"):
+    """A tagged BlockStored as vLLM >= 0.24 and SGLang send it (unknown fields ignored)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[TokenId, ...]
+    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)]
+    lora_name: str | None = None
+    medium: str | None = None
+    cache_salt: str | None = None
+    extra_keys: Any = None
+    group_idx: int | None = None
+
+
+class _TaggedBatch(msgspec.Struct, frozen=True, array_like=True):
+    ts: float
+    events: tuple[_Stored | BlockRemoved | AllBlocksCleared, ...]
+    rank: int | None = None
+
+
+_TAGGED = msgspec.msgpack.Decoder(_TaggedBatch)
+
+
 def decode_batch(payload: bytes) -> EventBatch:
+    """Tagged maps are typed in C; what does not fit them (older vLLM's arrays, or
+    anything malformed) is read field by field, which names what is wrong."""
+    try:
+        tagged = _TAGGED.decode(payload)
+    except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+        return _decode_generic(payload)
+    return EventBatch(tagged.ts, tuple(map(_from_tagged, tagged.events)), tagged.rank)
+
+
+def _from_tagged(event: _Stored | BlockRemoved | AllBlocksCleared) -> Event:
+    if not isinstance(event, _Stored):
+        return event
+    if len(event.token_ids) != event.block_size * len(event.block_hashes):
+        raise MalformedEvents("token_ids are block_size tokens for each block hash")
+    salt = event.cache_salt
+    if salt is None:
+        salt = _salt_of_first_block(event.extra_keys, event.lora_name)
+    return BlockStored(
+        event.block_hashes,
+        event.parent_block_hash,
+        event.token_ids,
+        event.block_size,
+        event.lora_name,
+        event.medium,
+        salt,
+        event.group_idx,
+    )
+
+
+def _decode_generic(payload: bytes) -> EventBatch:
     try:
         raw = msgspec.msgpack.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
