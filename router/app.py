@@ -22,7 +22,7 @@ from router.admin import add_routes
 from router.admission import Admission
 from router.aio_proxy import handle_chat, handle_completions
 from router.auth import Unauthenticated, authorized, bearers
-from router.config import RouterConfig
+from router.config import ENGINE_TOKENIZER, RouterConfig
 from router.errors import (
     BadRequest,
     ExpectationFailed,
@@ -47,7 +47,8 @@ from router.shared.path import SharedPath
 from router.shared.sync import RedisSync
 from router.state import STATE_KEY, RouterState
 from router.tokens.conversation import ContentFormat
-from router.tokens.keys import TokenKeys, TokenMetrics
+from router.tokens.engine import EngineTokens
+from router.tokens.keys import PromptKeys, TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
 from router.upstream import UpstreamPool
 from router.workers import Fleet
@@ -139,7 +140,7 @@ def build_state(
         config.upstream.auth_headers,
     )
     state = RouterState(config, router, metrics, membership, session, upstream, admission, prober)
-    state.tokens = _token_keys(config, metrics)
+    state.tokens = _token_keys(config, metrics, session, fleet)
     for wc in config.workers:
         state.add_worker(wc)
     return state
@@ -150,10 +151,21 @@ def local_index(index: PrefixIndex) -> LocalPrefixIndex:
     return index.local if isinstance(index, SharedPrefixIndex) else cast(LocalPrefixIndex, index)
 
 
-def _token_keys(config: RouterConfig, metrics: RouterMetrics) -> TokenKeys | None:
+def _token_keys(
+    config: RouterConfig, metrics: RouterMetrics, session: aiohttp.ClientSession, fleet: Fleet
+) -> PromptKeys | None:
     prefix = config.prefix
     if prefix.tokenizer is None:
         return None
+    if prefix.tokenizer == ENGINE_TOKENIZER:
+        return EngineTokens(
+            session,
+            fleet,
+            prefix.engine_timeout_s,
+            TokenMetrics(metrics.registry),
+            config.upstream.auth_headers,
+            config.health.stale_after_s,
+        )
     content_format = None if prefix.content_format == "auto" else prefix.content_format
     return TokenKeys(
         ModelTokenizer.from_dir(prefix.tokenizer),

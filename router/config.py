@@ -101,14 +101,18 @@ class WorkerConfig:
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
+ENGINE_TOKENIZER = "engine"  # prefix.tokenizer: ask the workers
+
+
 @dataclass(frozen=True, slots=True)
 class PrefixConfig:
     block_bytes: int = DEFAULT_BLOCK_BYTES
     record_replies: bool = True  # extend a session's prefix with the streamed reply
-    # A model directory (tokenizer.json, tokenizer_config.json): chat prompts keyed by
-    # the model's own tokens, 4 bytes each, so block_bytes / 4 tokens a block
-    # (router/tokens). None: by their text.
+    # A model directory (tokenizer.json, tokenizer_config.json): prompts keyed by the
+    # model's own tokens, 4 bytes each, so block_bytes / 4 tokens a block
+    # (router/tokens); "engine": the ids from a worker's POST /tokenize. None: by text.
     tokenizer: str | None = None
+    engine_timeout_s: float = 2.0  # tokenizer: engine; a slower answer keys by text
     # How messages' content reaches the template (vLLM's --chat-template-content-format).
     content_format: str = "auto"
     tokenizer_cache_tokens: int = 16_000_000  # earlier prompts' ids kept to encode less
@@ -125,6 +129,8 @@ class PrefixConfig:
             raise ConfigError(f"content_format: one of {', '.join(CONTENT_FORMATS)}")
         if self.tokenizer_cache_tokens < 0:
             raise ConfigError("tokenizer_cache_tokens: must be >= 0")
+        if self.engine_timeout_s <= 0:
+            raise ConfigError("engine_timeout_s: must be > 0")
 
     @property
     def block_tokens(self) -> int:

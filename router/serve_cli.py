@@ -68,9 +68,9 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     serve.add_argument(
         "--tokenizer",
         metavar="DIR",
-        help="key chat prompts by the model's own tokens: a directory with tokenizer.json "
-        "and tokenizer_config.json (prefix.tokenizer; then --block-bytes 64 for the "
-        "engine's 16-token blocks)",
+        help="key prompts by the model's own tokens: a directory with tokenizer.json "
+        "and tokenizer_config.json, or 'engine' to ask a worker's /tokenize "
+        "(prefix.tokenizer; then --block-bytes 64 for the engine's 16-token blocks)",
     )
     serve.add_argument("--max-attempts", type=int, help="workers tried before the first byte")
     serve.add_argument("--seed", type=int, help="seed for policies that draw at random")

@@ -18,7 +18,7 @@ from router.metrics import RouterMetrics
 from router.provision import new_worker
 from router.routing import Router
 from router.shared.path import SharedPath
-from router.tokens.keys import TokenKeys
+from router.tokens.keys import PromptKeys
 from router.upstream import UpstreamPool
 from router.workers import Worker
 
@@ -43,8 +43,8 @@ class RouterState:
     # Read-your-writes across replicas (state.url and state.read_your_writes): set while
     # the shared state runs.
     shared_path: SharedPath | None = None
-    # Chat prompts keyed by the model's own tokens (prefix.tokenizer); None: by text.
-    tokens: TokenKeys | None = None
+    # Prompts keyed by the model's own tokens (prefix.tokenizer); None: by text.
+    tokens: PromptKeys | None = None
     # Exact mode's subscriptions to the workers' KV events (kv_events); None: none.
     kv_events: KvEventSubscriptions | None = None
 

@@ -160,12 +160,17 @@ async def agent_turns(
     return workers
 
 
-@pytest.mark.parametrize("exact", [True, False], ids=["exact", "approximate"])
+@pytest.mark.parametrize(
+    ("exact", "tokenizer"),
+    [(True, "files"), (False, "files"), (True, "engine")],
+    ids=["exact", "approximate", "exact-engine-tokens"],
+)
 async def test_under_eviction_exact_mode_knows_what_each_engine_holds(
     engine_factory: EngineFactory,
     model_dir: Path,
     caplog: pytest.LogCaptureFixture,
     exact: bool,
+    tokenizer: str,
 ) -> None:
     # Two engines of 3,000 tokens for four sessions growing past 1,500 tokens each: every
     # engine evicts, and each session's turns must find what is left.
@@ -184,7 +189,10 @@ async def test_under_eviction_exact_mode_knows_what_each_engine_holds(
         config = router_config(
             [engine for engine, _ in fleet],
             workers=workers,
-            prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
+            prefix=PrefixConfig(
+                block_bytes=4 * ENGINE_BLOCK,
+                tokenizer=str(model_dir) if tokenizer == "files" else "engine",
+            ),
             log_requests=True,
             # Gone before the next turn: what the router knows then, the events told it.
             kv_events=RouterKvEvents(speculative_ttl_s=0.1),

@@ -9,17 +9,28 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from transformers import AutoTokenizer
 
 from bench.textgen import text_for
 from router.cli import build_parser
-from router.config import PrefixConfig
+from router.config import PrefixConfig, WorkerConfig
 from router.errors import ConfigError
 from router.prefix import chain_seed, prefix_key, token_bytes
 from router.serve_cli import flag_overrides
 from router.state import STATE_KEY
+from router.tokens.engine import token_ids_of
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
-from tests.router_client import WORKER, chat_body, conversation, engines, metric, post
+from tests.router_client import (
+    WORKER,
+    chat_body,
+    conversation,
+    engines,
+    fake_engine,
+    metric,
+    post,
+    whole_reply,
+)
 from tests.token_model import build_model_dir
 
 ENGINE_BLOCK = 16  # tokens; the router's blocks are the engine's
@@ -152,3 +163,40 @@ async def test_a_completion_is_keyed_by_the_engines_tokens_too(
             await metric(http, router, "kvrouter_prefix_tokenized_requests_total", result="tokens")
             == 2
         )
+
+
+async def test_a_worker_that_cannot_tokenize_costs_only_the_key() -> None:
+    async def chat(request: web.Request) -> web.Response:
+        return whole_reply()
+
+    async with fake_engine(chat) as url, aiohttp.ClientSession() as http:
+        config = router_config(
+            [],
+            workers=(WorkerConfig(url, name="w0"),),
+            prefix=PrefixConfig(block_bytes=64, tokenizer="engine"),
+        )
+        async with serve_router(config) as router:
+            body = chat_body(conversation("no-tokenize", 50, 20), stream=False)
+            result = await post(http, router.url, body)
+            assert result.status == 200, result.raw
+            # The stand-in has no /tokenize (a 404): keyed by its text, served all the same.
+            assert (
+                await metric(
+                    http, router, "kvrouter_prefix_tokenized_requests_total", result="text"
+                )
+                == 1
+            )
+
+
+def test_only_a_list_of_token_ids_is_taken_from_a_workers_answer() -> None:
+    assert token_ids_of(b'{"count": 3, "tokens": [1, 2, 3]}') == [1, 2, 3]
+    for answer in (
+        b"not json",
+        b"[1, 2]",
+        b'{"tokens": []}',
+        b'{"tokens": [1, true]}',
+        b'{"tokens": [1, -2]}',
+        b'{"tokens": [1, 4294967296]}',
+        b'{"tokens": "1 2"}',
+    ):
+        assert token_ids_of(answer) is None, answer

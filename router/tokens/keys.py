@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, AnyStr
+from typing import Any, AnyStr, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -83,6 +83,15 @@ class TokenMetrics:
         )
         for result in ("tokens", "text", "busy"):
             self.requests.labels(result)
+
+
+class PromptKeys(Protocol):
+    """How prompts are keyed by tokens: the model's files here, or a worker's /tokenize
+    (router.tokens.engine)."""
+
+    async def key(self, body: RequestBody, block_bytes: int) -> ClientRequest: ...
+
+    def close(self) -> None: ...
 
 
 class TokenKeys:
