@@ -31,6 +31,7 @@ from typing import Literal, Protocol
 
 from router.kv_events.residency import ExactResidency
 from router.kv_events.wire import Event
+from router.prefix import leading_held
 
 PrefixMode = Literal["exact", "approximate"]
 PREFIX_MODES: tuple[PrefixMode, ...] = ("exact", "approximate")
@@ -107,18 +108,7 @@ class Residency:
 
     def longest_prefix(self, hashes: Sequence[int], reserved: Mapping[int, int] = NOTHING) -> int:
         """Leading ``hashes`` held, or reserved (``LocalPrefixIndex.reserve``)."""
-        lru = self._lru
-        if not hashes or (hashes[0] not in lru and hashes[0] not in reserved):
-            return 0
-        low, high = 1, len(hashes)  # hashes[:low] held; find the largest such low
-        while low < high:
-            mid = (low + high + 1) // 2
-            h = hashes[mid - 1]
-            if h in lru or h in reserved:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return leading_held(hashes, self._lru, reserved)
 
     def touch(self, hashes: Sequence[int]) -> list[int]:
         lru = self._lru

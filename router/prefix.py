@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,22 @@ class PrefixKey:
     @property
     def last_hash(self) -> int:
         return self.hashes[-1] if self.hashes else self.seed
+
+
+def leading_held(hashes: Sequence[int], held: Container[int], reserved: Container[int]) -> int:
+    """How many leading ``hashes`` are in ``held`` or ``reserved``, by binary search: a
+    worker's holdings are (nearly) prefix-closed, so O(log n) lookups find the longest."""
+    if not hashes or (hashes[0] not in held and hashes[0] not in reserved):
+        return 0
+    low, high = 1, len(hashes)  # hashes[:low] held; find the largest such low
+    while low < high:
+        mid = (low + high + 1) // 2
+        h = hashes[mid - 1]
+        if h in held or h in reserved:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def hash_blocks(data: bytes, block_bytes: int, parent: int) -> list[int]:

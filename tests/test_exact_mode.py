@@ -18,9 +18,15 @@ import pytest
 
 from bench.textgen import text_for
 from router.config import KvEventsConfig as RouterKvEvents
-from router.config import KvEventsEndpoints, PrefixConfig, StateConfig, WorkerConfig
+from router.config import (
+    KvEventsEndpoints,
+    PrefixConfig,
+    RouterConfig,
+    StateConfig,
+    WorkerConfig,
+)
 from router.state import STATE_KEY
-from tests.conftest import EngineFactory, router_config, serve_router
+from tests.conftest import EngineFactory, RunningEngine, router_config, serve_router
 from tests.kv_publisher import free_port, publishing_engine
 from tests.router_client import chat_body, conversation, metric, post
 from tests.token_model import build_model_dir
@@ -222,6 +228,20 @@ async def _is_exact(http: aiohttp.ClientSession, url: str, worker: str) -> bool:
     return f'kvrouter_prefix_mode{{mode="exact",worker="{worker}"}} 1.0' in text
 
 
+def exact_config(
+    engine: RunningEngine, endpoints: KvEventsEndpoints, model_dir: Path, **overrides: Any
+) -> RouterConfig:
+    """A router of one exact worker, w0, keyed by the test model's tokens."""
+    return router_config(
+        [engine],
+        workers=(WorkerConfig(engine.url, name="w0", kv_events=endpoints),),
+        prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
+        # Gone before the next turn: what the router knows then, the events told it.
+        kv_events=RouterKvEvents(speculative_ttl_s=0.1),
+        **overrides,
+    )
+
+
 async def test_a_restarted_engine_is_rebuilt_from_its_new_events(
     engine_factory: EngineFactory, model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -229,14 +249,7 @@ async def test_a_restarted_engine_is_rebuilt_from_its_new_events(
         publishing_engine(engine_factory, tokenizer=str(model_dir)) as (engine, endpoints),
         aiohttp.ClientSession() as http,
     ):
-        config = router_config(
-            [engine],
-            workers=(WorkerConfig(engine.url, name="w0", kv_events=endpoints),),
-            prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
-            log_requests=True,
-            # Gone before the next turn: what the router knows then, the events told it.
-            kv_events=RouterKvEvents(speculative_ttl_s=0.1),
-        )
+        config = exact_config(engine, endpoints, model_dir, log_requests=True)
         async with serve_router(config) as router:
             await eventually(functools.partial(_is_exact, http, router.url, "w0"))
             with caplog.at_level(logging.INFO, logger="kvrouter.requests"):
@@ -269,13 +282,7 @@ async def test_replicas_sharing_state_each_read_the_events_and_agree(
         publishing_engine(engine_factory, tokenizer=str(model_dir)) as (engine, endpoints),
         aiohttp.ClientSession() as http,
     ):
-        config = router_config(
-            [engine],
-            workers=(WorkerConfig(engine.url, name="w0", kv_events=endpoints),),
-            prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
-            state=StateConfig(url=redis_url),
-            kv_events=RouterKvEvents(speculative_ttl_s=0.1),
-        )
+        config = exact_config(engine, endpoints, model_dir, state=StateConfig(url=redis_url))
         async with serve_router(config) as one, serve_router(config) as other:
             for router in (one, other):
                 await eventually(functools.partial(_is_exact, http, router.url, "w0"))

@@ -12,7 +12,7 @@ remembered while they stay cached.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from bench.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -23,6 +23,20 @@ from bench.tokenizer import TOKEN_BYTES
 
 MEDIUM = "GPU"
 GROUP = 0  # one full-attention KV cache group
+
+
+def fresh_runs(first: int, fresh: Sequence[bool]) -> Iterator[tuple[int, int]]:
+    """The ``[start, end)`` block ranges, from block ``first`` on, that ``fresh`` marks:
+    each contiguous run of a request's newly cached blocks is announced as one event."""
+    start = None
+    for offset in range(len(fresh) + 1):
+        if offset < len(fresh) and fresh[offset]:
+            if start is None:
+                start = first + offset
+            continue
+        if start is not None:
+            yield start, first + offset
+            start = None
 
 
 class BatchSink(Protocol):
@@ -55,15 +69,8 @@ class EngineEvents:
         block ``first + i`` was cached by this request (not already held)."""
         upto = first + len(fresh)
         names = self._engine_hashes(request, upto)
-        start = None
-        for offset in range(len(fresh) + 1):
-            if offset < len(fresh) and fresh[offset]:
-                if start is None:
-                    start = first + offset
-                continue
-            if start is not None:
-                self._store_run(request, names, start, first + offset)
-                start = None
+        for start, end in fresh_runs(first, fresh):
+            self._store_run(request, names, start, end)
 
     def removed(self, pool_hash: int) -> None:
         name = self._names.pop(pool_hash, None)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from bench.sim.kv_event_log import fresh_runs
 from bench.sim.request import SimRequest
 from bench.sim.sglang_kv_events import (
     AllBlocksCleared,
@@ -61,15 +62,8 @@ class SglangEngineEvents:
         """Blocks ``first ..`` of ``request`` were just cached; ``fresh[i]`` says whether
         block ``first + i`` was cached by this request (not already held)."""
         digests = self._digests(request, first + len(fresh))
-        start = None
-        for offset in range(len(fresh) + 1):
-            if offset < len(fresh) and fresh[offset]:
-                if start is None:
-                    start = first + offset
-                continue
-            if start is not None:
-                self._store_run(request, digests, start, first + offset)
-                start = None
+        for start, end in fresh_runs(first, fresh):
+            self._store_run(request, digests, start, end)
 
     def removed(self, pool_hash: int) -> None:
         name = self._names.pop(pool_hash, None)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from router.clock import monotonic
 from router.kv_events.chain import EngineChains
 from router.kv_events.wire import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from router.prefix import leading_held
 
 # Engine names kept per rank, beyond the worker's capacity: room for removals missed.
 NAMES_PER_CAPACITY_BLOCK = 2
@@ -142,25 +143,17 @@ class ExactResidency:
     def __len__(self) -> int:
         return len(self._held) + len(self._inherited)
 
-    def __contains__(self, block_hash: int) -> bool:
+    def __contains__(self, block_hash: object) -> bool:
         if block_hash in self._held or block_hash in self._inherited:
             return True
+        if not isinstance(block_hash, int):
+            return False
         expiry = self._speculative.get(block_hash)
         return expiry is not None and expiry > self._clock()
 
     def longest_prefix(self, hashes: Sequence[int], reserved: Mapping[int, int]) -> int:
         """Leading ``hashes`` held, announced or not yet, or reserved."""
-        if not hashes or (hashes[0] not in self and hashes[0] not in reserved):
-            return 0
-        low, high = 1, len(hashes)
-        while low < high:
-            mid = (low + high + 1) // 2
-            h = hashes[mid - 1]
-            if h in self or h in reserved:
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return leading_held(hashes, self, reserved)
 
     def touch(self, hashes: Sequence[int]) -> list[int]:
         """A request computed ``hashes`` here: speculative until the engine says so."""
