@@ -51,6 +51,7 @@ from bench.demo import (
 )
 from bench.proc_cpu import PROC, CpuSample, sample
 from bench.replay.rounds import Rounds
+from bench.replicas import bucket_quantile
 from bench.tokenize_cost import qwen3_dir
 
 ENGINE_BLOCK = 16  # tokens: the simulated engines' (vLLM's default) block size
@@ -127,6 +128,12 @@ def queued_evictions(lines: Iterable[Mapping[str, Any]], block: int = ENGINE_BLO
         and line.get("engine_cached_tokens") is not None
     ]
     return sum(arrived - scheduled > block for arrived, scheduled in both) / max(1, len(both))
+
+
+def save_joined(path: Path, lines: list[dict[str, Any]]) -> None:
+    """The scored lines, kept for a closer look at what disagreed (each round
+    overwrites its mode's; a local file, written once a run)."""
+    path.write_bytes(orjson.dumps(lines))
 
 
 def read_request_log(path: Path) -> list[dict[str, Any]]:
@@ -231,12 +238,14 @@ class RunScorer:
 
     async def score(self, spec: RouterSpec, urls: Sequence[str]) -> dict[str, float]:
         await asyncio.sleep(LOG_SETTLE_S)
-        batches = await event_batches(urls)
+        events = await event_figures(urls)
+        batches = events.pop("batches")
         assert spec.stdout is not None
         lines = [
             line for i in range(len(spec.commands)) for line in read_request_log(log_of(spec, i))
         ]
         lines = join_arrivals(lines, await engine_records(self.engine_urls))
+        save_joined(Path(f"{spec.stdout}.joined.json"), lines)
         scored = agreement_of(lines)
         at_arrival = agreement_of(lines, reported="cached_at_arrival")
         figures = {
@@ -250,6 +259,7 @@ class RunScorer:
             cpu = sample(pids).since(before)
             figures["router_cpu_per_request"] = cpu / len(lines)
             figures["kv_event_batches_per_request"] = batches / len(lines)
+        figures.update(events)
         self._started = None
         return figures
 
@@ -265,18 +275,28 @@ async def engine_records(urls: Sequence[str]) -> list[dict[str, Any]]:
     return records
 
 
-async def event_batches(urls: Sequence[str]) -> float:
-    """KV event batches the routers applied (their /metrics), over every worker."""
-    total = 0.0
+async def event_figures(urls: Sequence[str]) -> dict[str, float]:
+    """From the routers' /metrics, over every worker: KV event batches applied, and the
+    50th and 99th percentiles of their lag behind the engines."""
+    batches = 0.0
+    lag: dict[float, float] = {}
     async with aiohttp.ClientSession() as http:
         for url in urls:
             async with http.get(f"{url}/metrics") as response:
                 text = await response.text()
             for family in text_string_to_metric_families(text):
-                total += sum(
-                    s.value for s in family.samples if s.name == "kvrouter_kv_event_batches_total"
-                )
-    return total
+                for sample in family.samples:
+                    if sample.name == "kvrouter_kv_event_batches_total":
+                        batches += sample.value
+                    elif sample.name == "kvrouter_kv_event_lag_seconds_bucket":
+                        bound = float(sample.labels["le"])
+                        lag[bound] = lag.get(bound, 0.0) + sample.value
+    figures = {"batches": batches}
+    for key, q in (("kv_event_lag_p50", 0.5), ("kv_event_lag_p99", 0.99)):
+        quantile = bucket_quantile(lag, q)
+        if quantile is not None:
+            figures[key] = quantile
+    return figures
 
 
 def log_of(spec: RouterSpec, replica: int) -> Path:

@@ -183,6 +183,20 @@ FIGURES: tuple[Figure, ...] = (
         False,
     ),
     Figure(
+        "kv_event_lag_p50",
+        "KV event lag p50 (wall)",
+        lambda r: r.extras.get("kv_event_lag_p50"),
+        lambda v: f"{v * 1000:.1f} ms",
+        False,
+    ),
+    Figure(
+        "kv_event_lag_p99",
+        "KV event lag p99 (wall)",
+        lambda r: r.extras.get("kv_event_lag_p99"),
+        lambda v: f"{v * 1000:.1f} ms",
+        False,
+    ),
+    Figure(
         "redis_trips",
         "Redis round trips / request",
         lambda r: r.extras.get("redis_trips"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 ReplayResult = Literal["complete", "incomplete", "failed"]
 REPLAY_RESULTS: tuple[ReplayResult, ...] = ("complete", "incomplete", "failed")
@@ -13,6 +13,7 @@ REPLAY_RESULTS: tuple[ReplayResult, ...] = ("complete", "incomplete", "failed")
 ResetReason = Literal["restart", "gap", "malformed"]
 RESET_REASONS: tuple[ResetReason, ...] = ("restart", "gap", "malformed")
 EVENT_TYPES = ("stored", "removed", "cleared")
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class KvEventMetrics:
@@ -49,6 +50,14 @@ class KvEventMetrics:
             ["worker", "reason"],
             registry=registry,
         )
+        self.lag = Histogram(
+            "kvrouter_kv_event_lag_seconds",
+            "From an engine publishing a batch (its timestamp) to the router applying it: "
+            "how far the router's view of the worker's cache trails the engine.",
+            ["worker"],
+            buckets=LAG_BUCKETS,
+            registry=registry,
+        )
         self.rejected = Counter(
             "kvrouter_kv_event_rejected_blocks",
             "Blocks announced with a block size other than the router's (prefix.block_bytes "
@@ -60,6 +69,7 @@ class KvEventMetrics:
     def worker_added(self, worker: str) -> None:
         """Every series of the worker exists from its subscription on, at 0."""
         self.batches.labels(worker)
+        self.lag.labels(worker)
         self.gaps.labels(worker)
         self.rejected.labels(worker)
         for kind in EVENT_TYPES:
@@ -70,7 +80,7 @@ class KvEventMetrics:
             self.resets.labels(worker, reason)
 
     def worker_removed(self, worker: str) -> None:
-        for single in (self.batches, self.gaps, self.rejected):
+        for single in (self.batches, self.lag, self.gaps, self.rejected):
             single.remove(worker)
         for kind in EVENT_TYPES:
             self.events.remove(worker, kind)

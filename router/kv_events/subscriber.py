@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -239,6 +240,9 @@ class RankSubscriber:
         self._index.apply_events(self._name, self._endpoints.rank, batch.events)
         metrics = self._metrics
         metrics.batches.labels(self._name).inc()
+        # The engine stamps a batch with its wall clock (vLLM: time.time()); a clock
+        # that disagrees with ours shows as lag, never as a negative.
+        metrics.lag.labels(self._name).observe(max(0.0, time.time() - batch.ts))
         removed = sum(isinstance(e, BlockRemoved) for e in batch.events)
         cleared = sum(isinstance(e, AllBlocksCleared) for e in batch.events)
         for kind, count in (("stored", len(stored)), ("removed", removed), ("cleared", cleared)):
