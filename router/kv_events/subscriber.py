@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 # Live messages the SUB socket holds while the subscriber replays or is busy.
 RECEIVE_HWM = 10_000
 # One engine step's batch is well under a megabyte (its new blocks' token ids); a larger
-# message drops the connection (ZMQ reconnects; the gap is replayed), so a worker
-# cannot make the router hold more than RECEIVE_HWM x this.
+# message drops the connection (the subscriber connects afresh and replays the gap), so
+# a worker cannot make the router hold more than RECEIVE_HWM x this.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # A replay longer than this is not an engine's buffer (vLLM keeps 10,000 steps).
 MAX_REPLAY_MESSAGES = 1_000_000
