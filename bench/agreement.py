@@ -18,8 +18,10 @@ a real tokenizer and chat template (Qwen3's by default) and publish vLLM's KV ev
   64-byte blocks: the engine's 16-token blocks);
 * ``exact``: the same keys, and every engine's KV events (``kv_events``).
 
-At two memory sizes: ``--kv-tokens`` per engine (cache pressure: the fleet holds part of
-the sessions' context) and ``--roomy-kv-tokens`` (it holds all of it). On the real clock
+On rows of the benchmark matrix (``bench.matrix``; by default ``agent``, the fleet
+holding part of the sessions' context, and ``agent-roomy``, holding all of it; the
+cache-pressure rows ``mix``, ``qa``, ``slow-worker`` … put exact against approximate
+routing on other shapes). On the real clock
 (events cross ZMQ in real time), ``--repeat`` rounds of the same trace, the routers'
 order rotated; the usual replay figures (hit rate, TTFT) come beside the agreement.
 """
@@ -49,6 +51,8 @@ from bench.demo import (
     kvrouter_command,
     run_comparison,
 )
+from bench.matrix import Row
+from bench.matrix import rows as matrix_rows
 from bench.proc_cpu import PROC, CpuSample, sample
 from bench.replay.rounds import Rounds
 from bench.replicas import bucket_quantile
@@ -56,7 +60,6 @@ from bench.tokenize_cost import qwen3_dir
 
 ENGINE_BLOCK = 16  # tokens: the simulated engines' (vLLM's default) block size
 TOKEN_BLOCK_BYTES = 4 * ENGINE_BLOCK
-DEFAULT_ROOMY_KV_TOKENS = 2_000_000
 DEFAULT_KV_EVENTS_PORT = 5700
 DEFAULT_OUT = Path("results/agreement")
 MODES = ("text", "tokens", "exact")
@@ -156,8 +159,11 @@ def kv_endpoints(config: DemoConfig, base_port: int, engine: int) -> tuple[str, 
     return f"tcp://{config.host}:{publish}", f"tcp://{config.host}:{publish + 1}"
 
 
-def engine_flags(config: DemoConfig, model_dir: Path, base_port: int) -> list[list[str]]:
-    """Per engine: the real tokenizer, and KV events on a port pair of its own."""
+def engine_flags(
+    config: DemoConfig, model_dir: Path, base_port: int, row_flags: Sequence[Sequence[str]] = ()
+) -> list[list[str]]:
+    """Per engine: the row's own flags, the real tokenizer, and KV events on a port pair
+    of its own."""
     flags: list[list[str]] = []
     for i in range(config.engines):
         publish, replay = kv_endpoints(config, base_port, i)
@@ -167,8 +173,15 @@ def engine_flags(config: DemoConfig, model_dir: Path, base_port: int) -> list[li
             "endpoint": publish.replace(config.host, "*"),
             "replay_endpoint": replay.replace(config.host, "*"),
         }
+        own = list(row_flags[i]) if i < len(row_flags) else []
         flags.append(
-            ["--tokenizer", str(model_dir), "--kv-events-config", orjson.dumps(events).decode()]
+            [
+                *own,
+                "--tokenizer",
+                str(model_dir),
+                "--kv-events-config",
+                orjson.dumps(events).decode(),
+            ]
         )
     return flags
 
@@ -305,23 +318,22 @@ def log_of(spec: RouterSpec, replica: int) -> Path:
     return Path(f"{spec.stdout}.{replica}")
 
 
-ROWS = ("pressure", "roomy")
+DEFAULT_ROWS = ("agent", "agent-roomy")
 
 
 async def run_agreement(
     config: DemoConfig,
-    roomy_kv_tokens: int,
     model_dir: Path,
     base_port: int,
     console: Console,
-    rows: Sequence[str] = ROWS,
+    rows: Sequence[Row],
     modes: Sequence[str] = MODES,
 ) -> dict[str, Rounds]:
     results: dict[str, Rounds] = {}
     scorer = RunScorer()
-    sizes = {"pressure": config.kv_tokens, "roomy": roomy_kv_tokens}
-    for row, kv_tokens in ((row, sizes[row]) for row in rows):
-        row_config = dataclasses.replace(config, kv_tokens=kv_tokens, out=config.out / row)
+    for row in rows:
+        kv_tokens = row.kv_tokens if row.kv_tokens is not None else config.kv_tokens
+        row_config = dataclasses.replace(config, kv_tokens=kv_tokens, out=config.out / row.name)
         logs = row_config.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
 
@@ -329,12 +341,13 @@ async def run_agreement(
             scorer.engine_urls = urls
             return router_specs(cfg, urls, model_dir, base_port, cfg.out / "logs", modes)
 
-        results[row] = await run_comparison(
+        results[row.name] = await run_comparison(
             row_config,
             console,
             specs,
-            per_engine_flags=engine_flags(row_config, model_dir, base_port),
-            title=f"{row}: {kv_tokens:,} KV tokens per engine",
+            workload=row.workload,
+            per_engine_flags=engine_flags(row_config, model_dir, base_port, row.per_engine_flags),
+            title=f"{row.name}: {row.description}, {kv_tokens:,} KV tokens per engine",
             after_each=scorer.score,
             when_ready=scorer.ready,
         )
@@ -349,12 +362,6 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     )
     add_workload_arguments(parser)
     parser.add_argument(
-        "--roomy-kv-tokens",
-        type=int,
-        default=DEFAULT_ROOMY_KV_TOKENS,
-        help="KV tokens per engine for the run without cache pressure",
-    )
-    parser.add_argument(
         "--model-dir",
         type=Path,
         default=None,
@@ -362,7 +369,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     )
     parser.add_argument("--kv-events-port", type=int, default=DEFAULT_KV_EVENTS_PORT)
     parser.add_argument(
-        "--rows", default=",".join(ROWS), help="which memory sizes: pressure, roomy or both"
+        "--rows",
+        default=",".join(DEFAULT_ROWS),
+        help=f"rows of the benchmark matrix ({', '.join(r.name for r in matrix_rows())})",
     )
     parser.add_argument(
         "--modes", default=",".join(MODES), help="which routers: text, tokens, exact"
@@ -380,14 +389,13 @@ def _choice(given: str, known: Sequence[str], what: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     config = dataclasses.replace(demo_config(args), clock="real")
-    rows = _choice(args.rows, ROWS, "rows")
+    every = {row.name: row for row in matrix_rows()}
+    rows = [every[name] for name in _choice(args.rows, list(every), "rows")]
     modes = _choice(args.modes, MODES, "modes")
     model_dir = args.model_dir or qwen3_dir()
     console = Console()
     results = asyncio.run(
-        run_agreement(
-            config, args.roomy_kv_tokens, model_dir, args.kv_events_port, console, rows, modes
-        )
+        run_agreement(config, model_dir, args.kv_events_port, console, rows, modes)
     )
     summary = {row: rounds.as_dict() for row, rounds in results.items()}
     (config.out / "agreement.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
-from bench.agreement import agreement_of, join_arrivals, queued_evictions, router_pids
+import orjson
+
+from bench.agreement import (
+    agreement_of,
+    engine_flags,
+    join_arrivals,
+    queued_evictions,
+    router_pids,
+)
+from bench.demo import DemoConfig
+from bench.matrix import rows as matrix_rows
 
 
 def line(ts: float, session: str | None, predicted: int, engine: int | None, **over: Any) -> Any:
@@ -68,3 +80,14 @@ def test_predictions_are_also_held_to_what_the_engine_held_at_arrival() -> None:
     at_arrival = agreement_of(joined, reported="cached_at_arrival")
     assert (at_arrival.later_turns, at_arrival.within) == (2, 2)
     assert queued_evictions(joined) == 1 / 3
+
+
+def test_a_matrix_rows_engine_flags_come_before_the_tokenizer_and_events() -> None:
+    slow = {row.name: row for row in matrix_rows()}["slow-worker"]
+    config = dataclasses.replace(DemoConfig(), engines=3)
+    flags = engine_flags(config, Path("/models/qwen3"), 5700, slow.per_engine_flags)
+
+    assert flags[0][:2] == ["--gpu", "a100"]
+    assert all("--gpu" not in later for later in flags[1:])
+    endpoints = [orjson.loads(f[f.index("--kv-events-config") + 1])["endpoint"] for f in flags]
+    assert endpoints == ["tcp://*:5700", "tcp://*:5702", "tcp://*:5704"]
