@@ -215,7 +215,11 @@ class LocalPrefixIndex:
         if residency is None or isinstance(residency, ExactResidency):
             return
         self._workers[worker] = ExactResidency(
-            residency.capacity_blocks, model, ttl_s, residency.oldest_first()
+            residency.capacity_blocks,
+            model,
+            ttl_s,
+            residency.oldest_first(),
+            pinned=self._reserved.get(worker),
         )
 
     def make_approximate(self, worker: str) -> None:
@@ -272,13 +276,19 @@ class LocalPrefixIndex:
             residency.forget(hashes)
 
     def reserve(self, worker: str, hashes: Sequence[int]) -> None:
-        if worker in self._workers and hashes:
+        residency = self._workers.get(worker)
+        if residency is not None and hashes:
             self._reserved.setdefault(worker, Counter()).update(hashes)
+            if isinstance(residency, ExactResidency):
+                residency.pin(hashes)
 
     def release(self, worker: str, hashes: Sequence[int]) -> None:
         reserved = self._reserved.get(worker)
         if reserved is None:
             return  # purged or removed since: nothing of it is left
+        residency = self._workers.get(worker)
+        if isinstance(residency, ExactResidency) and hashes:
+            residency.unpin(hashes)
         for h in hashes:
             left = reserved[h] - 1
             if left > 0:

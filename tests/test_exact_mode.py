@@ -304,3 +304,54 @@ async def test_replicas_sharing_state_each_read_the_events_and_agree(
             second = await post(http, other.url, chat_body(messages, max_tokens=16))
             assert second.status == 200, second.raw
             assert second.cached > 0
+
+
+async def test_blocks_the_queue_ahead_will_evict_are_not_predicted_cached(
+    engine_factory: EngineFactory, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One engine of 3,000 tokens holds a session's first turn. Its second turn is routed
+    # behind a long fresh prompt queued on the same engine: that prompt will take the
+    # free room and then the session's oldest blocks, its tail, before the turn is
+    # scheduled. The prediction must say what the engine will report, not what it holds.
+    async with (
+        publishing_engine(engine_factory, tokenizer=str(model_dir), kv_tokens=3000) as (
+            engine,
+            endpoints,
+        ),
+        aiohttp.ClientSession() as http,
+    ):
+        config = exact_config(engine, endpoints, model_dir, log_requests=True)
+        async with serve_router(config) as router:
+            await eventually(functools.partial(_is_exact, http, router.url, "w0"))
+            session = conversation("queued-behind", 700, 300)
+            with caplog.at_level(logging.INFO, logger="kvrouter.requests"):
+                first = await post(http, router.url, chat_body(session, max_tokens=8, user="a"))
+                assert first.status == 200, first.raw
+                await asyncio.sleep(0.3)  # its blocks announced, its guesses lapsed
+                session += [
+                    {"role": "assistant", "content": first.text},
+                    {"role": "user", "content": text_for("queued-behind-t1", 100)},
+                ]
+                await set_stall(http, engine.url, True)  # both queue, in arrival order
+                ahead = asyncio.create_task(
+                    post(http, router.url, chat_body(conversation("ahead", 1600, 200), user="b"))
+                )
+                await asyncio.sleep(0.2)
+                turn = asyncio.create_task(
+                    post(http, router.url, chat_body(session, max_tokens=8, user="a"))
+                )
+                await asyncio.sleep(0.2)
+                await set_stall(http, engine.url, False)
+                for result in await asyncio.gather(ahead, turn):
+                    assert result.status == 200, result.raw
+    ((predicted, reported),) = predictions(
+        [r for r in caplog.records if r.name == "kvrouter.requests"]
+    )
+    assert first.usage is not None
+    assert 0 < reported < first.usage["prompt_tokens"] - 4 * ENGINE_BLOCK  # the tail went
+    assert abs(predicted - reported) <= ENGINE_BLOCK, (predicted, reported)
+
+
+async def set_stall(http: aiohttp.ClientSession, url: str, stall: bool) -> None:
+    async with http.post(url + "/sim/faults", json={"stall": stall}) as response:
+        assert response.status == 200

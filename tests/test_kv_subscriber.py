@@ -356,3 +356,65 @@ async def test_a_restarted_engines_first_batches_missed_live_are_replayed() -> N
         assert sub.match(a) == 0
         assert sub.count("kvrouter_kv_event_resets_total", reason="restart") == 1
         assert sub.count("kvrouter_kv_event_resets_total", reason="gap") == 0
+
+
+# -- what the requests dispatched before will evict ----------------------------------------
+
+
+def filled(capacity: int) -> tuple[ExactResidency, list[int], list[int]]:
+    """Sessions a and b of 4 blocks each, announced and ended, a first (the older)."""
+    residency = ExactResidency(capacity, "m", ttl_s=5.0)
+    a, b = tokens(1, 4), tokens(2, 4)
+    residency.apply(0, [announced(a, 10), announced(b, 20)])
+    residency.touch(router_hashes(a))  # a's request ends, then b's
+    residency.touch(router_hashes(b))
+    return residency, router_hashes(a), router_hashes(b)
+
+
+def test_blocks_queued_requests_will_need_take_the_oldest_tails_first() -> None:
+    residency, a, b = filled(12)
+    assert residency.longest_prefix(a, {}) == 4
+    queued = router_hashes(tokens(3, 5))  # 5 new blocks + a partial one; 4 free
+    residency.pin(queued)
+    assert residency.forecast_evictions() == 2
+    assert residency.longest_prefix(a, {}) == 2  # a's tail goes first
+    assert residency.longest_prefix(b, {}) == 4
+    residency.unpin(queued)  # it failed: nothing will be evicted for it
+    assert residency.longest_prefix(a, {}) == 4
+
+
+def test_blocks_a_queued_request_uses_are_not_evicted_for_the_others() -> None:
+    residency, a, b = filled(12)
+    residency.pin(a)  # a's next turn is queued: a's blocks will be in use
+    residency.pin(router_hashes(tokens(3, 5)))
+    assert residency.longest_prefix(a, {}) == 4
+    assert residency.longest_prefix(b, {}) == 1  # 1 partial + 6 new, 4 free: b's 3 go
+
+
+def test_the_forecast_gives_way_to_what_the_engine_announces() -> None:
+    residency, a, _ = filled(12)
+    queued_ids = tokens(3, 5)
+    queued = router_hashes(queued_ids)
+    residency.pin(queued)
+    assert residency.longest_prefix(a, {}) == 2
+    # Scheduled: the engine evicts a's tail and stores the new blocks, in one batch.
+    residency.apply(0, [Removed((12, 13)), announced(queued_ids, 30)])
+    assert residency.forecast_evictions() == 0  # the one free block is its partial one
+    assert residency.longest_prefix(a, {}) == 2
+    residency.unpin(queued)  # its first byte: computed
+    assert residency.longest_prefix(a, {}) == 2
+
+
+def test_the_index_pins_what_it_reserves_on_an_exact_worker() -> None:
+    index = LocalPrefixIndex()
+    index.add_worker("w", 12)
+    index.make_exact("w", "m", 5.0)
+    a, b = tokens(1, 4), tokens(2, 4)
+    assert index.apply_events("w", 0, [announced(a, 10), announced(b, 20)])
+    index.touch("w", router_hashes(a))
+    index.touch("w", router_hashes(b))
+    queued = router_hashes(tokens(3, 5))
+    index.reserve("w", queued)
+    assert index.match("w", router_hashes(a)) == 2
+    index.release("w", queued)
+    assert index.match("w", router_hashes(a)) == 4

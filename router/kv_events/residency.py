@@ -16,6 +16,19 @@ what the engine holds:
   them, so they go oldest first as announced blocks fill the worker's capacity, as the
   engine's LRU would push them out.
 
+What the engine holds now is not what it will hold when it schedules the request being
+routed: the requests dispatched to it before, still queued or prefilling, will allocate
+blocks for what they did not find cached, and allocation evicts from the head of the
+engine's free queue. So the residency keeps the free queue's order as vLLM keeps it
+(a block goes to the tail when the request using it ends, last block first; a touch at
+the first byte and at the end stands for that) and the *pinned* blocks (reserved by
+dispatched requests, ``pin``/``unpin``: in use, or about to be). The blocks those
+requests need that the engine has not announced are the *demand*; whatever of it the
+free room does not cover comes off the head of the queue, pinned blocks skipped:
+``longest_prefix`` stops at the first block so *doomed*. Recency only grows toward a
+chain's head (each release takes a block with all its ancestors, tail first), so the
+doomed blocks of a prefix are a suffix of it and a binary search finds where they start.
+
 A router hash held by any rank counts as held by the worker: the router chooses the
 engine, the engine its rank.
 """
@@ -24,6 +37,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from itertools import count
 
 from router.clock import monotonic
 from router.kv_events.chain import EngineChains
@@ -39,9 +53,15 @@ class ExactResidency:
     __slots__ = (
         "_chains",
         "_clock",
+        "_doomed_after",
         "_held",
         "_inherited",
+        "_pinned",
+        "_pinning_requests",
+        "_recency",
         "_speculative",
+        "_ticks",
+        "_unheld_pinned",
         "capacity_blocks",
         "evictions",
         "model",
@@ -55,6 +75,7 @@ class ExactResidency:
         ttl_s: float,
         inherited: Iterable[int] = (),
         clock: Callable[[], float] = monotonic,
+        pinned: Mapping[int, int] | None = None,
     ) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
@@ -66,9 +87,22 @@ class ExactResidency:
         self._chains: dict[int, EngineChains] = {}
         self._held: Counter[int] = Counter()  # router hash -> ranks holding it
         self._inherited: OrderedDict[int, None] = OrderedDict.fromkeys(inherited)
-        # Expiry times, oldest first: every entry gets the same ttl from its touch.
-        self._speculative: OrderedDict[int, float] = OrderedDict()
+        # (expiry, tick), oldest first: every entry gets the same ttl from its touch, and
+        # the free-queue tick its touch gave it, which it keeps when announced.
+        self._speculative: OrderedDict[int, tuple[float, int]] = OrderedDict()
+        # Announced blocks in the engine's free-queue order, head first, each with the
+        # tick of its last move; the ticks only grow along the order.
+        self._ticks = count()
+        self._recency: OrderedDict[int, int] = OrderedDict()
+        self._pinned: Counter[int] = Counter()
+        self._unheld_pinned = 0  # pinned blocks the engine has not announced: demand
+        self._pinning_requests = 0  # each allocates a partial last block as well
+        # (evictions, tick): blocks with a tick up to this, unpinned, are what that many
+        # evictions take; None: not known since the order or the pins last changed.
+        self._doomed_after: tuple[int, int] | None = None
         self._trim_inherited()
+        for h, n in (pinned or {}).items():  # the requests behind them are not known
+            self._pin_blocks([h] * n)
 
     # -- what the engine announces ----------------------------------------------------
 
@@ -119,19 +153,44 @@ class ExactResidency:
 
     def _hold(self, router_hashes: Iterable[int]) -> None:
         held, speculative, inherited = self._held, self._speculative, self._inherited
+        recency, pinned = self._recency, self._pinned
+        fresh: list[int] = []
+        touched: list[tuple[int, int]] = []
         for h in router_hashes:
-            held[h] = held.get(h, 0) + 1
-            speculative.pop(h, None)
+            before = held.get(h, 0)
+            held[h] = before + 1
+            if before:
+                continue
             inherited.pop(h, None)
+            guess = speculative.pop(h, None)
+            if guess is None:
+                fresh.append(h)
+            else:
+                touched.append((guess[1], h))
+            if h in pinned:
+                self._unheld_pinned -= 1
+        # Where the request's end put a block, if that came before the announcement (it
+        # trails the step), in that order; the rest are in use by the request that
+        # stored them: at the tail.
+        for tick, h in sorted(touched):
+            recency[h] = tick
+        ticks = self._ticks
+        for h in fresh:
+            recency[h] = next(ticks)
+        self._doomed_after = None
 
     def _release(self, router_hashes: Iterable[int]) -> None:
-        held = self._held
+        held, recency, pinned = self._held, self._recency, self._pinned
         for h in router_hashes:
             left = held[h] - 1
             if left > 0:
                 held[h] = left
-            else:
-                held.pop(h, None)
+                continue
+            held.pop(h, None)
+            recency.pop(h, None)
+            if h in pinned:
+                self._unheld_pinned += 1
+        self._doomed_after = None
 
     def _trim_inherited(self) -> None:
         inherited = self._inherited
@@ -148,35 +207,120 @@ class ExactResidency:
             return True
         if not isinstance(block_hash, int):
             return False
-        expiry = self._speculative.get(block_hash)
-        return expiry is not None and expiry > self._clock()
+        entry = self._speculative.get(block_hash)
+        return entry is not None and entry[0] > self._clock()
 
     def longest_prefix(self, hashes: Sequence[int], reserved: Mapping[int, int]) -> int:
-        """Leading ``hashes`` held, announced or not yet, or reserved."""
-        return leading_held(hashes, self, reserved)
+        """Leading ``hashes`` held, announced or not yet, or reserved, and not doomed by
+        the demand of the requests dispatched before."""
+        held = leading_held(hashes, self, reserved)
+        doomed_after = self._doomed_tick() if held else None
+        if doomed_after is None:
+            return held
+        recency, pinned = self._recency, self._pinned
+
+        def doomed(h: int) -> bool:
+            tick = recency.get(h)
+            return tick is not None and tick <= doomed_after and h not in pinned
+
+        if not doomed(hashes[held - 1]):
+            return held
+        low, high = 0, held - 1  # the first doomed block is in hashes[low:high + 1]
+        while low < high:
+            mid = (low + high) // 2
+            if doomed(hashes[mid]):
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
+    @property
+    def demand_blocks(self) -> int:
+        """Blocks the dispatched requests will allocate: the full ones the engine has not
+        announced, and a partial last block each."""
+        return self._unheld_pinned + self._pinning_requests
+
+    def forecast_evictions(self) -> int:
+        """How many cached blocks the demand will take from the free queue's head."""
+        room = self.capacity_blocks - len(self)
+        return max(0, self.demand_blocks - max(0, room))
+
+    def _doomed_tick(self) -> int | None:
+        """The tick of the last block the demand evicts (None: it evicts nothing)."""
+        evictions = self.forecast_evictions()
+        if not evictions:
+            return None
+        known = self._doomed_after
+        if known is None or known[0] != evictions:
+            pinned, last, left = self._pinned, -1, evictions
+            for h, tick in self._recency.items():
+                if h in pinned:
+                    continue
+                last = tick
+                left -= 1
+                if not left:
+                    break
+            known = self._doomed_after = (evictions, last)
+        return known[1]
+
+    def pin(self, hashes: Iterable[int]) -> None:
+        """A request dispatched here will use ``hashes``: in use from the moment it is
+        scheduled, so not evicted for those ahead; the unannounced ones are demand."""
+        self._pinning_requests += 1
+        self._pin_blocks(hashes)
+
+    def _pin_blocks(self, hashes: Iterable[int]) -> None:
+        pinned, held = self._pinned, self._held
+        for h in hashes:
+            before = pinned.get(h, 0)
+            pinned[h] = before + 1
+            if not before and h not in held:
+                self._unheld_pinned += 1
+        self._doomed_after = None
+
+    def unpin(self, hashes: Iterable[int]) -> None:
+        pinned, held = self._pinned, self._held
+        self._pinning_requests = max(0, self._pinning_requests - 1)
+        for h in hashes:
+            left = pinned.get(h, 0) - 1
+            if left > 0:
+                pinned[h] = left
+                continue
+            if left == 0:
+                del pinned[h]
+                if h not in held:
+                    self._unheld_pinned -= 1
+        self._doomed_after = None
 
     def touch(self, hashes: Sequence[int]) -> list[int]:
         """A request computed ``hashes`` here: speculative until the engine says so."""
         self._expire()
         speculative, held = self._speculative, self._held
+        recency, ticks = self._recency, self._ticks
         expiry = self._clock() + self.ttl_s
         added: list[int] = []
+        # To the free queue's tail, last block first: the engine frees a request's blocks
+        # so that a prefix's tail is evicted before its head.
         for h in reversed(hashes[: self.capacity_blocks]):
+            tick = next(ticks)
             if h in held:
+                recency[h] = tick
+                recency.move_to_end(h)
                 continue
             if h in speculative:
                 speculative.move_to_end(h)
             elif h not in self._inherited:
                 added.append(h)
-            speculative[h] = expiry
+            speculative[h] = (expiry, tick)
         while len(speculative) > self.capacity_blocks:
             speculative.popitem(last=False)
+        self._doomed_after = None
         return added
 
     def _expire(self) -> None:
         speculative, now = self._speculative, self._clock()
         while speculative:
-            oldest = next(iter(speculative.values()))
+            oldest, _ = next(iter(speculative.values()))
             if oldest > now:
                 break
             speculative.popitem(last=False)
@@ -188,7 +332,7 @@ class ExactResidency:
             self._inherited.pop(h, None)
 
     def oldest_first(self) -> list[int]:
-        return [*self._inherited, *(h for h in self._held if h not in self._inherited)]
+        return [*self._inherited, *self._recency]
 
     def restore(self, oldest_first: Iterable[int]) -> None:
         """Entries from a snapshot or a migration: inherited, below what is there."""
@@ -203,4 +347,5 @@ class ExactResidency:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
+        self._doomed_after = None
         self._trim_inherited()
