@@ -16,7 +16,9 @@ a real tokenizer and chat template (Qwen3's by default) and publish vLLM's KV ev
 * ``text``: the default, approximate: 256-byte text blocks and a modelled LRU per worker;
 * ``tokens``: approximate, keyed by the engine's own tokens (``prefix.tokenizer``,
   64-byte blocks: the engine's 16-token blocks);
-* ``exact``: the same keys, and every engine's KV events (``kv_events``).
+* ``exact``: the same keys, and every engine's KV events (``kv_events``);
+* ``exact-forecast`` (on request): ``exact`` with ``kv_events.forecast_queue_evictions``,
+  counting as cached only what the requests queued ahead will not evict.
 
 On rows of the benchmark matrix (``bench.matrix``; by default ``agent``, the fleet
 holding part of the sessions' context, and ``agent-roomy``, holding all of it; the
@@ -62,7 +64,8 @@ ENGINE_BLOCK = 16  # tokens: the simulated engines' (vLLM's default) block size
 TOKEN_BLOCK_BYTES = 4 * ENGINE_BLOCK
 DEFAULT_KV_EVENTS_PORT = 5700
 DEFAULT_OUT = Path("results/agreement")
-MODES = ("text", "tokens", "exact")
+MODES = ("text", "tokens", "exact", "exact-forecast")
+DEFAULT_MODES = ("text", "tokens", "exact")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,12 +205,18 @@ def router_specs(
         publish, replay = kv_endpoints(config, base_port, i)
         workers.append({"url": url, "kv_events": {"endpoint": publish, "replay_endpoint": replay}})
     exact_config.write_text(yaml.safe_dump({"workers": workers}))
+    forecast_config = run_dir / "exact-forecast.yaml"
+    forecast = {"workers": workers, "kv_events": {"forecast_queue_evictions": True}}
+    forecast_config.write_text(yaml.safe_dump(forecast))
     commands = {
         "text": kvrouter_command(config, "ttft", urls, port, "--log-requests"),
         "tokens": kvrouter_command(config, "ttft", urls, port, "--log-requests", *tokens),
         # The workers come from the file (with their endpoints), not from flags.
         "exact": kvrouter_command(
             config, "ttft", (), port, "--log-requests", *tokens, "--config", str(exact_config)
+        ),
+        "exact-forecast": kvrouter_command(
+            config, "ttft", (), port, "--log-requests", *tokens, "--config", str(forecast_config)
         ),
     }
     return [
@@ -374,7 +383,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help=f"rows of the benchmark matrix ({', '.join(r.name for r in matrix_rows())})",
     )
     parser.add_argument(
-        "--modes", default=",".join(MODES), help="which routers: text, tokens, exact"
+        "--modes", default=",".join(DEFAULT_MODES), help=f"which routers: {', '.join(MODES)}"
     )
     parser.set_defaults(func=run, out=DEFAULT_OUT, clock="real")
 

@@ -379,6 +379,8 @@ class KvEventsConfig:
     speculative_ttl_s: float = DEFAULT_SPECULATIVE_TTL_S
     # How long a replay may go silent before the worker is rebuilt from events instead.
     replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S
+    # Count as cached only what the requests queued ahead will not evict (ExactResidency).
+    forecast_queue_evictions: bool = False
 
     def __post_init__(self) -> None:
         if self.endpoint:

@@ -200,7 +200,10 @@ class LocalPrefixIndex:
         residency = self._workers.get(worker)
         if isinstance(residency, ExactResidency):
             self._workers[worker] = ExactResidency(
-                residency.capacity_blocks, residency.model, residency.ttl_s
+                residency.capacity_blocks,
+                residency.model,
+                residency.ttl_s,
+                forecast_queue_evictions=residency.forecast_queue_evictions,
             )
         elif residency is not None:
             self._workers[worker] = Residency(residency.capacity_blocks)
@@ -208,9 +211,12 @@ class LocalPrefixIndex:
 
     # -- exact mode ----------------------------------------------------------------------
 
-    def make_exact(self, worker: str, model: str, ttl_s: float) -> None:
+    def make_exact(
+        self, worker: str, model: str, ttl_s: float, forecast_queue_evictions: bool = False
+    ) -> None:
         """The worker's engine announces its cache from now on; what the model held
-        stays as inherited entries until announcements fill the capacity."""
+        stays as inherited entries until announcements fill the capacity.
+        ``forecast_queue_evictions``: ``ExactResidency``'s forecast."""
         residency = self._workers.get(worker)
         if residency is None or isinstance(residency, ExactResidency):
             return
@@ -220,6 +226,7 @@ class LocalPrefixIndex:
             ttl_s,
             residency.oldest_first(),
             pinned=self._reserved.get(worker),
+            forecast_queue_evictions=forecast_queue_evictions,
         )
 
     def make_approximate(self, worker: str) -> None:

@@ -236,9 +236,11 @@ def exact_config(
         [engine],
         workers=(WorkerConfig(engine.url, name="w0", kv_events=endpoints),),
         prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
-        # Gone before the next turn: what the router knows then, the events told it.
-        kv_events=RouterKvEvents(speculative_ttl_s=0.1),
-        **overrides,
+        **{
+            # Gone before the next turn: what the router knows then, the events told it.
+            "kv_events": RouterKvEvents(speculative_ttl_s=0.1),
+            **overrides,
+        },
     )
 
 
@@ -320,7 +322,13 @@ async def test_blocks_the_queue_ahead_will_evict_are_not_predicted_cached(
         ),
         aiohttp.ClientSession() as http,
     ):
-        config = exact_config(engine, endpoints, model_dir, log_requests=True)
+        config = exact_config(
+            engine,
+            endpoints,
+            model_dir,
+            log_requests=True,
+            kv_events=RouterKvEvents(speculative_ttl_s=0.1, forecast_queue_evictions=True),
+        )
         async with serve_router(config) as router:
             await eventually(functools.partial(_is_exact, http, router.url, "w0"))
             session = conversation("queued-behind", 700, 300)

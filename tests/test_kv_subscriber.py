@@ -363,7 +363,7 @@ async def test_a_restarted_engines_first_batches_missed_live_are_replayed() -> N
 
 def filled(capacity: int) -> tuple[ExactResidency, list[int], list[int]]:
     """Sessions a and b of 4 blocks each, announced and ended, a first (the older)."""
-    residency = ExactResidency(capacity, "m", ttl_s=5.0)
+    residency = ExactResidency(capacity, "m", ttl_s=5.0, forecast_queue_evictions=True)
     a, b = tokens(1, 4), tokens(2, 4)
     residency.apply(0, [announced(a, 10), announced(b, 20)])
     residency.touch(router_hashes(a))  # a's request ends, then b's
@@ -380,6 +380,14 @@ def test_blocks_queued_requests_will_need_take_the_oldest_tails_first() -> None:
     assert residency.longest_prefix(a, {}) == 2  # a's tail goes first
     assert residency.longest_prefix(b, {}) == 4
     residency.unpin(queued)  # it failed: nothing will be evicted for it
+    assert residency.longest_prefix(a, {}) == 4
+
+
+def test_without_the_forecast_what_the_engine_holds_now_counts() -> None:
+    residency, a, _ = filled(12)
+    residency.forecast_queue_evictions = False
+    residency.pin(router_hashes(tokens(3, 5)))
+    assert residency.forecast_evictions() == 2
     assert residency.longest_prefix(a, {}) == 4
 
 
@@ -408,7 +416,7 @@ def test_the_forecast_gives_way_to_what_the_engine_announces() -> None:
 def test_the_index_pins_what_it_reserves_on_an_exact_worker() -> None:
     index = LocalPrefixIndex()
     index.add_worker("w", 12)
-    index.make_exact("w", "m", 5.0)
+    index.make_exact("w", "m", 5.0, forecast_queue_evictions=True)
     a, b = tokens(1, 4), tokens(2, 4)
     assert index.apply_events("w", 0, [announced(a, 10), announced(b, 20)])
     index.touch("w", router_hashes(a))

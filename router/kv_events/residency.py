@@ -24,10 +24,11 @@ engine's free queue. So the residency keeps the free queue's order as vLLM keeps
 the first byte and at the end stands for that) and the *pinned* blocks (reserved by
 dispatched requests, ``pin``/``unpin``: in use, or about to be). The blocks those
 requests need that the engine has not announced are the *demand*; whatever of it the
-free room does not cover comes off the head of the queue, pinned blocks skipped:
-``longest_prefix`` stops at the first block so *doomed*. Recency only grows toward a
-chain's head (each release takes a block with all its ancestors, tail first), so the
-doomed blocks of a prefix are a suffix of it and a binary search finds where they start.
+free room does not cover comes off the head of the queue, pinned blocks skipped: with
+``forecast_queue_evictions``, ``longest_prefix`` stops at the first block so *doomed*.
+Recency only grows toward a chain's head (each release takes a block with all its
+ancestors, tail first), so the doomed blocks of a prefix are a suffix of it and a binary
+search finds where they start.
 
 A router hash held by any rank counts as held by the worker: the router chooses the
 engine, the engine its rank.
@@ -64,6 +65,7 @@ class ExactResidency:
         "_unheld_pinned",
         "capacity_blocks",
         "evictions",
+        "forecast_queue_evictions",
         "model",
         "ttl_s",
     )
@@ -76,12 +78,14 @@ class ExactResidency:
         inherited: Iterable[int] = (),
         clock: Callable[[], float] = monotonic,
         pinned: Mapping[int, int] | None = None,
+        forecast_queue_evictions: bool = False,
     ) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
         self.model = model
         self.ttl_s = ttl_s
+        self.forecast_queue_evictions = forecast_queue_evictions
         self.evictions = 0  # blocks the engine announced removed
         self._clock = clock
         self._chains: dict[int, EngineChains] = {}
@@ -214,7 +218,8 @@ class ExactResidency:
         """Leading ``hashes`` held, announced or not yet, or reserved, and not doomed by
         the demand of the requests dispatched before."""
         held = leading_held(hashes, self, reserved)
-        doomed_after = self._doomed_tick() if held else None
+        forecast = held and self.forecast_queue_evictions
+        doomed_after = self._doomed_tick() if forecast else None
         if doomed_after is None:
             return held
         recency, pinned = self._recency, self._pinned

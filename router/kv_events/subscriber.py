@@ -72,6 +72,7 @@ class Exactness:
     block_tokens: int
     speculative_ttl_s: float
     replay_timeout_s: float
+    forecast_queue_evictions: bool = False
 
 
 class RankSubscriber:
@@ -251,7 +252,13 @@ class RankSubscriber:
 
     def _become_exact(self) -> None:
         if self.rejected is None and self._index.prefix_mode(self._name) != "exact":
-            self._index.make_exact(self._name, self._model, self._exactness.speculative_ttl_s)
+            exactness = self._exactness
+            self._index.make_exact(
+                self._name,
+                self._model,
+                exactness.speculative_ttl_s,
+                exactness.forecast_queue_evictions,
+            )
             log.info("worker %s: exact prefix mode (its engine's KV events)", self._name)
 
     def _reject(self, block_size: int, blocks: int) -> None:

@@ -62,7 +62,12 @@ class KvEventSubscriptions:
         self._fleet = fleet
         self._index = index
         self._config = config
-        self._exactness = Exactness(block_tokens, config.speculative_ttl_s, config.replay_timeout_s)
+        self._exactness = Exactness(
+            block_tokens,
+            config.speculative_ttl_s,
+            config.replay_timeout_s,
+            config.forecast_queue_evictions,
+        )
         self._metrics = metrics
         self._context = zmq.asyncio.Context()
         self._running: dict[str, tuple[KvEventsEndpoints, list[asyncio.Task[None]]]] = {}
