@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
@@ -18,6 +20,7 @@ from router.kv_events.metrics import KvEventMetrics
 from router.kv_events.residency import ExactResidency
 from router.kv_events.subscriber import (
     MAX_MESSAGE_BYTES,
+    YIELD_EVERY,
     Exactness,
     RankEndpoints,
     RankSubscriber,
@@ -198,6 +201,39 @@ async def test_a_subscriber_that_joins_late_replays_what_the_engine_announced() 
             assert sub.count("kvrouter_kv_event_replays_total", result="complete") == 1
             assert sub.count("kvrouter_kv_events_total", type="stored") == 3
             assert sub.count("kvrouter_kv_events_total", type="removed") == 1
+
+
+async def test_a_burst_of_queued_batches_is_applied_in_order_without_holding_the_loop() -> None:
+    chain = tokens(4, 200)
+    async with scripted_publisher() as engine, subscribed(engine) as sub:
+        ticks = 0
+        applied_at: list[int] = []  # the loop's tick at each batch applied
+        apply_events = sub.index.apply_events
+
+        def recording(*args: Any) -> bool:
+            applied_at.append(ticks)
+            return apply_events(*args)
+
+        sub.index.apply_events = recording  # type: ignore[method-assign,assignment]
+
+        async def ticking() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(ticking())
+        # Sent without yielding, so they queue in the SUB; one block a batch, each the
+        # child of the last: applied out of order, a block would be an orphan.
+        for i in range(200):
+            parent = 100 + i - 1 if i else None
+            await engine.publish(stored(chain[i * BLOCK : (i + 1) * BLOCK], 100 + i, parent))
+        await until(lambda: sub.match(chain) == 200)
+        ticker.cancel()
+        assert len(applied_at) == 200
+        assert sub.count("kvrouter_kv_event_gaps_total") == 0
+        longest = max(len(list(run)) for _, run in itertools.groupby(applied_at))
+        assert longest <= YIELD_EVERY  # the loop ran between every few batches
 
 
 async def test_a_gap_in_the_live_stream_is_filled_from_the_replay_endpoint() -> None:
