@@ -225,7 +225,6 @@ class LocalPrefixIndex:
             model,
             ttl_s,
             residency.oldest_first(),
-            pinned=self._reserved.get(worker),
             forecast_queue_evictions=forecast_queue_evictions,
         )
 
@@ -287,7 +286,7 @@ class LocalPrefixIndex:
         if residency is not None and hashes:
             self._reserved.setdefault(worker, Counter()).update(hashes)
             if isinstance(residency, ExactResidency):
-                residency.pin(hashes)
+                residency.dispatched()
 
     def release(self, worker: str, hashes: Sequence[int]) -> None:
         reserved = self._reserved.get(worker)
@@ -295,7 +294,7 @@ class LocalPrefixIndex:
             return  # purged or removed since: nothing of it is left
         residency = self._workers.get(worker)
         if isinstance(residency, ExactResidency) and hashes:
-            residency.unpin(hashes)
+            residency.settled()
         for h in hashes:
             left = reserved[h] - 1
             if left > 0:

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -407,46 +408,57 @@ def filled(capacity: int) -> tuple[ExactResidency, list[int], list[int]]:
     return residency, router_hashes(a), router_hashes(b)
 
 
+def dispatch(residency: ExactResidency, reserved: Counter[int], hashes: list[int]) -> None:
+    """What the index does when it reserves a request's blocks on the worker."""
+    reserved.update(hashes)
+    residency.dispatched()
+
+
 def test_blocks_queued_requests_will_need_take_the_oldest_tails_first() -> None:
     residency, a, b = filled(12)
-    assert residency.longest_prefix(a, {}) == 4
-    queued = router_hashes(tokens(3, 5))  # 5 new blocks + a partial one; 4 free
-    residency.pin(queued)
-    assert residency.forecast_evictions() == 2
-    assert residency.longest_prefix(a, {}) == 2  # a's tail goes first
-    assert residency.longest_prefix(b, {}) == 4
-    residency.unpin(queued)  # it failed: nothing will be evicted for it
-    assert residency.longest_prefix(a, {}) == 4
+    reserved: Counter[int] = Counter()
+    assert residency.longest_prefix(a, reserved) == 4
+    dispatch(residency, reserved, router_hashes(tokens(3, 5)))  # 5 new + 1 partial; 4 free
+    assert residency.forecast_evictions(reserved) == 2
+    assert residency.longest_prefix(a, reserved) == 2  # a's tail goes first
+    assert residency.longest_prefix(b, reserved) == 4
+    reserved.clear()  # it failed: nothing will be evicted for it
+    residency.settled()
+    assert residency.longest_prefix(a, reserved) == 4
 
 
 def test_without_the_forecast_what_the_engine_holds_now_counts() -> None:
-    residency, a, _ = filled(12)
-    residency.forecast_queue_evictions = False
-    residency.pin(router_hashes(tokens(3, 5)))
-    assert residency.forecast_evictions() == 2
-    assert residency.longest_prefix(a, {}) == 4
+    residency = ExactResidency(12, "m", ttl_s=5.0)
+    a, b = tokens(1, 4), tokens(2, 4)
+    residency.apply(0, [announced(a, 10), announced(b, 20)])
+    residency.touch(router_hashes(a))
+    reserved: Counter[int] = Counter()
+    dispatch(residency, reserved, router_hashes(tokens(3, 5)))
+    assert residency.longest_prefix(router_hashes(a), reserved) == 4
 
 
 def test_blocks_a_queued_request_uses_are_not_evicted_for_the_others() -> None:
     residency, a, b = filled(12)
-    residency.pin(a)  # a's next turn is queued: a's blocks will be in use
-    residency.pin(router_hashes(tokens(3, 5)))
-    assert residency.longest_prefix(a, {}) == 4
-    assert residency.longest_prefix(b, {}) == 1  # 1 partial + 6 new, 4 free: b's 3 go
+    reserved: Counter[int] = Counter()
+    dispatch(residency, reserved, a)  # a's next turn is queued: a's blocks will be in use
+    dispatch(residency, reserved, router_hashes(tokens(3, 5)))
+    assert residency.longest_prefix(a, reserved) == 4
+    assert residency.longest_prefix(b, reserved) == 1  # 2 partial + 5 new, 4 free: 3 go
 
 
 def test_the_forecast_gives_way_to_what_the_engine_announces() -> None:
     residency, a, _ = filled(12)
     queued_ids = tokens(3, 5)
-    queued = router_hashes(queued_ids)
-    residency.pin(queued)
-    assert residency.longest_prefix(a, {}) == 2
+    reserved: Counter[int] = Counter()
+    dispatch(residency, reserved, router_hashes(queued_ids))
+    assert residency.longest_prefix(a, reserved) == 2
     # Scheduled: the engine evicts a's tail and stores the new blocks, in one batch.
     residency.apply(0, [Removed((12, 13)), announced(queued_ids, 30)])
-    assert residency.forecast_evictions() == 0  # the one free block is its partial one
-    assert residency.longest_prefix(a, {}) == 2
-    residency.unpin(queued)  # its first byte: computed
-    assert residency.longest_prefix(a, {}) == 2
+    assert residency.forecast_evictions(reserved) == 0  # the free block is its partial one
+    assert residency.longest_prefix(a, reserved) == 2
+    reserved.clear()  # its first byte: computed
+    residency.settled()
+    assert residency.longest_prefix(a, reserved) == 2
 
 
 def test_the_index_pins_what_it_reserves_on_an_exact_worker() -> None:

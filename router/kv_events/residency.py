@@ -19,13 +19,14 @@ what the engine holds:
 What the engine holds now is not what it will hold when it schedules the request being
 routed: the requests dispatched to it before, still queued or prefilling, will allocate
 blocks for what they did not find cached, and allocation evicts from the head of the
-engine's free queue. So the residency keeps the free queue's order as vLLM keeps it
-(a block goes to the tail when the request using it ends, last block first; a touch at
-the first byte and at the end stands for that) and the *pinned* blocks (reserved by
-dispatched requests, ``pin``/``unpin``: in use, or about to be). The blocks those
-requests need that the engine has not announced are the *demand*; whatever of it the
-free room does not cover comes off the head of the queue, pinned blocks skipped: with
-``forecast_queue_evictions``, ``longest_prefix`` stops at the first block so *doomed*.
+engine's free queue. With ``forecast_queue_evictions`` the residency keeps the free
+queue's order as vLLM keeps it (a block goes to the tail when the request using it ends,
+last block first; a touch at the first byte and at the end stands for that) and counts
+the requests dispatched and not yet computed (``dispatched``/``settled``); their blocks
+are the index's reservation (in use, or about to be). The reserved blocks the engine has
+not announced, and a partial last block each, are the *demand*; whatever of it the free
+room does not cover comes off the head of the queue, reserved blocks skipped, and
+``longest_prefix`` stops at the first block so *doomed*.
 Recency only grows toward a chain's head (each release takes a block with all its
 ancestors, tail first), so the doomed blocks of a prefix are a suffix of it and a binary
 search finds where they start.
@@ -54,15 +55,13 @@ class ExactResidency:
     __slots__ = (
         "_chains",
         "_clock",
+        "_dispatched",
         "_doomed_after",
         "_held",
         "_inherited",
-        "_pinned",
-        "_pinning_requests",
         "_recency",
         "_speculative",
         "_ticks",
-        "_unheld_pinned",
         "capacity_blocks",
         "evictions",
         "forecast_queue_evictions",
@@ -77,7 +76,6 @@ class ExactResidency:
         ttl_s: float,
         inherited: Iterable[int] = (),
         clock: Callable[[], float] = monotonic,
-        pinned: Mapping[int, int] | None = None,
         forecast_queue_evictions: bool = False,
     ) -> None:
         if capacity_blocks < 1:
@@ -94,19 +92,15 @@ class ExactResidency:
         # (expiry, tick), oldest first: every entry gets the same ttl from its touch, and
         # the free-queue tick its touch gave it, which it keeps when announced.
         self._speculative: OrderedDict[int, tuple[float, int]] = OrderedDict()
-        # Announced blocks in the engine's free-queue order, head first, each with the
-        # tick of its last move; the ticks only grow along the order.
+        # With the forecast only: announced blocks in the engine's free-queue order, head
+        # first, each with the tick of its last move (the ticks grow along the order).
         self._ticks = count()
         self._recency: OrderedDict[int, int] = OrderedDict()
-        self._pinned: Counter[int] = Counter()
-        self._unheld_pinned = 0  # pinned blocks the engine has not announced: demand
-        self._pinning_requests = 0  # each allocates a partial last block as well
-        # (evictions, tick): blocks with a tick up to this, unpinned, are what that many
-        # evictions take; None: not known since the order or the pins last changed.
+        self._dispatched = 0  # requests dispatched here and not yet computed
+        # (evictions, tick): blocks with a tick up to this, not reserved, are what that
+        # many evictions take; None: not known since anything they depend on changed.
         self._doomed_after: tuple[int, int] | None = None
         self._trim_inherited()
-        for h, n in (pinned or {}).items():  # the requests behind them are not known
-            self._pin_blocks([h] * n)
 
     # -- what the engine announces ----------------------------------------------------
 
@@ -157,7 +151,6 @@ class ExactResidency:
 
     def _hold(self, router_hashes: Iterable[int]) -> None:
         held, speculative, inherited = self._held, self._speculative, self._inherited
-        recency, pinned = self._recency, self._pinned
         fresh: list[int] = []
         touched: list[tuple[int, int]] = []
         for h in router_hashes:
@@ -171,20 +164,20 @@ class ExactResidency:
                 fresh.append(h)
             else:
                 touched.append((guess[1], h))
-            if h in pinned:
-                self._unheld_pinned -= 1
+        if not self.forecast_queue_evictions:
+            return
         # Where the request's end put a block, if that came before the announcement (it
         # trails the step), in that order; the rest are in use by the request that
         # stored them: at the tail.
+        recency, ticks = self._recency, self._ticks
         for tick, h in sorted(touched):
             recency[h] = tick
-        ticks = self._ticks
         for h in fresh:
             recency[h] = next(ticks)
         self._doomed_after = None
 
     def _release(self, router_hashes: Iterable[int]) -> None:
-        held, recency, pinned = self._held, self._recency, self._pinned
+        held, recency = self._held, self._recency
         for h in router_hashes:
             left = held[h] - 1
             if left > 0:
@@ -192,14 +185,13 @@ class ExactResidency:
                 continue
             held.pop(h, None)
             recency.pop(h, None)
-            if h in pinned:
-                self._unheld_pinned += 1
         self._doomed_after = None
 
     def _trim_inherited(self) -> None:
         inherited = self._inherited
         while inherited and len(self._held) + len(inherited) > self.capacity_blocks:
             inherited.popitem(last=False)
+            self._doomed_after = None
 
     # -- the residency interface the index uses -----------------------------------------
 
@@ -215,18 +207,19 @@ class ExactResidency:
         return entry is not None and entry[0] > self._clock()
 
     def longest_prefix(self, hashes: Sequence[int], reserved: Mapping[int, int]) -> int:
-        """Leading ``hashes`` held, announced or not yet, or reserved, and not doomed by
-        the demand of the requests dispatched before."""
+        """Leading ``hashes`` held, announced or not yet, or reserved; with the forecast,
+        and not doomed by what the requests dispatched before (``reserved``) need."""
         held = leading_held(hashes, self, reserved)
-        forecast = held and self.forecast_queue_evictions
-        doomed_after = self._doomed_tick() if forecast else None
+        if not held or not self.forecast_queue_evictions:
+            return held
+        doomed_after = self._doomed_tick(reserved)
         if doomed_after is None:
             return held
-        recency, pinned = self._recency, self._pinned
+        recency = self._recency
 
         def doomed(h: int) -> bool:
             tick = recency.get(h)
-            return tick is not None and tick <= doomed_after and h not in pinned
+            return tick is not None and tick <= doomed_after and h not in reserved
 
         if not doomed(hashes[held - 1]):
             return held
@@ -239,62 +232,39 @@ class ExactResidency:
                 low = mid + 1
         return low
 
-    @property
-    def demand_blocks(self) -> int:
-        """Blocks the dispatched requests will allocate: the full ones the engine has not
-        announced, and a partial last block each."""
-        return self._unheld_pinned + self._pinning_requests
+    def forecast_evictions(self, reserved: Mapping[int, int]) -> int:
+        """How many cached blocks the requests dispatched here will take from the free
+        queue's head: the blocks they reserved that the engine has not announced, and a
+        partial last block each, less the free room."""
+        announced = sum(map(self._held.__contains__, reserved))
+        demand = len(reserved) - announced + self._dispatched
+        return max(0, demand - max(0, self.capacity_blocks - len(self)))
 
-    def forecast_evictions(self) -> int:
-        """How many cached blocks the demand will take from the free queue's head."""
-        room = self.capacity_blocks - len(self)
-        return max(0, self.demand_blocks - max(0, room))
-
-    def _doomed_tick(self) -> int | None:
-        """The tick of the last block the demand evicts (None: it evicts nothing)."""
-        evictions = self.forecast_evictions()
-        if not evictions:
-            return None
-        known = self._doomed_after
-        if known is None or known[0] != evictions:
-            pinned, last, left = self._pinned, -1, evictions
-            for h, tick in self._recency.items():
-                if h in pinned:
+    def _doomed_tick(self, reserved: Mapping[int, int]) -> int | None:
+        """The tick of the last block the demand evicts (None: it evicts nothing);
+        known until the order, the announcements or the dispatched requests change."""
+        if self._doomed_after is None:
+            evictions, last = self.forecast_evictions(reserved), -1
+            left = evictions
+            for h, tick in self._recency.items() if evictions else ():
+                if h in reserved:
                     continue
                 last = tick
                 left -= 1
                 if not left:
                     break
-            known = self._doomed_after = (evictions, last)
-        return known[1]
+            self._doomed_after = (evictions, last)
+        evictions, last = self._doomed_after
+        return last if evictions else None
 
-    def pin(self, hashes: Iterable[int]) -> None:
-        """A request dispatched here will use ``hashes``: in use from the moment it is
-        scheduled, so not evicted for those ahead; the unannounced ones are demand."""
-        self._pinning_requests += 1
-        self._pin_blocks(hashes)
-
-    def _pin_blocks(self, hashes: Iterable[int]) -> None:
-        pinned, held = self._pinned, self._held
-        for h in hashes:
-            before = pinned.get(h, 0)
-            pinned[h] = before + 1
-            if not before and h not in held:
-                self._unheld_pinned += 1
+    def dispatched(self) -> None:
+        """A request was dispatched here (its blocks are the index's reservation)."""
+        self._dispatched += 1
         self._doomed_after = None
 
-    def unpin(self, hashes: Iterable[int]) -> None:
-        pinned, held = self._pinned, self._held
-        self._pinning_requests = max(0, self._pinning_requests - 1)
-        for h in hashes:
-            left = pinned.get(h, 0) - 1
-            if left > 0:
-                pinned[h] = left
-                continue
-            if left == 0:
-                del pinned[h]
-                if h not in held:
-                    self._unheld_pinned -= 1
+    def settled(self) -> None:
+        """A dispatched request was computed, failed or was refused."""
+        self._dispatched = max(0, self._dispatched - 1)
         self._doomed_after = None
 
     def touch(self, hashes: Sequence[int]) -> list[int]:
@@ -302,15 +272,17 @@ class ExactResidency:
         self._expire()
         speculative, held = self._speculative, self._held
         recency, ticks = self._recency, self._ticks
+        ordered = self.forecast_queue_evictions
         expiry = self._clock() + self.ttl_s
         added: list[int] = []
         # To the free queue's tail, last block first: the engine frees a request's blocks
         # so that a prefix's tail is evicted before its head.
         for h in reversed(hashes[: self.capacity_blocks]):
-            tick = next(ticks)
+            tick = next(ticks) if ordered else 0
             if h in held:
-                recency[h] = tick
-                recency.move_to_end(h)
+                if ordered:
+                    recency[h] = tick
+                    recency.move_to_end(h)
                 continue
             if h in speculative:
                 speculative.move_to_end(h)
@@ -335,9 +307,11 @@ class ExactResidency:
         for h in hashes:
             self._speculative.pop(h, None)
             self._inherited.pop(h, None)
+        self._doomed_after = None
 
     def oldest_first(self) -> list[int]:
-        return [*self._inherited, *self._recency]
+        announced = self._recency if self.forecast_queue_evictions else self._held
+        return [*self._inherited, *announced]
 
     def restore(self, oldest_first: Iterable[int]) -> None:
         """Entries from a snapshot or a migration: inherited, below what is there."""
