@@ -107,7 +107,7 @@ def events(raw: bytes) -> tuple[bytes, list[bytes]]:
 
 def metric_lines(raw: bytes) -> tuple[bytes, list[bytes]]:
     """A /metrics answer as its head (length left out) and its series without values."""
-    head, _, body = raw.partition(b"\r\n\r\n")
+    head, _, body = normalized(raw).partition(b"\r\n\r\n")
     head = re.sub(rb"Content-Length: \d+", b"Content-Length: -", head)
     return head, [line.rpartition(b" ")[0] for line in body.splitlines()]
 
@@ -125,6 +125,14 @@ def merged_text(sse: list[bytes]) -> tuple[str, list[bytes]]:
         if event == b"data: [DONE]":
             shapes.append(event)
             continue
+        if event.startswith(b"event: "):  # Anthropic's: the name, then the data
+            name, _, data = event.partition(b"\ndata: ")
+            frame = orjson.loads(data)
+            if frame["type"] == "content_block_delta":
+                text.append(frame["delta"]["text"])
+                frame["delta"]["text"] = "-"
+            shapes.append(name + b"\n" + orjson.dumps(frame))
+            continue
         chunk = orjson.loads(event.removeprefix(b"data: "))
         for choice in chunk["choices"]:
             piece = choice["delta"].get("content") if "delta" in choice else choice["text"]
@@ -141,6 +149,16 @@ CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "
 EXACT = {**CHAT, "ignore_eos": True}
 STREAM = {**EXACT, "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}}
 COMPLETION = {"model": "sim-model", "prompt": "hello there", "max_tokens": 2, "ignore_eos": True}
+MESSAGES = {
+    "model": "sim-model",
+    "system": "Be brief.",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 3,
+    "min_tokens": 3,
+}
+NO_MAX_TOKENS = {k: v for k, v in MESSAGES.items() if k != "max_tokens"}
+# Anthropic messages carry chat's id, from X-Request-Id when sent.
+MESSAGE_ID = ["X-Request-Id: m-1"]
 
 # (name, request bytes, responses to wait for); sent in this order to each front-end.
 CASES: list[tuple[str, bytes, int]] = [
@@ -161,6 +179,15 @@ CASES: list[tuple[str, bytes, int]] = [
     ("chat, natural length", request("POST", "/v1/chat/completions", CHAT), 1),
     ("chat, stream of one token", request("POST", "/v1/chat/completions", STREAM), 1),
     ("completion", request("POST", "/v1/completions", COMPLETION), 1),
+    ("messages", request("POST", "/v1/messages", MESSAGES, MESSAGE_ID), 1),
+    (
+        "messages, stream",
+        request("POST", "/v1/messages", {**MESSAGES, "stream": True}, MESSAGE_ID),
+        1,
+    ),
+    ("messages, no max_tokens", request("POST", "/v1/messages", NO_MAX_TOKENS), 1),
+    ("messages, unknown model", request("POST", "/v1/messages", {**MESSAGES, "model": "x"}), 1),
+    ("count tokens", request("POST", "/v1/messages/count_tokens", MESSAGES), 1),
     ("not JSON", request("POST", "/v1/chat/completions", b"{nope"), 1),
     ("unknown model", request("POST", "/v1/completions", {**COMPLETION, "model": "x"}), 1),
     ("too long", request("POST", "/v1/completions", {**COMPLETION, "max_tokens": 10**7}), 1),
@@ -173,6 +200,7 @@ CASES: list[tuple[str, bytes, int]] = [
     ("faults not an object", request("POST", "/sim/faults", [1]), 1),
     ("fail requests", request("POST", "/sim/faults", {"fail_requests": True}), 1),
     ("failing chat", request("POST", "/v1/chat/completions", EXACT), 1),
+    ("failing messages", request("POST", "/v1/messages", MESSAGES), 1),
     ("unusual fail status", request("POST", "/sim/faults", {"fail_status": 599}), 1),
     ("failing with 599", request("POST", "/v1/completions", COMPLETION), 1),
     ("heal", request("POST", "/sim/faults", {"fail_requests": False, "fail_status": 500}), 1),
@@ -252,6 +280,8 @@ async def test_the_front_ends_answer_alike() -> None:
             assert normalized(aiohttp_answer) == normalized(httptools_answer), name
     assert got["aiohttp"]["metrics"].startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"text/event-stream" in got["httptools"]["chat, stream of one token"]
+    assert b"event: message_stop" in got["httptools"]["messages, stream"]
+    assert b'"type":"api_error"' in got["aiohttp"]["failing messages"]
     listed = orjson.loads(got["httptools"]["requests"].partition(b"\r\n\r\n")[2])["requests"]
     assert [r["request_id"] for r in listed].count("r-7") == 1  # the first header of two
     assert got["aiohttp"]["requests after restart"].endswith(b'\r\n\r\n{"requests":[]}')

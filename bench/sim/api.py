@@ -24,6 +24,8 @@ from typing import Any, Protocol
 
 import orjson
 
+from bench.sim import anthropic_api
+from bench.sim.anthropic_request import chat_request
 from bench.sim.engine import Engine
 from bench.sim.openai_api import (
     ParsedRequest,
@@ -33,10 +35,10 @@ from bench.sim.openai_api import (
     parse_request,
     usage,
 )
-from bench.sim.prompts import Kind
+from bench.sim.prompts import Kind, encode_prompt, num_tokens
 from bench.sim.request import SimRequest
-from bench.sim.request_fields import ApiError
-from bench.sim.sse import stream_completion
+from bench.sim.request_fields import ApiError, requested_model
+from bench.sim.sse import stream_completion, stream_events
 from bench.sim.tokenize import detokenize, render, tokenize
 
 VLLM_VERSION = "0.11.0"
@@ -156,14 +158,7 @@ async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply |
         )
     except ApiError as exc:
         return error_reply(exc)
-    sim = engine.submit(
-        parsed.prompt,
-        parsed.max_tokens,
-        parsed.exact_length,
-        parsed.seed,
-        parsed.cache_salt,
-        exchange.request_id(),
-    )
+    sim = _submit(engine, parsed, exchange)
     try:
         if parsed.stream:
             return await stream_completion(exchange, parsed, sim)
@@ -172,11 +167,27 @@ async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply |
         engine.abort(sim)  # no-op when it finished; frees blocks when the client left
 
 
-async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
+def _submit(engine: Engine, parsed: ParsedRequest, exchange: Exchange) -> SimRequest:
+    return engine.submit(
+        parsed.prompt,
+        parsed.max_tokens,
+        parsed.exact_length,
+        parsed.seed,
+        parsed.cache_salt,
+        exchange.request_id(),
+    )
+
+
+async def _finished(sim: SimRequest) -> SimRequest:
     while not sim.finished:
         await sim.next_update()
     if sim.dropped:
         raise ConnectionResetError("engine restarted")
+    return sim
+
+
+async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
+    await _finished(sim)
     body = full_response(
         parsed.kind,
         new_id(parsed.kind),
@@ -187,6 +198,53 @@ async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
         usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens),
     )
     return json_reply(body)
+
+
+# -- Anthropic Messages (bench/sim/anthropic_request.py, bench/sim/anthropic_api.py) ------
+
+
+async def messages(engine: Engine, exchange: Exchange) -> Reply | Stream:
+    """vLLM's ``POST /v1/messages``: the request run as the chat completion it converts
+    to. A body that does not validate gets chat's error shape, as in vLLM; the rest
+    (the model check, the context length, faults) Anthropic's."""
+    try:
+        chat = chat_request(await _read_json(exchange))
+    except ApiError as exc:
+        return error_reply(exc)
+    try:
+        faults = engine.faults.state
+        if faults.fail_requests:
+            raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
+        parsed = await parse_request(
+            "chat", chat, engine.config.served_model_name, engine.max_model_len, engine.prompts
+        )
+    except ApiError as exc:
+        return json_reply(anthropic_api.error_body(exc), exc.status)
+    rid = anthropic_api.message_id(exchange.request_id())
+    sim = _submit(engine, parsed, exchange)
+    try:
+        if parsed.stream:
+            events = anthropic_api.MessageEvents(rid, parsed.model, engine.block_tokens)
+            return await stream_events(exchange, events, sim)
+        await _finished(sim)
+        return json_reply(anthropic_api.message_body(rid, parsed.model, sim, engine.block_tokens))
+    finally:
+        engine.abort(sim)
+
+
+async def count_tokens(engine: Engine, exchange: Exchange) -> Reply:
+    """vLLM's ``POST /v1/messages/count_tokens``: the templated prompt's tokens (the
+    generation prompt included), with no context-length limit."""
+    try:
+        chat = chat_request(await _read_json(exchange), count_only=True)
+    except ApiError as exc:
+        return error_reply(exc)
+    try:
+        requested_model(chat, engine.config.served_model_name)
+        prompt = await encode_prompt(engine.prompts, "chat", chat)
+    except ApiError as exc:
+        return json_reply(anthropic_api.error_body(exc), exc.status)
+    return json_reply(anthropic_api.count_tokens_body(num_tokens(prompt)))
 
 
 # -- tokenizer endpoints ----------------------------------------------------------------
@@ -378,6 +436,8 @@ _FLAVORED: dict[str, dict[tuple[str, str], Endpoint]] = {
         ("POST", "/v1/chat/completions/render"): render_chat,
         ("POST", "/v1/completions/render"): render_completion,
         ("POST", "/reset_prefix_cache"): reset_prefix_cache,
+        ("POST", "/v1/messages"): messages,
+        ("POST", "/v1/messages/count_tokens"): count_tokens,
     },
     "sglang": {
         ("GET", "/model_info"): model_info,

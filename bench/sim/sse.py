@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from bench.sim.openai_api import (
     ChunkEvents,
@@ -25,6 +25,14 @@ STREAM_HEADERS: tuple[tuple[str, str], ...] = (
     ("Content-Type", "text/event-stream"),
     ("Cache-Control", "no-cache"),
 )
+
+
+class Events(Protocol):
+    """A stream's events (a completion's chunks, a message's events), handed out as its
+    request advances."""
+
+    def due(self, sim: SimRequest) -> bytes:
+        """The events since the last call; once ``sim`` finished, the last of them."""
 
 
 class StreamEvents:
@@ -65,10 +73,14 @@ class StreamEvents:
 
 
 async def stream_completion(exchange: Exchange, parsed: ParsedRequest, sim: SimRequest) -> Stream:
-    """Answer a ``"stream": true`` completion: the head, then the events as the engine
-    publishes tokens, then the last of them; ``ConnectionResetError`` if it is dropped."""
+    """Answer a ``"stream": true`` completion (``stream_events``)."""
+    return await stream_events(exchange, StreamEvents(parsed), sim)
+
+
+async def stream_events(exchange: Exchange, events: Events, sim: SimRequest) -> Stream:
+    """Answer with a stream: the head, then ``events`` as the engine publishes tokens,
+    then the last of them; ``ConnectionResetError`` if it is dropped."""
     response = await exchange.stream(STREAM_HEADERS)
-    events = StreamEvents(parsed)
     # Where the front-end can write without awaiting, the engine's publish schedules a
     # callback that writes what is due, instead of waking this task for every chunk
     # (the wake-up cost as much CPU as the chunk). It runs when the task would have:
