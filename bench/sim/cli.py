@@ -12,6 +12,7 @@ from bench.sim.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_RESPONSES_STORE_MAX,
     DEFAULT_STREAM_FLUSH_WALL_S,
     DEFAULT_TIME_SCALE,
     KV_EVENTS_CONFIGS,
@@ -93,6 +94,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="as vLLM's: a model directory (tokenizer.json, tokenizer_config.json with its "
         "chat template) whose ids prompts are encoded to (default: 4-byte stand-in tokens)",
     )
+    parser.add_argument(
+        "--enable-responses-store",
+        action="store_true",
+        help="as vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1: keep /v1/responses answers for "
+        "GET, cancel and previous_response_id",
+    )
+    parser.add_argument(
+        "--responses-store-max",
+        type=int,
+        default=DEFAULT_RESPONSES_STORE_MAX,
+        help="stored responses kept, the oldest forgotten first (vLLM keeps all)",
+    )
 
 
 def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfig:
@@ -125,6 +138,8 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         ),
         prefix_caching_hash_algo=args.prefix_caching_hash_algo,
         tokenizer=args.tokenizer,
+        responses_store=args.enable_responses_store,
+        responses_store_max=args.responses_store_max,
     )
 
 
@@ -155,7 +170,11 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         str(args.stream_flush_ms),
         "--prefix-caching-hash-algo",
         args.prefix_caching_hash_algo,
+        "--responses-store-max",
+        str(args.responses_store_max),
     ]
+    if args.enable_responses_store:
+        flags.append("--enable-responses-store")
     optional = {
         "--served-model-name": args.served_model_name,
         "--kv-cache-dtype": args.kv_cache_dtype,

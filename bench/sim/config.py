@@ -30,6 +30,9 @@ DEFAULT_DECODE_EFFICIENCY = 0.7
 # Fixed per-step cost: scheduling, sampling, kernel launches (seconds, simulated).
 DEFAULT_STEP_OVERHEAD_S = 0.002
 DEFAULT_STREAM_FLUSH_WALL_S = 0.1
+# Stored Responses API responses an engine keeps (vLLM keeps every one; see
+# bench/sim/responses_store.py).
+DEFAULT_RESPONSES_STORE_MAX = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +70,11 @@ class EngineConfig:
     # As vLLM's --tokenizer: a model directory (tokenizer.json, tokenizer_config.json with
     # its chat template) whose ids prompts are encoded to; None: the stand-in tokens.
     tokenizer: str | None = None
+    # As vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1 (off by default, as there): keep
+    # /v1/responses answers for GET, cancel and previous_response_id; at most
+    # responses_store_max of them, the oldest forgotten first (vLLM's store is unbounded).
+    responses_store: bool = False
+    responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -95,6 +103,7 @@ class EngineConfig:
             (self.step_overhead_s >= 0, "step_overhead_s must be >= 0"),
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
             (self.stream_flush_wall_s >= 0, "stream_flush_wall_s must be >= 0"),
+            (self.responses_store_max >= 1, "responses_store_max must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -27,6 +27,7 @@ from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.prompts import STAND_IN, Prompts
 from bench.sim.request import SimRequest
 from bench.sim.request_log import RequestLog, RequestRecord
+from bench.sim.responses_store import ResponseStore
 from bench.sim.roofline import Roofline
 from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
 from bench.sim.sglang_kv_event_log import SglangEngineEvents
@@ -111,6 +112,8 @@ class Engine:
         self.kv_stream: KVEventStream | None = None
         # Each request's cached prefix at arrival and when scheduled (``GET /sim/requests``).
         self.requests = RequestLog()
+        # Stored /v1/responses answers (used only with config.responses_store).
+        self.responses = ResponseStore(config.responses_store_max)
         self._rng = random.Random(config.seed)
         self._wake = asyncio.Event()
         self._counter = 0
@@ -203,6 +206,7 @@ class Engine:
         KV events start again from a new publisher (sequence 0, nothing to replay)."""
         dropped = self.scheduler.reset()
         self.requests.clear()  # a new process knows none of the old one's requests
+        self.responses.clear()  # nor its stored responses (vLLM keeps them in memory)
         self.start_time = time.time()
         self.metrics.reset(self.start_time)
         for request in dropped:

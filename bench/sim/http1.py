@@ -40,6 +40,8 @@ from bench.sim.api import (
     Reply,
     api_key_check,
     error_reply,
+    match_param,
+    param_routes,
     routes,
     unauthorized,
 )
@@ -65,7 +67,7 @@ class _BadRequest(Exception):
 class _Front:
     """What every connection of one engine shares."""
 
-    __slots__ = ("allowed", "connections", "engine", "heads", "paths", "routes")
+    __slots__ = ("allowed", "connections", "engine", "heads", "param_routes", "paths", "routes")
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -73,6 +75,7 @@ class _Front:
         self.heads = Heads()
         self.routes: Mapping[tuple[str, str], Endpoint] = routes(engine.config.flavor)
         self.paths = {path for _, path in self.routes}
+        self.param_routes = param_routes(engine.config.flavor)
         api_key = engine.config.api_key
         self.allowed = None if api_key is None else api_key_check(api_key)
 
@@ -89,7 +92,21 @@ class _Front:
             return endpoint
         if request.path in self.paths:
             return error_reply(ApiError(405, "Method Not Allowed"))
-        return error_reply(ApiError(404, "Not Found"))
+        return self._param_endpoint(method, request)
+
+    def _param_endpoint(self, method: str, request: Request) -> Endpoint | Reply:
+        """The endpoint of a route with a path parameter (set on ``request``), or the
+        405 or 404 aiohttp's router answers."""
+        matched = False
+        for (route_method, template), endpoint in self.param_routes.items():
+            value = match_param(template, request.path)
+            if value is not None and route_method == method:
+                request.param = value
+                return endpoint
+            matched = matched or value is not None
+        return error_reply(
+            ApiError(405 if matched else 404, "Method Not Allowed" if matched else "Not Found")
+        )
 
 
 class _Connection(asyncio.Protocol):

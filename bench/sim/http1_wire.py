@@ -67,6 +67,7 @@ class Request:
         "expect",
         "keep_alive",
         "method",
+        "param",
         "path",
         "query",
         "request_id",
@@ -77,6 +78,7 @@ class Request:
     def __init__(self) -> None:
         self.method = ""
         self.path = ""
+        self.param = ""  # the path parameter of a route that has one (api.param_routes)
         self.query = ""  # the raw query string, percent-encoded
         self.version = "1.1"
         self.keep_alive = True
@@ -119,6 +121,9 @@ class Exchange:
 
     def request_id(self) -> str | None:
         return self._request.request_id
+
+    def path_param(self) -> str:
+        return self._request.param
 
     async def read(self) -> bytes:
         if self._request.dropped_bytes:

@@ -18,6 +18,7 @@ from bench.sim.api import (
     Stream,
     api_key_check,
     error_reply,
+    param_routes,
     routes,
     too_large,
     unauthorized,
@@ -71,6 +72,10 @@ class _Exchange:
 
     def request_id(self) -> str | None:
         return self._request.headers.get("X-Request-Id")
+
+    def path_param(self) -> str:
+        values = list(self._request.match_info.values())
+        return values[0] if values else ""
 
     async def read(self) -> bytes:
         try:
@@ -135,7 +140,8 @@ def create_app(config: EngineConfig) -> web.Application:
             yield
 
     app.cleanup_ctx.append(engine_ctx)
-    for (method, path), endpoint in routes(config.flavor).items():
+    all_routes = {**routes(config.flavor), **param_routes(config.flavor)}
+    for (method, path), endpoint in all_routes.items():
         if method == "GET":
             app.router.add_get(path, _handler(endpoint))  # HEAD too
         else:
