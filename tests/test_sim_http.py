@@ -118,7 +118,8 @@ def collapsed(shapes: list[bytes]) -> list[bytes]:
 
 
 def merged_text(sse: list[bytes]) -> tuple[str, list[bytes]]:
-    """The text the events carry, and the events with their text blanked."""
+    """The text the events carry, and the events with their text blanked (a run of
+    Anthropic text deltas as one)."""
     text: list[str] = []
     shapes: list[bytes] = []
     for event in sse:
@@ -131,7 +132,10 @@ def merged_text(sse: list[bytes]) -> tuple[str, list[bytes]]:
             if frame["type"] == "content_block_delta":
                 text.append(frame["delta"]["text"])
                 frame["delta"]["text"] = "-"
-            shapes.append(name + b"\n" + orjson.dumps(frame))
+            shape = name + b"\n" + orjson.dumps(frame)
+            # How many deltas carry the text is the flush timing's: one shape for a run.
+            if frame["type"] != "content_block_delta" or not shapes or shapes[-1] != shape:
+                shapes.append(shape)
             continue
         chunk = orjson.loads(event.removeprefix(b"data: "))
         for choice in chunk["choices"]:
