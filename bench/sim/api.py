@@ -15,19 +15,23 @@ front-end answers 500 if nothing was sent yet, else ends the connection mid-stre
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import hmac
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
 
-import orjson
-
-from bench.sim import anthropic_api
-from bench.sim.anthropic_request import chat_request
+from bench.sim.anthropic_endpoints import count_tokens, messages
 from bench.sim.engine import Engine
+from bench.sim.exchange import (
+    Exchange,
+    Reply,
+    Stream,
+    error_reply,
+    json_reply,
+    query_bool,
+    read_json,
+)
+from bench.sim.generation import finished, raise_injected_fault, submit
 from bench.sim.openai_api import (
     ParsedRequest,
     full_response,
@@ -36,85 +40,17 @@ from bench.sim.openai_api import (
     parse_request,
     usage,
 )
-from bench.sim.prompts import Kind, encode_prompt, num_tokens
+from bench.sim.prompts import Kind
 from bench.sim.request import SimRequest
-from bench.sim.request_fields import ApiError, requested_model
-from bench.sim.responses_api import ResponseEvents, ResponseHead, new_item_id, not_found
-from bench.sim.responses_api import response_id as new_response_id
-from bench.sim.responses_request import ResponsesRequest, chat_body, chat_messages, parse
-from bench.sim.responses_store import StoredResponse
-from bench.sim.sse import stream_completion, stream_events
+from bench.sim.request_fields import ApiError
+from bench.sim.responses_endpoints import cancel_response, create_response, get_response
+from bench.sim.sse import stream_completion
 from bench.sim.tokenize import detokenize, render, tokenize
-
-VLLM_VERSION = "0.11.0"
-SGLANG_VERSION = "0.5.3"
-MAX_BODY_BYTES = 64 * 1024 * 1024
-JSON = "application/json"
-Headers = Sequence[tuple[str, str]]
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A whole response. ``content_type`` None: the body (if any) goes without one."""
-
-    status: int = 200
-    body: bytes = b""
-    content_type: str | None = None
-
-
-class Stream(Protocol):
-    """A streamed response whose head is sent: the body in pieces, then the end."""
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def end(self, data: bytes) -> None:
-        """Send ``data`` and end the body, in one write."""
-
-    def ready(self) -> bool:
-        """Whether ``write_nowait`` may be called: the front-end can write without
-        awaiting, and the client's socket buffer has room."""
-
-    def write_nowait(self, data: bytes) -> None:
-        """``write`` without awaiting; only when ``ready()``."""
-
-
-class Exchange(Protocol):
-    """One request as an endpoint sees it."""
-
-    def query(self, name: str) -> str | None:
-        """The last value of query parameter ``name``, if given."""
-
-    def request_id(self) -> str | None:
-        """The ``X-Request-Id`` header as sent (the first, if repeated), if any."""
-
-    def path_param(self) -> str:
-        """The path's one parameter (``param_routes``), decoded; "" on other routes."""
-
-    async def read(self) -> bytes:
-        """The request body; ``ApiError`` 413 past ``MAX_BODY_BYTES``."""
-
-    async def stream(self, headers: Headers) -> Stream:
-        """Send a 200 head with ``headers`` and return the stream for the body."""
-
 
 Endpoint = Callable[[Engine, Exchange], Awaitable[Reply | Stream]]
 
-
-def json_reply(body: Any, status: int = 200) -> Reply:
-    return Reply(status, orjson.dumps(body), JSON)
-
-
-def error_reply(exc: ApiError) -> Reply:
-    return json_reply(exc.body(), exc.status)
-
-
-def too_large() -> ApiError:
-    return ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
-
-
-def unauthorized() -> Reply:
-    """The 401 of ``api_key_check`` (as aiohttp's ``json_response`` encoded it)."""
-    return Reply(401, b'{"error": "Unauthorized"}', "application/json; charset=utf-8")
+VLLM_VERSION = "0.11.0"
+SGLANG_VERSION = "0.5.3"
 
 
 def api_key_check(api_key: str) -> Callable[[str, str, str], bool]:
@@ -134,13 +70,6 @@ def api_key_check(api_key: str) -> Callable[[str, str, str], bool]:
     return allowed
 
 
-async def _read_json(exchange: Exchange) -> Any:
-    try:
-        return orjson.loads(await exchange.read())
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-
-
 # -- completions ------------------------------------------------------------------------
 
 
@@ -153,20 +82,18 @@ async def completions(engine: Engine, exchange: Exchange) -> Reply | Stream:
 
 
 async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply | Stream:
-    faults = engine.faults.state
     try:
-        if faults.fail_requests:
-            raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
+        raise_injected_fault(engine)
         parsed = await parse_request(
             kind,
-            await _read_json(exchange),
+            await read_json(exchange),
             engine.config.served_model_name,
             engine.max_model_len,
             engine.prompts,
         )
     except ApiError as exc:
         return error_reply(exc)
-    sim = _submit(engine, parsed, exchange)
+    sim = submit(engine, parsed, exchange)
     try:
         if parsed.stream:
             return await stream_completion(exchange, parsed, sim)
@@ -175,27 +102,8 @@ async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply |
         engine.abort(sim)  # no-op when it finished; frees blocks when the client left
 
 
-def _submit(engine: Engine, parsed: ParsedRequest, exchange: Exchange) -> SimRequest:
-    return engine.submit(
-        parsed.prompt,
-        parsed.max_tokens,
-        parsed.exact_length,
-        parsed.seed,
-        parsed.cache_salt,
-        exchange.request_id(),
-    )
-
-
-async def _finished(sim: SimRequest) -> SimRequest:
-    while not sim.finished:
-        await sim.next_update()
-    if sim.dropped:
-        raise ConnectionResetError("engine restarted")
-    return sim
-
-
 async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
-    await _finished(sim)
+    await finished(sim)
     body = full_response(
         parsed.kind,
         new_id(parsed.kind),
@@ -208,161 +116,13 @@ async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
     return json_reply(body)
 
 
-# -- Anthropic Messages (bench/sim/anthropic_request.py, bench/sim/anthropic_api.py) ------
-
-
-async def messages(engine: Engine, exchange: Exchange) -> Reply | Stream:
-    """vLLM's ``POST /v1/messages``: the request run as the chat completion it converts
-    to. A body that does not validate gets chat's error shape, as in vLLM; the rest
-    (the model check, the context length, faults) Anthropic's."""
-    try:
-        chat = chat_request(await _read_json(exchange))
-    except ApiError as exc:
-        return error_reply(exc)
-    try:
-        faults = engine.faults.state
-        if faults.fail_requests:
-            raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
-        parsed = await parse_request(
-            "chat", chat, engine.config.served_model_name, engine.max_model_len, engine.prompts
-        )
-    except ApiError as exc:
-        return json_reply(anthropic_api.error_body(exc), exc.status)
-    rid = anthropic_api.message_id(exchange.request_id())
-    sim = _submit(engine, parsed, exchange)
-    try:
-        if parsed.stream:
-            events = anthropic_api.MessageEvents(rid, parsed.model, engine.block_tokens)
-            return await stream_events(exchange, events, sim)
-        await _finished(sim)
-        return json_reply(anthropic_api.message_body(rid, parsed.model, sim, engine.block_tokens))
-    finally:
-        engine.abort(sim)
-
-
-async def count_tokens(engine: Engine, exchange: Exchange) -> Reply:
-    """vLLM's ``POST /v1/messages/count_tokens``: the templated prompt's tokens (the
-    generation prompt included), with no context-length limit."""
-    try:
-        chat = chat_request(await _read_json(exchange), count_only=True)
-    except ApiError as exc:
-        return error_reply(exc)
-    try:
-        requested_model(chat, engine.config.served_model_name)
-        prompt = await encode_prompt(engine.prompts, "chat", chat)
-    except ApiError as exc:
-        return json_reply(anthropic_api.error_body(exc), exc.status)
-    return json_reply(anthropic_api.count_tokens_body(num_tokens(prompt)))
-
-
-# -- OpenAI Responses (bench/sim/responses_request.py, responses_api.py, responses_store.py)
-
-_NO_STORE_BACKGROUND = (
-    "This vLLM engine does not support `store=True` and therefore does not support the "
-    "background mode. To enable these features, set the environment variable "
-    "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server."
-)
-
-
-async def create_response(engine: Engine, exchange: Exchange) -> Reply | Stream:
-    """vLLM's ``POST /v1/responses``: the request rendered to chat messages (after the
-    stored conversation of ``previous_response_id``) and run as that chat completion;
-    kept in the engine's store when the store is on and the request did not say
-    ``store: false``."""
-    store_on = engine.config.responses_store
-    try:
-        request = parse(await _read_json(exchange))
-        if request.background:
-            if not store_on:
-                raise ApiError(400, _NO_STORE_BACKGROUND, param="background")
-            raise ApiError(501, "background responses are not simulated", "NotImplementedError")
-        faults = engine.faults.state
-        if faults.fail_requests:
-            raise ApiError(faults.fail_status, "simulated engine failure (fault injected)")
-        model = requested_model(request.body, engine.config.served_model_name)
-        messages = _response_messages(engine, request)
-        chat = chat_body(request, model, messages)
-        parsed = await parse_request(
-            "chat", chat, engine.config.served_model_name, engine.max_model_len, engine.prompts
-        )
-    except ApiError as exc:
-        return error_reply(exc)
-    # vLLM clamps max_output_tokens to what the context leaves (no 400 for asking more).
-    max_tokens = min(request.max_output_tokens or parsed.max_tokens, parsed.max_tokens)
-    exact = parsed.ignore_eos or parsed.min_tokens >= max_tokens
-    parsed = dataclasses.replace(parsed, max_tokens=max_tokens, exact_length=exact)
-    head = ResponseHead(
-        request, new_response_id(request.request_id), model, int(time.time()), max_tokens
-    )
-    sim = _submit(engine, parsed, exchange)
-    try:
-        if request.stream:
-            events = ResponseEvents(head, engine.block_tokens)
-            result: Reply | Stream = await stream_events(exchange, events, sim)
-            final = events.final
-        else:
-            await _finished(sim)
-            final = head.final(sim, new_item_id(), engine.block_tokens)
-            result = json_reply(final)
-    finally:
-        engine.abort(sim)
-    if store_on and request.store and final is not None:
-        engine.responses.put(head.rid, StoredResponse(final, messages))
-    return result
-
-
-def _response_messages(engine: Engine, request: ResponsesRequest) -> list[dict[str, Any]]:
-    """The chat messages of ``request``; a 404 for a ``previous_response_id`` the store
-    does not hold (every one, with the store off)."""
-    previous_id = request.previous_response_id
-    if previous_id is None:
-        return chat_messages(request)
-    previous = engine.responses.get(previous_id) if engine.config.responses_store else None
-    if previous is None:
-        raise not_found(previous_id)
-    return chat_messages(request, previous.messages, previous.response["output"])
-
-
-async def get_response(engine: Engine, exchange: Exchange) -> Reply:
-    """vLLM's ``GET /v1/responses/{id}``: the stored object as the POST answered it.
-    Replaying a stream (``?stream=true``) needs a background stream, never stored here:
-    vLLM's 400 for it."""
-    rid = exchange.path_param()
-    try:
-        stream = _query_bool(exchange, "stream")
-        stored = engine.responses.get(rid) if engine.config.responses_store else None
-        if stored is None:
-            raise not_found(rid)
-        if stream:
-            raise ApiError(400, "Unknown response_id", param="response_id")
-    except ApiError as exc:
-        return error_reply(exc)
-    return json_reply(stored.response)
-
-
-async def cancel_response(engine: Engine, exchange: Exchange) -> Reply:
-    """vLLM's ``POST /v1/responses/{id}/cancel``: only a queued or running background
-    response can be cancelled; everything stored here has finished, so a known id is
-    vLLM's 400 and an unknown one its 404."""
-    rid = exchange.path_param()
-    stored = engine.responses.get(rid) if engine.config.responses_store else None
-    if stored is None:
-        return error_reply(not_found(rid))
-    if stored.response["status"] not in ("queued", "in_progress"):
-        message = "Cannot cancel a synchronous response."
-        return error_reply(ApiError(400, message, "invalid_request_error", "response_id"))
-    # Unreachable while background responses are not simulated (nothing is stored queued).
-    stored.response["status"] = "cancelled"
-    return json_reply(stored.response)
-
-
 # -- tokenizer endpoints ----------------------------------------------------------------
 
 
 async def tokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
     """vLLM's ``POST /tokenize``, chat or completion body (``bench/sim/tokenize.py``)."""
     try:
-        body = await _read_json(exchange)
+        body = await read_json(exchange)
         tokens = await tokenize(
             body, engine.config.served_model_name, engine.max_model_len, engine.prompts
         )
@@ -373,7 +133,7 @@ async def tokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
 
 async def detokenize_handler(engine: Engine, exchange: Exchange) -> Reply:
     try:
-        body = await _read_json(exchange)
+        body = await read_json(exchange)
         return json_reply(await detokenize(body, engine.config.served_model_name, engine.prompts))
     except ApiError as exc:
         return error_reply(exc)
@@ -392,7 +152,7 @@ async def _render(engine: Engine, exchange: Exchange, kind: Kind) -> Reply:
     completion would be, answered as a ``GenerateRequest`` (for completions a list of
     one), with nothing submitted to the engine."""
     try:
-        body = await _read_json(exchange)
+        body = await read_json(exchange)
         parsed = await parse_request(
             kind, body, engine.config.served_model_name, engine.max_model_len, engine.prompts
         )
@@ -473,7 +233,7 @@ async def get_faults(engine: Engine, exchange: Exchange) -> Reply:
 
 async def set_faults(engine: Engine, exchange: Exchange) -> Reply:
     try:
-        changes = await _read_json(exchange)
+        changes = await read_json(exchange)
         if not isinstance(changes, dict):
             raise ApiError(400, "expected a JSON object of faults")
         engine.faults.update(changes)
@@ -504,26 +264,12 @@ async def reset_prefix_cache(engine: Engine, exchange: Exchange) -> Reply:
     refused (logged, still 200, as vLLM does not check) while requests hold blocks,
     unless ``?reset_running_requests=true`` preempts them first."""
     try:
-        reset_running = _query_bool(exchange, "reset_running_requests")
-        _query_bool(exchange, "reset_external")  # no connector: nothing external to reset
+        reset_running = query_bool(exchange, "reset_running_requests")
+        query_bool(exchange, "reset_external")  # no connector: nothing external to reset
     except ApiError as exc:
         return error_reply(exc)
     engine.reset_prefix_cache(reset_running)
     return Reply(200)
-
-
-_TRUE = ("1", "true", "t", "yes", "y", "on")
-_FALSE = ("0", "false", "f", "no", "n", "off")
-
-
-def _query_bool(exchange: Exchange, name: str) -> bool:
-    """A boolean query parameter as FastAPI reads one (default false)."""
-    value = exchange.query(name)
-    if value is None or value.lower() in _FALSE:
-        return False
-    if value.lower() in _TRUE:
-        return True
-    raise ApiError(400, f"'{name}' must be a boolean", param=name)
 
 
 _COMMON: dict[tuple[str, str], Endpoint] = {

@@ -34,19 +34,10 @@ from urllib.parse import unquote
 
 import httptools
 
-from bench.sim.api import (
-    MAX_BODY_BYTES,
-    Endpoint,
-    Reply,
-    api_key_check,
-    error_reply,
-    match_param,
-    param_routes,
-    routes,
-    unauthorized,
-)
+from bench.sim.api import Endpoint, api_key_check, match_param, param_routes, routes
 from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine, running_engine
+from bench.sim.exchange import MAX_BODY_BYTES, Reply, error_reply, unauthorized
 from bench.sim.http1_wire import CONTINUE, FAILED, TEXT, Exchange, Heads, Request
 from bench.sim.request_fields import ApiError
 

@@ -1,7 +1,7 @@
 """What ``bench/sim/http1.py`` puts on the wire, as aiohttp would: response heads
 (status line, the reply's headers, Date, Server, Connection, in aiohttp's order),
-whole replies, and chunked streams (``Exchange``, the ``api.Exchange`` and
-``api.Stream`` of one request)."""
+whole replies, and chunked streams (``Exchange``, the ``exchange.Exchange`` and
+``exchange.Stream`` of one request)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from urllib.parse import parse_qs
 
 from aiohttp.http import SERVER_SOFTWARE
 
-from bench.sim.api import Headers, Reply, Stream, too_large
+from bench.sim.exchange import Headers, Reply, Stream, too_large
 from router.wire import http_date
 
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
@@ -105,7 +105,7 @@ class Connection(Protocol):
 
 
 class Exchange:
-    """``api.Exchange`` over one connection; ``stream`` makes it a ``Stream`` too."""
+    """``exchange.Exchange`` over one connection; ``stream`` makes it a ``Stream`` too."""
 
     __slots__ = ("_connection", "_request", "chunked", "started")
 

@@ -10,21 +10,18 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from bench.sim.api import (
+from bench.sim.api import Endpoint, api_key_check, param_routes, routes
+from bench.sim.config import EngineConfig
+from bench.sim.engine import Engine, running_engine
+from bench.sim.exchange import (
     MAX_BODY_BYTES,
-    Endpoint,
     Headers,
     Reply,
     Stream,
-    api_key_check,
     error_reply,
-    param_routes,
-    routes,
     too_large,
     unauthorized,
 )
-from bench.sim.config import EngineConfig
-from bench.sim.engine import Engine, running_engine
 from bench.sim.request_fields import ApiError
 
 ENGINE_KEY = web.AppKey("engine", Engine)
@@ -37,7 +34,7 @@ def _response(reply: Reply) -> web.Response:
 
 
 class _Stream:
-    """``api.Stream`` on a prepared ``web.StreamResponse``."""
+    """``exchange.Stream`` on a prepared ``web.StreamResponse``."""
 
     __slots__ = ("response",)
 
@@ -58,7 +55,7 @@ class _Stream:
 
 
 class _Exchange:
-    """``api.Exchange`` on an aiohttp request."""
+    """``exchange.Exchange`` on an aiohttp request."""
 
     __slots__ = ("_request", "stream_response")
 

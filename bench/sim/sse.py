@@ -1,5 +1,5 @@
 """A streamed completion: the server-sent events vLLM sends for it, written as the
-engine publishes tokens (through an ``api.Stream``, of either front-end)."""
+engine publishes tokens (through an ``exchange.Stream``, of either front-end)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from bench.sim.openai_api import (
 from bench.sim.request import SimRequest
 
 if TYPE_CHECKING:
-    from bench.sim.api import Exchange, Stream
+    from bench.sim.exchange import Exchange, Stream
 
 STREAM_HEADERS: tuple[tuple[str, str], ...] = (
     ("Content-Type", "text/event-stream"),
