@@ -151,6 +151,7 @@ class ExactResidency:
 
     def _hold(self, router_hashes: Iterable[int]) -> None:
         held, speculative, inherited = self._held, self._speculative, self._inherited
+        ordered = self.forecast_queue_evictions
         fresh: list[int] = []
         touched: list[tuple[int, int]] = []
         for h in router_hashes:
@@ -160,15 +161,19 @@ class ExactResidency:
                 continue
             inherited.pop(h, None)
             guess = speculative.pop(h, None)
+            if not ordered:
+                continue
             if guess is None:
                 fresh.append(h)
             else:
                 touched.append((guess[1], h))
-        if not self.forecast_queue_evictions:
-            return
-        # Where the request's end put a block, if that came before the announcement (it
-        # trails the step), in that order; the rest are in use by the request that
-        # stored them: at the tail.
+        if ordered:
+            self._order(fresh, touched)
+
+    def _order(self, fresh: list[int], touched: list[tuple[int, int]]) -> None:
+        """Newly announced blocks into the free-queue order: where the request's end put
+        a block, if that came before the announcement (it trails the step); the rest are
+        in use by the request that stored them, so at the tail."""
         recency, ticks = self._recency, self._ticks
         for tick, h in sorted(touched):
             recency[h] = tick
