@@ -199,26 +199,22 @@ def router_specs(
 ) -> list[RouterSpec]:
     port = config.router_port
     tokens = ("--tokenizer", str(model_dir), "--block-bytes", str(TOKEN_BLOCK_BYTES))
-    exact_config = run_dir / "exact.yaml"
     workers = []
     for i, url in enumerate(urls):
         publish, replay = kv_endpoints(config, base_port, i)
         workers.append({"url": url, "kv_events": {"endpoint": publish, "replay_endpoint": replay}})
-    exact_config.write_text(yaml.safe_dump({"workers": workers}))
-    forecast_config = run_dir / "exact-forecast.yaml"
-    forecast = {"workers": workers, "kv_events": {"forecast_queue_evictions": True}}
-    forecast_config.write_text(yaml.safe_dump(forecast))
     commands = {
         "text": kvrouter_command(config, "ttft", urls, port, "--log-requests"),
         "tokens": kvrouter_command(config, "ttft", urls, port, "--log-requests", *tokens),
-        # The workers come from the file (with their endpoints), not from flags.
-        "exact": kvrouter_command(
-            config, "ttft", (), port, "--log-requests", *tokens, "--config", str(exact_config)
-        ),
-        "exact-forecast": kvrouter_command(
-            config, "ttft", (), port, "--log-requests", *tokens, "--config", str(forecast_config)
-        ),
     }
+    for mode, forecast in (("exact", False), ("exact-forecast", True)):
+        path = run_dir / f"{mode}.yaml"
+        kv_events = {"forecast_queue_evictions": True} if forecast else {}
+        path.write_text(yaml.safe_dump({"workers": workers, "kv_events": kv_events}))
+        # The workers come from the file (with their endpoints), not from flags.
+        commands[mode] = kvrouter_command(
+            config, "ttft", (), port, "--log-requests", *tokens, "--config", str(path)
+        )
     return [
         RouterSpec(mode, (commands[mode],), (port,), stdout=run_dir / f"{mode}.requests")
         for mode in modes
@@ -341,8 +337,7 @@ async def run_agreement(
     results: dict[str, Rounds] = {}
     scorer = RunScorer()
     for row in rows:
-        kv_tokens = row.kv_tokens if row.kv_tokens is not None else config.kv_tokens
-        row_config = dataclasses.replace(config, kv_tokens=kv_tokens, out=config.out / row.name)
+        row_config = row.config(config)
         logs = row_config.out / "logs"
         logs.mkdir(parents=True, exist_ok=True)
 
@@ -356,7 +351,7 @@ async def run_agreement(
             specs,
             workload=row.workload,
             per_engine_flags=engine_flags(row_config, model_dir, base_port, row.per_engine_flags),
-            title=f"{row.name}: {row.description}, {kv_tokens:,} KV tokens per engine",
+            title=f"{row.name}: {row.description}, {row_config.kv_tokens:,} KV tokens per engine",
             after_each=scorer.score,
             when_ready=scorer.ready,
         )

@@ -67,6 +67,11 @@ class Row:
     kv_tokens: int | None = None  # None: the demo's (cache pressure)
     per_engine_flags: tuple[tuple[str, ...], ...] = ()
 
+    def config(self, base: DemoConfig) -> DemoConfig:
+        """``base`` for this row: its memory (the demo's by default), its own output."""
+        kv_tokens = self.kv_tokens if self.kv_tokens is not None else base.kv_tokens
+        return dataclasses.replace(base, kv_tokens=kv_tokens, out=base.out / self.name)
+
 
 def _mooncake_on_azure(config: DemoConfig, traces: Path, rows: int) -> list[Turn]:
     turns = mooncake.load(
@@ -148,11 +153,7 @@ async def run_matrix(
 ) -> dict[str, Rounds]:
     results: dict[str, Rounds] = {}
     for row in selected:
-        row_config = dataclasses.replace(
-            config,
-            out=config.out / row.name,
-            kv_tokens=row.kv_tokens if row.kv_tokens is not None else config.kv_tokens,
-        )
+        row_config = row.config(config)
         console.rule(f"{row.name}: {row.description}")
         results[row.name] = await run_comparison(
             row_config,
