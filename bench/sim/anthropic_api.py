@@ -53,7 +53,7 @@ def usage(sim: SimRequest, block_tokens: int, output_tokens: int) -> dict[str, i
     """Anthropic's usage: the prompt split into read from the cache, written to it (its
     full blocks not read: vLLM's ``num_cache_creation_tokens``) and the rest."""
     read = sim.cached_tokens
-    created = max(0, sim.prompt_tokens // block_tokens * block_tokens - read)
+    created = sim.cache_written_tokens(block_tokens)
     return {
         "input_tokens": max(0, sim.prompt_tokens - read - created),
         "output_tokens": output_tokens,

@@ -125,6 +125,11 @@ class SimRequest:
     def num_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
 
+    def cache_written_tokens(self, block_tokens: int) -> int:
+        """The prompt's tokens this request wrote to the cache: its full blocks it did
+        not find cached (vLLM's ``num_cache_creation_tokens``)."""
+        return max(0, self.prompt_tokens // block_tokens * block_tokens - self.cached_tokens)
+
     @property
     def finished(self) -> bool:
         return self.status is FINISHED

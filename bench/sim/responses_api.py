@@ -68,7 +68,7 @@ def not_found(rid: str) -> ApiError:
 
 def usage(sim: SimRequest, block_tokens: int) -> dict[str, Any]:
     cached = sim.cached_tokens
-    written = max(0, sim.prompt_tokens // block_tokens * block_tokens - cached)
+    written = sim.cache_written_tokens(block_tokens)
     return {
         "input_tokens": sim.prompt_tokens,
         "input_tokens_details": {
