@@ -1,7 +1,7 @@
 """Response shapes of vLLM 0.34's Anthropic Messages API (simulated): the message, its
 server-sent events, ``count_tokens``, usage and errors
 (``docs/engines/vllm-messages-responses.md`` §1.3-1.6). The request side is
-``bench/sim/anthropic_request.py``; the endpoints are ``bench/sim/api.py``'s.
+``router.apis.anthropic_chat.py``; the endpoints are ``bench/sim/api.py``'s.
 
 * The id is chat's: ``chatcmpl-`` and the ``X-Request-Id`` header, else 16 hex digits.
 * usage: vLLM reports the cache split only with ``--enable-prompt-tokens-details``; the

@@ -1,17 +1,18 @@
-"""vLLM's Anthropic Messages endpoints: the request converted (``anthropic_request``), run
+"""vLLM's Anthropic Messages endpoints: the request converted (``router.apis.anthropic_chat``), run
 on the chat path, and answered in Anthropic's shapes (``anthropic_api``)."""
 
 from __future__ import annotations
 
 from bench.sim import anthropic_api
-from bench.sim.anthropic_request import chat_request
 from bench.sim.engine import Engine
 from bench.sim.exchange import Exchange, Reply, Stream, error_reply, json_reply, read_json
 from bench.sim.generation import finished, raise_injected_fault, submit
 from bench.sim.openai_api import parse_request
 from bench.sim.prompts import encode_prompt, num_tokens
-from bench.sim.request_fields import ApiError, requested_model
+from bench.sim.request_fields import ApiError, invalid, requested_model
 from bench.sim.sse import stream_events
+from router.apis.anthropic_chat import chat_request
+from router.apis.invalid import InvalidBody
 
 
 async def messages(engine: Engine, exchange: Exchange) -> Reply | Stream:
@@ -22,6 +23,8 @@ async def messages(engine: Engine, exchange: Exchange) -> Reply | Stream:
         chat = chat_request(await read_json(exchange))
     except ApiError as exc:
         return error_reply(exc)
+    except InvalidBody as exc:
+        return error_reply(invalid(exc))
     try:
         raise_injected_fault(engine)
         parsed = await parse_request(
@@ -48,6 +51,8 @@ async def count_tokens(engine: Engine, exchange: Exchange) -> Reply:
         chat = chat_request(await read_json(exchange), count_only=True)
     except ApiError as exc:
         return error_reply(exc)
+    except InvalidBody as exc:
+        return error_reply(invalid(exc))
     try:
         requested_model(chat, engine.config.served_model_name)
         prompt = await encode_prompt(engine.prompts, "chat", chat)

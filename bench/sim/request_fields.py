@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from router.apis.invalid import InvalidBody
+
 
 class ApiError(Exception):
     """An error answered with vLLM's error body and an HTTP status."""
@@ -28,6 +30,16 @@ class ApiError(Exception):
                 "code": self.status,
             }
         }
+
+
+def invalid(exc: InvalidBody) -> ApiError:
+    """A body field the request model refused, answered as vLLM answers it: by FastAPI's
+    validation (a 400 of type "Bad Request", ``param`` "body.<field>"), else by the
+    server's own check after it."""
+    if not exc.validation:
+        return ApiError(400, exc.message, param=exc.field)
+    detail = {"type": exc.error_type, "loc": ("body", exc.field), "msg": exc.message}
+    return ApiError(400, f"1 validation error:\n  {detail!r}", "Bad Request", f"body.{exc.field}")
 
 
 _ERROR_TYPES = {

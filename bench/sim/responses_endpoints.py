@@ -23,9 +23,10 @@ from bench.sim.openai_api import parse_request
 from bench.sim.request_fields import ApiError, requested_model
 from bench.sim.responses_api import ResponseEvents, ResponseHead, new_item_id, not_found
 from bench.sim.responses_api import response_id as new_response_id
-from bench.sim.responses_request import ResponsesRequest, chat_body, chat_messages, parse
+from bench.sim.responses_request import ResponsesRequest, chat_body, parse
 from bench.sim.responses_store import StoredResponse
 from bench.sim.sse import stream_events
+from router.apis.responses_chat import chat_messages
 
 _NO_STORE_BACKGROUND = (
     "This vLLM engine does not support `store=True` and therefore does not support the "
@@ -84,11 +85,16 @@ def _response_messages(engine: Engine, request: ResponsesRequest) -> list[dict[s
     does not hold (every one, with the store off)."""
     previous_id = request.previous_response_id
     if previous_id is None:
-        return chat_messages(request)
+        return chat_messages(request.instructions, request.input_messages)
     previous = engine.responses.get(previous_id) if engine.config.responses_store else None
     if previous is None:
         raise not_found(previous_id)
-    return chat_messages(request, previous.messages, previous.response["output"])
+    return chat_messages(
+        request.instructions,
+        request.input_messages,
+        previous.messages,
+        previous.response["output"],
+    )
 
 
 async def get_response(engine: Engine, exchange: Exchange) -> Reply:

@@ -1,5 +1,6 @@
 """An Anthropic Messages request (``POST /v1/messages``, ``/v1/messages/count_tokens``)
-checked and turned into the chat completion request vLLM 0.34 runs it as.
+checked and turned into the chat completion request vLLM 0.34 runs it as: what the
+router keys a Messages request by, and what the simulated engine runs.
 
 vLLM's ``AnthropicServingMessages`` (``entrypoints/anthropic/serving.py``) is a chat
 server: it converts the request (``to_chat_completion_request``) and runs the chat path,
@@ -16,9 +17,9 @@ The rules are in ``docs/engines/vllm-messages-responses.md`` §1.1-1.2:
 * ``max_tokens`` is copied to ``max_tokens`` and ``max_completion_tokens``,
   ``stop_sequences`` to ``stop``, ``tools`` to functions, ``tool_choice`` to its chat name.
 
-A body that does not fit the request model is refused as vLLM's pydantic validation
-refuses it: a 400 in OpenAI's shape, ``type`` "Bad Request", ``param`` "body.<field>"
-(not Anthropic's shape; vLLM 0.34 registers no Anthropic validation handler). Not
+A body that does not fit the request model raises ``InvalidBody`` (vLLM answers it as
+its pydantic validation does: a 400 in OpenAI's shape, ``type`` "Bad Request", ``param``
+"body.<field>"; vLLM 0.34 registers no Anthropic validation handler). Not
 simulated: merging inline system messages for templates that refuse them (a startup
 probe in vLLM), ``tool_reference`` items, ``tool_addition``/``tool_removal`` blocks,
 ``thinking``/``output_config`` (accepted, without effect).
@@ -31,7 +32,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.sim.request_fields import ApiError
+from router.apis.invalid import InvalidBody
 from router.tokens.conversation import BILLING_HEADER
 
 # vLLM's VLLM_MAX_STOP_STRINGS.
@@ -53,23 +54,17 @@ TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 _PASSED_ON = ("temperature", "top_p", "top_k", "min_tokens", "cache_salt", "chat_template_kwargs")
 
 
-def invalid(name: str, message: str, error_type: str = "value_error") -> ApiError:
-    """A body field refused as FastAPI's validation refuses it (an OpenAI-shaped 400)."""
-    detail = {"type": error_type, "loc": ("body", name), "msg": message}
-    return ApiError(400, f"1 validation error:\n  {detail!r}", "Bad Request", f"body.{name}")
-
-
 def chat_request(body: Any, count_only: bool = False) -> dict[str, Any]:
     """The chat completion body vLLM runs a Messages request as; ``count_only``: a
     ``count_tokens`` request (no ``max_tokens``, never streamed)."""
     if not isinstance(body, dict):
-        raise invalid("", "Input should be a valid dictionary", "dict_type")
+        raise InvalidBody("", "Input should be a valid dictionary", "dict_type")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise invalid("model", "Field required" if model is None else "model must be non-empty")
+        raise InvalidBody("model", "Field required" if model is None else "model must be non-empty")
     messages = body.get("messages")
     if not isinstance(messages, list):
-        raise invalid("messages", "Field required" if messages is None else "must be a list")
+        raise InvalidBody("messages", "Field required" if messages is None else "must be a list")
     chat: dict[str, Any] = {
         "model": model,
         "messages": [*_system_message(body.get("system")), *chat_messages(messages)],
@@ -77,13 +72,13 @@ def chat_request(body: Any, count_only: bool = False) -> dict[str, Any]:
     if not count_only:
         max_tokens = body.get("max_tokens")
         if max_tokens is None:
-            raise invalid("max_tokens", "Field required", "missing")
+            raise InvalidBody("max_tokens", "Field required", "missing")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise invalid("max_tokens", "max_tokens must be a positive integer")
+            raise InvalidBody("max_tokens", "max_tokens must be a positive integer")
         chat["max_tokens"] = chat["max_completion_tokens"] = max_tokens
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise invalid("stream", "Input should be a valid boolean", "bool_type")
+            raise InvalidBody("stream", "Input should be a valid boolean", "bool_type")
         chat["stream"] = stream
         chat.update(_stop(body.get("stop_sequences")))
         chat.update({k: body[k] for k in _PASSED_ON if body.get(k) is not None})
@@ -105,7 +100,7 @@ def _system_message(system: Any) -> list[dict[str, Any]]:
             if block["type"] == "text" and not str(block["text"]).startswith(BILLING_HEADER)
         )
     else:
-        raise invalid("system", "Input should be a valid string or list")
+        raise InvalidBody("system", "Input should be a valid string or list")
     return [{"role": "system", "content": text}] if text else []
 
 
@@ -114,7 +109,7 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     converted: list[dict[str, Any]] = []
     for message in messages:
         if not isinstance(message, dict) or message.get("role") not in ROLES:
-            raise invalid("messages", f"each message needs a role of {', '.join(ROLES)}")
+            raise InvalidBody("messages", f"each message needs a role of {', '.join(ROLES)}")
         role, content = message["role"], message.get("content")
         if isinstance(content, str):
             if role != "system" or content:
@@ -122,16 +117,16 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         elif isinstance(content, list):
             converted.extend(_block_message(role, _blocks(content, "messages")))
         else:
-            raise invalid("messages", "content must be a string or a list of blocks")
+            raise InvalidBody("messages", "content must be a string or a list of blocks")
     return converted
 
 
 def _blocks(blocks: list[Any], name: str) -> list[Mapping[str, Any]]:
     for block in blocks:
         if not isinstance(block, dict) or block.get("type") not in BLOCK_TYPES:
-            raise invalid(name, f"each content block needs a type of {', '.join(BLOCK_TYPES)}")
+            raise InvalidBody(name, f"each content block needs a type of {', '.join(BLOCK_TYPES)}")
         if block["type"] == "text" and not isinstance(block.get("text"), str):
-            raise invalid(name, "a text block needs a string 'text'")
+            raise InvalidBody(name, "a text block needs a string 'text'")
     return blocks
 
 
@@ -203,7 +198,7 @@ def _tool_result(block: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _image_part(source: Any) -> dict[str, Any]:
     if not isinstance(source, dict):
-        raise invalid("messages", "an image block needs a source")
+        raise InvalidBody("messages", "an image block needs a source")
     if source.get("type") == "base64":
         url = f"data:{source.get('media_type')};base64,{source.get('data')}"
     else:
@@ -215,9 +210,9 @@ def _stop(stop_sequences: Any) -> dict[str, Any]:
     if stop_sequences is None:
         return {}
     if not isinstance(stop_sequences, list) or not all(isinstance(s, str) for s in stop_sequences):
-        raise invalid("stop_sequences", "Input should be a valid list of strings", "list_type")
+        raise InvalidBody("stop_sequences", "Input should be a valid list of strings", "list_type")
     if len(stop_sequences) > MAX_STOP_SEQUENCES:
-        raise invalid("stop_sequences", f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        raise InvalidBody("stop_sequences", f"at most {MAX_STOP_SEQUENCES} stop sequences")
     return {"stop": stop_sequences}
 
 
@@ -227,20 +222,20 @@ def _tools(tools: Any, tool_choice: Any) -> dict[str, Any]:
     chat: dict[str, Any] = {}
     if tools is not None:
         if not isinstance(tools, list):
-            raise invalid("tools", "Input should be a valid list", "list_type")
+            raise InvalidBody("tools", "Input should be a valid list", "list_type")
         chat["tools"] = [_function(tool) for tool in tools]
     if tool_choice is not None:
         if not isinstance(tool_choice, dict):
-            raise invalid("tool_choice", "Input should be a valid dictionary", "dict_type")
+            raise InvalidBody("tool_choice", "Input should be a valid dictionary", "dict_type")
         kind = tool_choice.get("type")
         if kind == "tool":
             if not isinstance(tool_choice.get("name"), str):
-                raise invalid("tool_choice", "tool_choice of type 'tool' needs a name")
+                raise InvalidBody("tool_choice", "tool_choice of type 'tool' needs a name")
             chat["tool_choice"] = {"type": "function", "function": {"name": tool_choice["name"]}}
         elif kind in TOOL_CHOICES:
             chat["tool_choice"] = TOOL_CHOICES[kind]
         else:
-            raise invalid("tool_choice", "type must be one of auto, any, tool, none")
+            raise InvalidBody("tool_choice", "type must be one of auto, any, tool, none")
         chat["parallel_tool_calls"] = not tool_choice.get("disable_parallel_tool_use", False)
     elif chat.get("tools"):
         chat["tool_choice"] = "auto"
@@ -249,12 +244,12 @@ def _tools(tools: Any, tool_choice: Any) -> dict[str, Any]:
 
 def _function(tool: Any) -> dict[str, Any]:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-        raise invalid("tools", "each tool needs a string 'name'")
+        raise InvalidBody("tools", "each tool needs a string 'name'")
     if tool.get("type") not in (None, "custom"):
-        raise invalid("tools", f"tool type {tool.get('type')!r} is not supported")
+        raise InvalidBody("tools", f"tool type {tool.get('type')!r} is not supported")
     schema = tool.get("input_schema")
     if not isinstance(schema, dict):
-        raise invalid("tools", "each tool needs an 'input_schema' object")
+        raise InvalidBody("tools", "each tool needs an 'input_schema' object")
     function = {
         "name": tool["name"],
         "description": tool.get("description"),
