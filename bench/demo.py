@@ -32,6 +32,7 @@ from bench.inprocess import (
     inprocess_router,
     run_virtual,
 )
+from bench.replay.api_bodies import APIS, DEFAULT_API, Api
 from bench.replay.client import Assign, discover_model
 from bench.replay.progress import ProgressDisplay
 from bench.replay.reference import ReferenceParams, capacity_reference
@@ -75,6 +76,7 @@ class DemoConfig:
     host: str = "127.0.0.1"
     repeat: int = DEFAULT_REPEAT
     clock: Clock = DEFAULT_CLOCK
+    api: Api = DEFAULT_API  # the API the replay sends the turns through
 
     @property
     def virtual(self) -> bool:
@@ -319,6 +321,7 @@ async def run_comparison(
                         model=model,
                         time_scale=config.engine_time_scale,
                         request_timeout_s=REQUEST_TIMEOUT_S,
+                        api=config.api,
                     )
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:
@@ -384,6 +387,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "processes on the wall clock sped up by --time-scale (needed "
         "for peer routers)",
     )
+    parser.add_argument(
+        "--api",
+        choices=APIS,
+        default=DEFAULT_API,
+        help="the API the replay speaks: OpenAI chat completions, OpenAI responses "
+        "or Anthropic messages (default %(default)s)",
+    )
 
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:
@@ -400,6 +410,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
         router_port=args.router_port,
         repeat=args.repeat,
         clock=args.clock,
+        api=args.api,
     )
 
 

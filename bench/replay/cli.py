@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
+from bench.replay.api_bodies import APIS, DEFAULT_API
 from bench.replay.client import DEFAULT_REQUEST_TIMEOUT_S, ModelDiscoveryError
 from bench.replay.compare import compare, run_labels
 from bench.replay.progress import ProgressDisplay
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     rp = sub.add_parser(
         "replay",
-        help="replay a trace against an OpenAI-compatible endpoint",
+        help="replay a trace against an OpenAI- or Anthropic-compatible endpoint",
         description="Replay a trace: sessions arrive open-loop at their first turn's "
         "arrival, turns within a session are closed-loop. Times in the result are "
         "simulated seconds (wall-clock x --time-scale).",
@@ -48,6 +49,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     )
     rp.add_argument(
         "--model", metavar="NAME", help="model name (default: the first listed by /v1/models)"
+    )
+    rp.add_argument(
+        "--api",
+        choices=APIS,
+        default=DEFAULT_API,
+        help="the API each turn goes through: OpenAI chat completions, OpenAI "
+        "responses (/v1/responses) or Anthropic messages (/v1/messages); "
+        "default %(default)s",
     )
     rp.add_argument(
         "--concurrency",
@@ -117,6 +126,7 @@ def _replay_command(args: argparse.Namespace) -> int:
             max_sessions=args.max_sessions,
             duration_s=args.duration_s,
             request_timeout_s=args.request_timeout,
+            api=args.api,
         )
         turns = read_trace(args.trace)
     except (ValueError, OSError) as exc:  # TraceFormatError is a ValueError

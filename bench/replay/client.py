@@ -1,20 +1,24 @@
-"""One streaming chat completion against an OpenAI-compatible endpoint, timed.
+"""One streamed reply to a chat turn, timed, through one of the APIs the replay speaks:
+OpenAI's Chat Completions, OpenAI's Responses or Anthropic's Messages (the bodies in
+``bench.replay.api_bodies``, reading the streams in ``bench.replay.api_streams``).
 
 Every failure (an HTTP status other than 200, a connection error, a timeout, an error
-event inside the stream, a stream that stops before ``[DONE]``) is returned in the
+event inside the stream, a stream that stops before its end) is returned in the
 outcome rather than raised: the replay records it and carries on.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Literal
 
 import aiohttp
 import orjson
 
+from bench.replay.api_bodies import BODIES, DEFAULT_API, PATHS, Api, ChatRequest
+from bench.replay.api_streams import MAX_ERROR_CHARS, READERS, StreamOutcome, StreamReader
+from bench.replay.api_streams import stream_error as stream_error  # bench.soak_traffic's
 from bench.replay.sse import iter_sse
 from router.clock import monotonic
 
@@ -25,34 +29,10 @@ ASSIGNS: tuple[Assign, ...] = ("random", "round_robin")
 SESSION_HEADER = "X-Session-Id"
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
-# Error bodies are only kept for the record; a page of HTML is not worth more.
-MAX_ERROR_CHARS = 300
 
 
 class ModelDiscoveryError(RuntimeError):
     """GET /v1/models failed or listed no model."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChatRequest:
-    session: str
-    messages: tuple[Mapping[str, str], ...]
-    max_tokens: int
-
-
-@dataclass(slots=True)
-class StreamOutcome:
-    """What came back; times are wall-clock seconds from sending the request."""
-
-    status: int = 0
-    ttft_s: float | None = None
-    latency_s: float = 0.0
-    reply: str = ""
-    prompt_tokens: int | None = None
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    worker: str | None = None
-    error: str | None = None
 
 
 def open_http_session(
@@ -81,78 +61,22 @@ async def discover_model(http: aiohttp.ClientSession, target: str) -> str:
     return str(models[0]["id"])
 
 
-def _body(model: str, request: ChatRequest) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": list(request.messages),
-        "max_tokens": request.max_tokens,
-        # vLLM extension: generate exactly max_tokens, so replies match the trace.
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "user": request.session,
-    }
-
-
-def stream_error(chunk: Any) -> str | None:
-    """The message of an in-stream error chunk (vLLM and SGLang shapes), else None."""
-    if not isinstance(chunk, dict):
-        return "malformed chunk"
-    error = chunk.get("error")
-    if error is not None:
-        message = error.get("message") if isinstance(error, dict) else error
-        return f"stream error: {message}"
-    if chunk.get("object") == "error":
-        return f"stream error: {chunk.get('message')}"
-    return None
-
-
-def _apply_chunk(
-    outcome: StreamOutcome, chunk: dict[str, Any], elapsed: float, parts: list[str]
-) -> None:
-    for choice in chunk.get("choices") or ():
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            if outcome.ttft_s is None:
-                outcome.ttft_s = elapsed
-            parts.append(content)
-    usage = chunk.get("usage")
-    if isinstance(usage, dict):
-        outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-        outcome.completion_tokens = int(usage.get("completion_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or {}
-        outcome.cached_tokens = int(details.get("cached_tokens") or 0)
-
-
-async def _read_stream(
-    resp: aiohttp.ClientResponse, outcome: StreamOutcome, t0: float, parts: list[str]
-) -> None:
+async def _read_stream(resp: aiohttp.ClientResponse, reader: StreamReader, t0: float) -> None:
     async for event in iter_sse(resp.content):
-        if event.data.strip() == "[DONE]":
+        if reader.feed(event, monotonic() - t0):
             return
-        try:
-            chunk = orjson.loads(event.data)
-        except orjson.JSONDecodeError:
-            outcome.error = f"undecodable chunk: {event.data[:MAX_ERROR_CHARS]}"
-            return
-        outcome.error = stream_error(chunk)
-        if event.event == "error" and outcome.error is None:
-            outcome.error = f"stream error: {event.data[:MAX_ERROR_CHARS]}"
-        if outcome.error is not None:
-            return
-        _apply_chunk(outcome, chunk, monotonic() - t0, parts)
-    outcome.error = "stream ended before [DONE]"
+    reader.outcome.error = reader.end_missing
 
 
 class ChatClient:
-    """Sends chat requests for one model through a shared pooled session.
+    """Sends chat turns for one model, through one API, over a shared pooled session.
 
     With several targets (router replicas behind no load balancer), each request goes
     to the next one (``assign="round_robin"``) or to one picked at random, as a load
     balancer in front of replicas without affinity would do.
     """
 
-    __slots__ = ("_assign", "_http", "_model", "_next", "_rng", "_urls")
+    __slots__ = ("_api", "_assign", "_http", "_model", "_next", "_rng", "_urls")
 
     def __init__(
         self,
@@ -162,10 +86,12 @@ class ChatClient:
         more_targets: Sequence[str] = (),
         seed: int = 0,
         assign: Assign = "random",
+        api: Api = DEFAULT_API,
     ) -> None:
         self._http = http
         self._model = model
-        self._urls = [f"{t.rstrip('/')}/v1/chat/completions" for t in (target, *more_targets)]
+        self._api = api
+        self._urls = [f"{t.rstrip('/')}{PATHS[api]}" for t in (target, *more_targets)]
         self._rng = random.Random(seed)
         self._assign = assign
         self._next = 0
@@ -181,14 +107,13 @@ class ChatClient:
 
     async def stream_chat(self, request: ChatRequest) -> StreamOutcome:
         outcome = StreamOutcome()
-        parts: list[str] = []
+        reader = READERS[self._api](outcome)
+        body = BODIES[self._api](self._model, request)
         headers = {SESSION_HEADER: request.session, "Content-Type": "application/json"}
         t0 = monotonic()
         try:
             url = self._url()
-            async with self._http.post(
-                url, data=orjson.dumps(_body(self._model, request)), headers=headers
-            ) as resp:
+            async with self._http.post(url, data=orjson.dumps(body), headers=headers) as resp:
                 outcome.status = resp.status
                 outcome.worker = resp.headers.get(WORKER_HEADER)
                 if resp.status != 200:
@@ -196,10 +121,10 @@ class ChatClient:
                     text = head.decode("utf-8", errors="replace")
                     outcome.error = f"HTTP {resp.status}: {text}"
                 else:
-                    await _read_stream(resp, outcome, t0, parts)
+                    await _read_stream(resp, reader, t0)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # ValueError: aiohttp's reader refuses a line longer than its buffer.
             outcome.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
         outcome.latency_s = monotonic() - t0
-        outcome.reply = "".join(parts)
+        outcome.reply = reader.reply()
         return outcome

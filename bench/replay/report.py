@@ -93,7 +93,7 @@ def print_run_report(result: RunResult, console: Console) -> Summary:
     meta = result.meta
     summary = summarize(result.records, meta.duration_s)
     console.print(
-        f"replay {meta.trace} -> {meta.target}  model={meta.model}  "
+        f"replay {meta.trace} -> {meta.target}  api={meta.api}  model={meta.model}  "
         f"time scale={meta.time_scale:g}  concurrency={meta.concurrency}",
         highlight=False,
         markup=False,

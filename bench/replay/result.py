@@ -9,7 +9,7 @@ File layout (JSON)::
 
     {"schema": "kvrouter.replay/1",
      "meta": {target, trace, model, time_scale, concurrency, started_at, duration_s,
-              time_unit},
+              api, time_unit},
      "summary": {...},        # for people and jq; loaders recompute it from the records
      "records": [{session, turn, start, ttft_s, latency_s, prompt_tokens, cached_tokens,
                   oracle_cached_tokens, completion_tokens, worker, error, status}, ...]}
@@ -65,6 +65,7 @@ class RunMeta:
     concurrency: int
     started_at: str  # ISO 8601, UTC
     duration_s: float  # simulated
+    api: str = "chat"  # bench.replay.api_bodies.Api; results written before it: chat
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench.block_hash import DEFAULT_BLOCK_TOKENS
+from bench.replay.api_bodies import APIS, DEFAULT_API, Api, ChatRequest
 from bench.replay.client import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Assign,
     ChatClient,
-    ChatRequest,
     discover_model,
     open_http_session,
 )
@@ -60,6 +60,7 @@ class ReplayConfig:
     duration_s: float | None = None  # simulated seconds
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # wall seconds
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    api: Api = DEFAULT_API  # which API carries the turns (bench.replay.api_bodies)
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -70,6 +71,7 @@ class ReplayConfig:
             (self.duration_s is None or self.duration_s > 0, "duration must be > 0"),
             (self.request_timeout_s > 0, "request_timeout must be > 0"),
             (self.block_tokens >= 1, "block_tokens must be >= 1"),
+            (self.api in APIS, f"api must be one of {', '.join(APIS)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -174,7 +176,9 @@ async def replay(
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     async with open_http_session(config.concurrency, config.request_timeout_s) as http:
         model = config.model or await discover_model(http, target)
-        client = ChatClient(http, target, model, config.more_targets, assign=config.assign)
+        client = ChatClient(
+            http, target, model, config.more_targets, assign=config.assign, api=config.api
+        )
         run = _Run(config, client, sink)
         await run.launch(sessions)
         duration = run.elapsed() * config.time_scale
@@ -187,5 +191,6 @@ async def replay(
         concurrency=config.concurrency,
         started_at=started_at,
         duration_s=duration,
+        api=config.api,
     )
     return RunResult(meta, tuple(records))

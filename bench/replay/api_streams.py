@@ -1,0 +1,211 @@
+"""Reading one streamed reply, in each API the replay speaks, into a ``StreamOutcome``.
+
+A reader is fed the stream's server-sent events in order (``feed``) and says when the
+stream is over; a stream that stops before that is an error (``end_missing``). What each
+reads (``docs/engines/vllm-messages-responses.md`` §1.4, §2.4):
+
+* ``chat``: ``data:`` chunks; text in ``choices[].delta.content``; usage in the chunk
+  ``stream_options.include_usage`` adds (``prompt_tokens``,
+  ``prompt_tokens_details.cached_tokens``, ``completion_tokens``); ends at ``[DONE]``.
+* ``responses``: typed events; text in ``response.output_text.delta``'s ``delta``; usage
+  in the terminal ``response.completed`` (or ``response.incomplete``, a reply cut at
+  ``max_output_tokens``) event's ``response.usage``: ``input_tokens`` (the whole
+  prompt), ``input_tokens_details.cached_tokens``, ``output_tokens``. No ``[DONE]``.
+  ``response.failed`` is an error. (vLLM 0.34 sends nothing on a failure mid-stream: the
+  stream just stops, which is an error here too.)
+* ``messages``: Anthropic events; text in ``content_block_delta``s whose delta is a
+  ``text_delta``; usage in ``message_start.message.usage``, updated by the final
+  ``message_delta.usage``: the prompt is ``input_tokens + cache_read_input_tokens +
+  cache_creation_input_tokens`` (Anthropic counts the cache apart), the cached part
+  ``cache_read_input_tokens``. Ends at ``message_stop``.
+
+In every API an ``error`` event, or a chunk with an ``error`` object (OpenAI's and
+Anthropic's shapes, SGLang's ``object: "error"``), ends the stream with an error. TTFT
+is the time of the first non-empty text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import orjson
+
+from bench.replay.api_bodies import Api
+from bench.replay.sse import SseEvent
+
+# Error bodies are only kept for the record; a page of HTML is not worth more.
+MAX_ERROR_CHARS = 300
+
+
+@dataclass(slots=True)
+class StreamOutcome:
+    """What came back; times are wall-clock seconds from sending the request."""
+
+    status: int = 0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    reply: str = ""
+    prompt_tokens: int | None = None
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    worker: str | None = None
+    error: str | None = None
+
+
+def stream_error(chunk: Any) -> str | None:
+    """The message of an in-stream error chunk (vLLM, SGLang and Anthropic shapes), else
+    None."""
+    if not isinstance(chunk, dict):
+        return "malformed chunk"
+    error = chunk.get("error")
+    if error is not None:
+        message = error.get("message") if isinstance(error, dict) else error
+        return f"stream error: {message}"
+    if chunk.get("object") == "error":
+        return f"stream error: {chunk.get('message')}"
+    return None
+
+
+def _int(mapping: Any, key: str) -> int:
+    value = mapping.get(key) if isinstance(mapping, dict) else None
+    return int(value) if isinstance(value, int | float) else 0
+
+
+class StreamReader:
+    """One stream's reader: the outcome it fills, the reply's text so far; what every
+    API shares (decoding an event, error events, the text and its TTFT)."""
+
+    __slots__ = ("_parts", "outcome")
+    end_missing: ClassVar[str] = "stream ended early"  # the error when it stops early
+
+    def __init__(self, outcome: StreamOutcome) -> None:
+        self.outcome = outcome
+        self._parts: list[str] = []
+
+    def reply(self) -> str:
+        return "".join(self._parts)
+
+    def feed(self, event: SseEvent, elapsed: float) -> bool:
+        """Take the next event, ``elapsed`` seconds after the request was sent; True:
+        the stream is over (its end arrived, or ``outcome.error`` says why not)."""
+        raise NotImplementedError
+
+    def _load(self, event: SseEvent) -> dict[str, Any] | None:
+        """The event's JSON; None (with ``outcome.error`` set) for an error or junk."""
+        try:
+            chunk = orjson.loads(event.data)
+        except orjson.JSONDecodeError:
+            self.outcome.error = f"undecodable chunk: {event.data[:MAX_ERROR_CHARS]}"
+            return None
+        error = stream_error(chunk)
+        if error is None and (event.event == "error" or chunk.get("type") == "error"):
+            error = f"stream error: {event.data[:MAX_ERROR_CHARS]}"
+        if error is not None:
+            self.outcome.error = error[:MAX_ERROR_CHARS]
+            return None
+        assert isinstance(chunk, dict)  # stream_error refuses anything else
+        return chunk
+
+    def _text(self, text: Any, elapsed: float) -> None:
+        if isinstance(text, str) and text:
+            if self.outcome.ttft_s is None:
+                self.outcome.ttft_s = elapsed
+            self._parts.append(text)
+
+
+class ChatStream(StreamReader):
+    __slots__ = ()
+    end_missing: ClassVar[str] = "stream ended before [DONE]"
+
+    def feed(self, event: SseEvent, elapsed: float) -> bool:
+        if event.data.strip() == "[DONE]":
+            return True
+        chunk = self._load(event)
+        if chunk is None:
+            return True
+        for choice in chunk.get("choices") or ():
+            self._text((choice.get("delta") or {}).get("content"), elapsed)
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            outcome = self.outcome
+            outcome.prompt_tokens = _int(usage, "prompt_tokens")
+            outcome.completion_tokens = _int(usage, "completion_tokens")
+            outcome.cached_tokens = _int(usage.get("prompt_tokens_details"), "cached_tokens")
+        return False
+
+
+class ResponsesStream(StreamReader):
+    __slots__ = ()
+    end_missing: ClassVar[str] = "stream ended before response.completed"
+    _ENDS = ("response.completed", "response.incomplete")
+
+    def feed(self, event: SseEvent, elapsed: float) -> bool:
+        chunk = self._load(event)
+        if chunk is None:
+            return True
+        kind = chunk.get("type") or event.event
+        if kind == "response.output_text.delta":
+            self._text(chunk.get("delta"), elapsed)
+        elif kind in self._ENDS:
+            usage = (chunk.get("response") or {}).get("usage")
+            if isinstance(usage, dict):
+                outcome = self.outcome
+                outcome.prompt_tokens = _int(usage, "input_tokens")
+                outcome.cached_tokens = _int(usage.get("input_tokens_details"), "cached_tokens")
+                outcome.completion_tokens = _int(usage, "output_tokens")
+            return True
+        elif kind == "response.failed":
+            error = (chunk.get("response") or {}).get("error")
+            message = error.get("message") if isinstance(error, dict) else error
+            self.outcome.error = f"response failed: {message}"[:MAX_ERROR_CHARS]
+            return True
+        return False
+
+
+class MessagesStream(StreamReader):
+    __slots__ = ("_usage",)
+    end_missing: ClassVar[str] = "stream ended before message_stop"
+
+    def __init__(self, outcome: StreamOutcome) -> None:
+        super().__init__(outcome)
+        self._usage: dict[str, Any] = {}
+
+    def feed(self, event: SseEvent, elapsed: float) -> bool:
+        chunk = self._load(event)
+        if chunk is None:
+            return True
+        kind = chunk.get("type") or event.event
+        if kind == "content_block_delta":
+            delta = chunk.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                self._text(delta.get("text"), elapsed)
+        elif kind == "message_start":
+            self._take_usage((chunk.get("message") or {}).get("usage"))
+        elif kind == "message_delta":
+            self._take_usage(chunk.get("usage"))
+        elif kind == "message_stop":
+            return True
+        return False
+
+    def _take_usage(self, usage: Any) -> None:
+        """Anthropic's final usage may carry only ``output_tokens``: a later usage
+        overrides the fields it has, the rest stand."""
+        if not isinstance(usage, dict):
+            return
+        self._usage.update((k, v) for k, v in usage.items() if v is not None)
+        got, outcome = self._usage, self.outcome
+        outcome.cached_tokens = _int(got, "cache_read_input_tokens")
+        outcome.prompt_tokens = (
+            _int(got, "input_tokens")
+            + outcome.cached_tokens
+            + _int(got, "cache_creation_input_tokens")
+        )
+        outcome.completion_tokens = _int(got, "output_tokens")
+
+
+READERS: dict[Api, type[StreamReader]] = {
+    "chat": ChatStream,
+    "responses": ResponsesStream,
+    "messages": MessagesStream,
+}
