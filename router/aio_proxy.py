@@ -1,13 +1,17 @@
-"""The two completion routes on the aiohttp app. The router's own server
-(``router.front``) serves them itself in their common shape; what it hands the app (a
-Content-Encoding, HTTP/1.0) is served here by the same ``router.proxy.serve``."""
+"""The keyed routes (chat, completions, Responses, Messages) on the aiohttp app. The
+router's own server (``router.front``) serves them itself in their common shape; what it
+hands the app (a Content-Encoding, HTTP/1.0) is served here by the same
+``router.proxy.serve``."""
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.errors import PayloadTooLarge
+from router.apis.kinds import APIS
+from router.errors import PayloadTooLarge, RouterError
 from router.parse import Kind
 from router.proxy import Headers, serve
 from router.state import STATE_KEY
@@ -43,12 +47,11 @@ def _decoded(headers: Headers) -> CIMultiDict[str]:
     return CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)
 
 
-async def handle_chat(http: web.Request) -> web.StreamResponse:
-    return await _handle(http, "chat")
+def handler_for(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(http: web.Request) -> web.StreamResponse:
+        return await _handle(http, kind)
 
-
-async def handle_completions(http: web.Request) -> web.StreamResponse:
-    return await _handle(http, "completion")
+    return handle
 
 
 async def _read_body(http: web.Request, limit: int) -> bytes:
@@ -64,6 +67,10 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     state = http.app[STATE_KEY]
     raw = await _read_body(http, state.config.max_body_bytes)
     reply = AiohttpReply(http)
-    await serve(state, kind, raw, http.raw_headers, reply)
+    try:
+        await serve(state, kind, raw, http.raw_headers, reply)
+    except RouterError as exc:
+        exc.shape = APIS[kind].error_body
+        raise
     assert reply.response is not None, "serve answers or raises"
     return reply.response

@@ -17,10 +17,11 @@ import orjson
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
-from router import __version__, discovery
+from router import __version__, discovery, passthrough
 from router.admin import add_routes
 from router.admission import Admission
-from router.aio_proxy import handle_chat, handle_completions
+from router.aio_proxy import handler_for
+from router.apis.kinds import APIS
 from router.auth import Unauthenticated, authorized, bearers
 from router.config import ENGINE_TOKENIZER, RouterConfig
 from router.errors import (
@@ -30,6 +31,7 @@ from router.errors import (
     RequestTimeout,
     RouterError,
 )
+from router.front_request import authorized_by
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
 from router.kv_events.metrics import KvEventMetrics
@@ -74,7 +76,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except RouterError as exc:
         if STATE_KEY in request.app and exc.status >= 400:
             request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
-        response = _json(exc.body(), exc.status)
+        response = _json(exc.answer_body(), exc.status)
         response.headers.update(exc.headers())
         if exc.closes_connection:
             response.force_close()
@@ -328,14 +330,15 @@ def _bearer_matches(request: web.Request, token: str) -> bool:
 
 
 def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
-    """With ``api_keys`` set, /v1/ requests need ``Authorization: Bearer <one of them>``."""
+    """With ``api_keys`` set, /v1/ requests need ``Authorization: Bearer <one of them>``
+    (or ``x-api-key: <one of them>``)."""
     accepted = bearers(keys)
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/"):
-            given = header_bytes(request.headers.get("Authorization", ""))
-            if not authorized(given, accepted):
+            headers = [(k.lower(), header_bytes(v)) for k, v in request.headers.items()]
+            if not authorized_by([(k.encode(), v) for k, v in headers], accepted):
                 raise Unauthenticated("missing or invalid API key")
         return await handler(request)
 
@@ -424,8 +427,10 @@ def create_app(config: RouterConfig) -> web.Application:
     )
     app[CONFIG_KEY] = config
     app.cleanup_ctx.append(_state_ctx)
-    add_route(app, "POST", "/v1/chat/completions", handle_chat)
-    add_route(app, "POST", "/v1/completions", handle_completions)
+    for api in APIS.values():
+        add_route(app, "POST", api.path.decode(), handler_for(api.kind))
+    for method, path, handler in passthrough.ROUTES:
+        add_route(app, method, path, handler)
     for path, handler in (
         ("/v1/models", models),
         ("/health", health),

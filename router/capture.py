@@ -1,32 +1,59 @@
-"""Reads a response as it passes through: the reply text and the engine's usage.
+"""Reads a response as it passes through: the reply and the engine's usage.
 
 The reply feeds a ``ChainExtender`` (so the next turn matches its whole history) and is
-never kept whole; usage gives the engine-reported cached tokens. Capture is best effort:
-a line that does not parse, or one longer than ``MAX_LINE_BYTES``, stops capturing and
-never affects what the client receives.
+never kept whole: its text as it streams, its tool calls (bounded) to be appended as the
+next turn's assistant message carries them. Usage gives the engine-reported prompt and
+cached tokens. Capture is best effort: a line that does not parse, or one longer than
+``MAX_LINE_BYTES``, stops capturing and never affects what the client receives.
+
+``ReplyCapture`` reads the stream; each API reads its own events: chat and completions
+here, Responses and Messages in ``router.apis``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
-from router.prefix import ChainExtender
+from router.prefix import ChainExtender, render_tool_calls
 
 MAX_LINE_BYTES = 1 << 20
+# The most of a reply's tool calls kept until the reply ends.
+MAX_TOOL_CALL_BYTES = 1 << 20
+
+
+def count(value: Any) -> int | None:
+    """A token count from a usage field: an int, else unknown."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class ReplyCapture:
-    __slots__ = ("_chat", "_extender", "_partial", "broken", "errored", "usage")
+    __slots__ = (
+        "_extender",
+        "_partial",
+        "_tool_bytes",
+        "_tool_calls",
+        "broken",
+        "cached_tokens",
+        "completion_tokens",
+        "errored",
+        "prompt_tokens",
+        "response_id",
+    )
 
-    def __init__(self, extender: ChainExtender | None, chat: bool) -> None:
+    def __init__(self, extender: ChainExtender | None) -> None:
         self._extender = extender
-        self._chat = chat
         self._partial = bytearray()
-        self.usage: dict[str, Any] | None = None
+        self._tool_calls: list[dict[str, Any]] = []
+        self._tool_bytes = 0
         self.errored = False  # the stream carried an error event
         self.broken = False  # capture gave up; the reply is incomplete
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None  # None: the engine did not say
+        self.completion_tokens = 0
+        self.response_id: str | None = None  # a Responses reply's id
 
     def feed_stream(self, chunk: bytes) -> None:
         """A chunk of an SSE stream (lines may be split across chunks)."""
@@ -43,47 +70,52 @@ class ReplyCapture:
             if line.startswith(b"data:"):
                 payload = line[5:].strip()
                 if payload and payload != b"[DONE]":
-                    self._event(payload)
+                    obj = self._parse(payload)
+                    if obj is not None:
+                        self._event(obj)
 
     def feed_whole(self, body: bytes) -> None:
         """A complete (non-streaming) JSON response."""
-        try:
-            obj = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            self._give_up()
-            return
-        if isinstance(obj, dict):
-            self._take(obj, whole=True)
+        obj = self._parse(body)
+        if obj is not None:
+            self._whole(obj)
 
-    def _event(self, payload: bytes | bytearray) -> None:
+    def _parse(self, payload: bytes | bytearray) -> dict[str, Any] | None:
         try:
             obj = orjson.loads(payload)
         except orjson.JSONDecodeError:
             self._give_up()
-            return
-        if isinstance(obj, dict):
-            self._take(obj, whole=False)
+            return None
+        return obj if isinstance(obj, dict) else None
 
-    def _take(self, obj: dict[str, Any], whole: bool) -> None:
-        if "error" in obj:
-            self.errored = True
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            self.usage = usage
-        choices = obj.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            return
-        choice = choices[0]
-        if self._chat:
-            part = choice.get("message" if whole else "delta")
-            text = part.get("content") if isinstance(part, dict) else None
-            if isinstance(part, dict) and part.get("tool_calls"):
-                self._give_up()  # tool-call replies are not reconstructed
-                return
-        else:
-            text = choice.get("text")
+    def _event(self, obj: dict[str, Any]) -> None:
+        """One event of a stream."""
+        raise NotImplementedError
+
+    def _whole(self, obj: dict[str, Any]) -> None:
+        """A whole reply."""
+        raise NotImplementedError
+
+    def _text(self, text: Any) -> None:
         if isinstance(text, str) and self._extender is not None:
             self._extender.feed(text)
+
+    def _tool_call(self, call_id: Any, name: Any, arguments: Any) -> None:
+        """A tool call of the reply, as the next turn's chat message carries it."""
+        if not isinstance(name, str) or not isinstance(arguments, str):
+            self._give_up()
+            return
+        self._tool_bytes += len(name) + len(arguments)
+        if self._tool_bytes > MAX_TOOL_CALL_BYTES:
+            self._give_up()
+            return
+        function = {"name": name, "arguments": arguments}
+        self._tool_calls.append({"id": call_id, "type": "function", "function": function})
+
+    def _usage(self, prompt: Any, cached: Any, completion: Any) -> None:
+        self.prompt_tokens = count(prompt)
+        self.cached_tokens = count(cached)
+        self.completion_tokens = count(completion) or 0
 
     def _give_up(self) -> None:
         self.broken = True
@@ -93,20 +125,74 @@ class ReplyCapture:
         """Hashes the reply adds to the chain; empty if the reply is unusable."""
         if self._extender is None or self.broken or self.errored:
             return []
+        if self._tool_calls:
+            calls, self._tool_calls = self._tool_calls, []
+            self._extender.feed_bytes(render_tool_calls(calls))
         return self._extender.finish()
 
-    @property
-    def cached_tokens(self) -> int | None:
-        details = (self.usage or {}).get("prompt_tokens_details")
-        value = details.get("cached_tokens") if isinstance(details, dict) else None
-        return value if isinstance(value, int) else None
 
-    @property
-    def completion_tokens(self) -> int:
-        value = (self.usage or {}).get("completion_tokens")
-        return value if isinstance(value, int) else 0
+def _details(usage: Mapping[str, Any], name: str, field: str) -> Any:
+    details = usage.get(name)
+    return details.get(field) if isinstance(details, dict) else None
 
-    @property
-    def prompt_tokens(self) -> int | None:
-        value = (self.usage or {}).get("prompt_tokens")
-        return value if isinstance(value, int) else None
+
+class ChatCapture(ReplyCapture):
+    """A chat completion: ``choices[0].delta.content`` as it streams, ``message.content``
+    whole; a reply with tool calls is not reconstructed."""
+
+    __slots__ = ()
+
+    def _event(self, obj: dict[str, Any]) -> None:
+        self._take(obj, "delta")
+
+    def _whole(self, obj: dict[str, Any]) -> None:
+        self._take(obj, "message")
+
+    def _take(self, obj: dict[str, Any], part_name: str) -> None:
+        if "error" in obj:
+            self.errored = True
+        _openai_usage(self, obj)
+        choice = _first_choice(obj)
+        if choice is None:
+            return
+        part = choice.get(part_name)
+        if not isinstance(part, dict):
+            return
+        if part.get("tool_calls"):
+            self._give_up()
+            return
+        self._text(part.get("content"))
+
+
+class CompletionCapture(ReplyCapture):
+    """A completion: ``choices[0].text``; the next prompt continues it directly."""
+
+    __slots__ = ()
+
+    def _event(self, obj: dict[str, Any]) -> None:
+        self._whole(obj)
+
+    def _whole(self, obj: dict[str, Any]) -> None:
+        if "error" in obj:
+            self.errored = True
+        _openai_usage(self, obj)
+        choice = _first_choice(obj)
+        if choice is not None:
+            self._text(choice.get("text"))
+
+
+def _openai_usage(capture: ReplyCapture, obj: Mapping[str, Any]) -> None:
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        capture._usage(
+            usage.get("prompt_tokens"),
+            _details(usage, "prompt_tokens_details", "cached_tokens"),
+            usage.get("completion_tokens"),
+        )
+
+
+def _first_choice(obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        return choices[0]
+    return None

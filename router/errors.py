@@ -20,6 +20,7 @@ its answer: ``status``, ``body()``, ``headers()``, and a closed connection where
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 
@@ -35,6 +36,12 @@ class RouterError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
+        # The API the error answers a request of, when not OpenAI's (router.apis.kinds).
+        self.shape: Callable[[RouterError], dict[str, Any]] | None = None
+
+    def answer_body(self) -> dict[str, Any]:
+        """The body the client reads: ``body()``, in its API's shape."""
+        return self.body() if self.shape is None else self.shape(self)
 
     def body(self) -> dict[str, Any]:
         return {

@@ -39,6 +39,7 @@ import orjson
 from aiohttp.tcp_helpers import tcp_keepalive
 
 from router import wire
+from router.apis.kinds import APIS
 from router.auth import Unauthenticated
 from router.errors import (
     BadRequest,
@@ -284,6 +285,7 @@ class FrontConnection(asyncio.Protocol):
                 raise Unauthenticated("missing or invalid API key")
             await serve(state, kind, body, message.headers, reply)
         except RouterError as exc:
+            exc.shape = APIS[kind].error_body
             if reply.started:  # a bug of ours: errors are raised before the answer starts
                 log.error("error after the answer began: %r", exc)
                 reply.keep_alive = False
@@ -300,7 +302,9 @@ class FrontConnection(asyncio.Protocol):
             reply.keep_alive = False
             if not reply.started:
                 state.metrics.rejected.labels("500").inc()
-                self._answer_error(RouterError("internal error"), close=True)
+                error = RouterError("internal error")
+                error.shape = APIS[kind].error_body
+                self._answer_error(error, close=True)
         finally:
             self._finished(reply.keep_alive and reply.ended)
 
@@ -324,7 +328,7 @@ class FrontConnection(asyncio.Protocol):
         if transport is None or transport.is_closing():
             return
         headers = [*_JSON, *((k.encode(), v.encode()) for k, v in error.headers().items())]
-        body = orjson.dumps(error.body())
+        body = orjson.dumps(error.answer_body())
         transport.write(
             wire.head(error.status, headers, wire.content_length(len(body)), close) + body
         )

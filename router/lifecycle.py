@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from policies.base import Outcome, RouteRequest
 from router.admission import Admission
-from router.errors import ModelNotFound
+from router.errors import ModelNotFound, NoEligibleWorker
 from router.parse import ClientRequest
 from router.routing import Dispatch, EngineUsage, Router
 from router.workers import Worker
@@ -28,6 +28,7 @@ class RequestLifecycle:
     __slots__ = (
         "_admission",
         "_candidates",
+        "_holder",
         "_router",
         "arrived",
         "remote_matches",
@@ -43,6 +44,7 @@ class RequestLifecycle:
         request: ClientRequest,
         request_id: str,
         arrived: float,
+        holder: Worker | None = None,
     ) -> None:
         if not router.fleet.serves(request.model):
             raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
@@ -53,6 +55,8 @@ class RequestLifecycle:
         self.route: RouteRequest = router.route_request(request, request_id)
         self.tried: list[str] = []  # workers whose attempt failed before the first byte
         self._candidates: list[Worker] | None = None
+        # The one worker the request may go to (it continues a response stored there).
+        self._holder = holder
         # Blocks of the prompt each worker holds according to the other replicas, when
         # the proxy asked (router.shared.path); None: the local index alone.
         self.remote_matches: dict[str, int] | None = None
@@ -63,18 +67,33 @@ class RequestLifecycle:
         await self._admission.wait_for_room(self._has_room)
 
     def _has_room(self) -> bool:
-        self._candidates = self._router.eligible(self.request.model, self.tried)
+        self._candidates = self._eligible()
         return Router.room_among(self._candidates, self._admission.limit)
+
+    def _eligible(self) -> list[Worker]:
+        holder = self._holder
+        if holder is None:
+            return self._router.eligible(self.request.model, self.tried)
+        # Draining or not, only it can serve the request; down, nobody can.
+        usable = holder.healthy and holder.breaker.allows() and holder.name not in self.tried
+        return [holder] if usable else []
 
     def candidates(self) -> list[Worker]:
         """The workers the next dispatch chooses from (the admission check's, if fresh)."""
         if self._candidates is None:
-            self._candidates = self._router.eligible(self.request.model, self.tried)
+            self._candidates = self._eligible()
         return self._candidates
 
     def dispatch(self) -> Dispatch:
         """The next attempt, on a worker not tried yet; raises ``NoEligibleWorker``."""
         candidates, self._candidates = self._candidates, None
+        if candidates is None:
+            candidates = self._eligible()
+        if not candidates and self._holder is not None:
+            raise NoEligibleWorker(
+                f"the worker that stored this response ({self._holder.name}) cannot take "
+                "requests now"
+            )
         if self.tried:
             self._router.recorder.retried(self.tried[-1])
         return self._router.dispatch(

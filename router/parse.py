@@ -8,18 +8,25 @@ only at C speed. Malformed input of any shape ends in ``BadRequest``.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
 import xxhash
 
+from router.apis.views import OWN_SESSION, ChatView, messages_chat, responses_chat
 from router.config import RequestLimits
 from router.errors import BadRequest
 from router.prefix import PrefixKey, chain_seed, prefix_key, render_chat_history, render_prompt
 
-Kind = Literal["chat", "completion"]
+# The client APIs the router keys and routes: a Responses or Messages request is keyed as
+# the chat request the engine runs it as (router.apis).
+Kind = Literal["chat", "completion", "responses", "messages"]
+CONVERTED: dict[Kind, Callable[[Mapping[str, Any]], ChatView]] = {
+    "messages": messages_chat,
+    "responses": responses_chat,
+}
 DEFAULT_LIMITS = RequestLimits()
 
 
@@ -37,6 +44,9 @@ class ClientRequest:
     # one (its prompt; router.prefix.render_chat_history). A completion's prompt has no
     # turns to tell apart: 1, any cached prefix.
     history_blocks: int = 0
+    # A Responses request continuing a stored response (``previous_response_id``): it
+    # must reach the worker that stored it, and its prompt is that worker's secret.
+    continues: str | None = None
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -163,8 +173,17 @@ class RequestBody:
     stream: bool
     session_key: str | None
     seed: int  # the chain's seed: the model and the cache salt
-    messages: Sequence[Mapping[str, Any]] | None  # chat
+    messages: Sequence[Mapping[str, Any]] | None  # chat, and the APIs converted to it
     prompt: str | Sequence[int] | None  # completions
+    # For the converted APIs, the chat request's fields (``fields`` is what the client
+    # sent); for chat and completions ``fields`` itself.
+    chat_fields: Mapping[str, Any] | None = None
+    continues: str | None = None  # Responses' previous_response_id
+
+    @property
+    def rendered_fields(self) -> Mapping[str, Any]:
+        """The fields that decide what the engine renders: a chat or completion body."""
+        return self.fields if self.chat_fields is None else self.chat_fields
 
 
 def read_request(
@@ -180,15 +199,12 @@ def read_request(
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' must be a non-empty string", param="model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise BadRequest("'stream' must be a boolean", param="stream")
-    salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise BadRequest("'cache_salt' must be a string", param="cache_salt")
+    convert = CONVERTED.get(kind)
+    if convert is not None:
+        view = convert(body)
+        return _converted(kind, raw, body, view, session_header, session_fields, limits)
+    model = _model(body)
+    stream = _stream(body)
     session_key = session_key_of(body, session_header, session_fields, limits.max_session_key_bytes)
     chat = kind == "chat"
     return RequestBody(
@@ -196,16 +212,69 @@ def read_request(
         model=model,
         raw=raw,
         fields=body,
-        stream=bool(stream),
+        stream=stream,
         session_key=session_key,
-        seed=chain_seed(model, salt),
+        seed=_seed(body),
         messages=_check_messages(body.get("messages"), limits) if chat else None,
         prompt=None if chat else _prompt(body.get("prompt")),
     )
 
 
+def _model(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    return model
+
+
+def _stream(body: Mapping[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest("'stream' must be a boolean", param="stream")
+    return bool(stream)
+
+
+def _seed(body: Mapping[str, Any]) -> int:
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("'cache_salt' must be a string", param="cache_salt")
+    return chain_seed(_model(body), salt)
+
+
+def _converted(
+    kind: Kind,
+    raw: bytes,
+    body: Mapping[str, Any],
+    chat: ChatView,
+    session_header: str | bytes | None,
+    session_fields: Sequence[str],
+    limits: RequestLimits,
+) -> RequestBody:
+    """A Responses or Messages request, keyed as the chat request ``chat``."""
+    max_bytes = limits.max_session_key_bytes
+    session_key = session_key_of(body, session_header, session_fields, max_bytes) or session_key_of(
+        chat.own_session, None, OWN_SESSION, max_bytes
+    )
+    messages = chat.fields["messages"]
+    return RequestBody(
+        kind=kind,
+        model=_model(chat.fields),
+        raw=raw,
+        fields=body,
+        stream=_stream(body),
+        session_key=session_key,
+        seed=_seed(chat.fields),
+        messages=_check_messages(messages, limits) if messages else (),
+        prompt=None,
+        chat_fields=chat.fields,
+        continues=chat.continues,
+    )
+
+
 def keyed_by_text(body: RequestBody, block_bytes: int) -> ClientRequest:
     """The request keyed by its canonical bytes (router.prefix): the default mode."""
+    if body.continues is not None:
+        return keyed_blind(body)
     if body.messages is not None:
         canonical, history_bytes = _render_chat(body.messages)
         return keyed(body, canonical, history_bytes // block_bytes, block_bytes, True)
@@ -213,10 +282,26 @@ def keyed_by_text(body: RequestBody, block_bytes: int) -> ClientRequest:
     return keyed(body, render_prompt(body.prompt), 1, block_bytes, isinstance(body.prompt, str))
 
 
+def keyed_blind(body: RequestBody) -> ClientRequest:
+    """A request whose prompt the router cannot know (it continues a response stored on
+    a worker): no blocks, so it claims nothing in the index; its size is what it adds."""
+    assert body.messages is not None
+    canonical, _ = _render_chat(body.messages)
+    key = PrefixKey((), b"", body.seed, len(canonical))
+    return _client_request(body, key, 0, record_reply=False)
+
+
 def keyed(
     body: RequestBody, canonical: bytes, history_blocks: int, block_bytes: int, record_reply: bool
 ) -> ClientRequest:
-    key = prefix_key(canonical, block_bytes, body.seed)
+    return _client_request(
+        body, prefix_key(canonical, block_bytes, body.seed), history_blocks, record_reply
+    )
+
+
+def _client_request(
+    body: RequestBody, key: PrefixKey, history_blocks: int, record_reply: bool
+) -> ClientRequest:
     return ClientRequest(
         kind=body.kind,
         model=body.model,
@@ -226,6 +311,7 @@ def keyed(
         key=key,
         record_reply=record_reply,
         history_blocks=min(history_blocks, len(key.hashes)),
+        continues=body.continues,
     )
 
 

@@ -59,8 +59,13 @@ def render_message(message: Mapping[str, Any]) -> bytes:
     ]
     tool_calls = message.get("tool_calls")
     if tool_calls:
-        pieces += [_US, orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS)]
+        pieces.append(render_tool_calls(tool_calls))
     return b"".join(pieces)
+
+
+def render_tool_calls(tool_calls: Sequence[Mapping[str, Any]]) -> bytes:
+    """An assistant message's ``tool_calls`` as they follow its content."""
+    return _US + orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS)
 
 
 def render_chat_history(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, int]:
@@ -163,7 +168,11 @@ class ChainExtender:
 
     def feed(self, text: str) -> None:
         if text:
-            self._buffer += text.encode()
+            self.feed_bytes(text.encode())
+
+    def feed_bytes(self, data: bytes) -> None:
+        if data:
+            self._buffer += data
             self._drain()
 
     def _drain(self) -> None:

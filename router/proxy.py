@@ -20,9 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import orjson
-
 from policies.base import Outcome
+from router.apis.kinds import APIS
 from router.capture import ReplyCapture
 from router.clock import monotonic
 from router.errors import (
@@ -33,9 +32,9 @@ from router.errors import (
 )
 from router.lifecycle import RequestLifecycle
 from router.parse import Kind, keyed_by_text, read_request
-from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER, ChainExtender
+from router.prefix import ChainExtender
+from router.response_owners import Owner
 from router.routing import Dispatch, EngineUsage
-from router.shared.path import SharedPath
 from router.state import RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
 
@@ -74,14 +73,6 @@ Headers = Sequence[tuple[bytes, bytes]]
 # Non-streaming responses are read whole before they are sent on; this bounds them.
 MAX_WHOLE_RESPONSE_BYTES = 64 * 1024 * 1024
 UPSTREAM_ERRORS = (TimeoutError, ConnectionError)
-CHAT_PATH, COMPLETION_PATH = b"/v1/chat/completions", b"/v1/completions"
-# What the client reads when its worker fails mid-stream (the details go to the log; a
-# worker's address is not the client's business).
-MID_STREAM_ERROR_EVENT = (
-    b"data: "
-    + orjson.dumps(UpstreamError("the worker serving this request failed mid-stream").body())
-    + b"\n\n"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,14 +149,19 @@ async def serve(
     arrived = monotonic()
     headers = _read_headers(raw_headers, state.session_header)
     body = read_request(kind, raw, headers.session, config.session_body_fields, config.limits)
+    holder = None
+    if body.continues is not None:  # only the worker that stored it can continue it
+        holder = await state.holder_of(body.continues)
     block_bytes = config.prefix.block_bytes
     tokens = state.tokens
-    if tokens is not None:
+    if tokens is not None and holder is None:
         request = await tokens.key(body, block_bytes)
     else:
         request = keyed_by_text(body, block_bytes)
     request_id = headers.request_id or secrets.token_hex(16)
-    lifecycle = RequestLifecycle(state.router, state.admission, request, request_id, arrived)
+    lifecycle = RequestLifecycle(
+        state.router, state.admission, request, request_id, arrived, holder
+    )
     shared = state.shared_path
     if shared is not None:  # before admission: nothing may wait between room and lease
         lifecycle.remote_matches = await shared.lookup(
@@ -222,11 +218,11 @@ class _Client:
 
 
 async def _open(state: RouterState, dispatch: Dispatch, client: _Client) -> UpstreamResponse:
-    path = CHAT_PATH if dispatch.request.kind == "chat" else COMPLETION_PATH
+    path = APIS[dispatch.request.kind].path
     request_id = client.request_id.encode("latin-1")
     headers = client.forwarded + b"%s: %s\r\n" % (REQUEST_ID_HEADER, request_id)
     try:
-        return await state.upstream.post(
+        return await state.upstream.send(
             dispatch.worker.origin, path, headers, dispatch.request.body
         )
     except TimeoutError as exc:
@@ -246,13 +242,13 @@ async def _attempt(
     dispatch: Dispatch,
 ) -> None:
     request = dispatch.request
-    header = CHAT_REPLY_HEADER if request.kind == "chat" else COMPLETION_REPLY_HEADER
+    api = APIS[request.kind]
     extender = (
-        ChainExtender(request.key, state.config.prefix.block_bytes, header)
+        ChainExtender(request.key, state.config.prefix.block_bytes, api.reply_header)
         if request.record_reply and state.config.prefix.record_replies
         else None
     )
-    capture = ReplyCapture(extender, request.kind == "chat")
+    capture = api.capture(extender)
     outcome: Outcome = "upstream_error"
     sent = False
     # A reply that arrives whole says nothing of when the prefill ended; past the time
@@ -288,10 +284,10 @@ async def _attempt(
                     )
                 if request.stream and upstream.status == 200:
                     outcome = await _relay_stream(
-                        client, dispatch, upstream, capture, first_byte, shared
+                        client, dispatch, upstream, capture, first_byte, state
                     )
                 else:
-                    outcome = await _relay_whole(client, dispatch, upstream, capture, shared)
+                    outcome = await _relay_whole(client, dispatch, upstream, capture, state)
                 sent = True
             finally:
                 upstream.release()
@@ -376,7 +372,7 @@ async def _relay_stream(
     upstream: UpstreamResponse,
     capture: ReplyCapture,
     first_byte: asyncio.Timeout,
-    shared: SharedPath | None,
+    state: RouterState,
 ) -> Outcome:
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
@@ -391,8 +387,8 @@ async def _relay_stream(
         capture.feed_stream(chunk)
         whole = events.cut(chunk)
         if upstream.ended:  # what came last came with the end: one write
-            if shared is not None and not capture.errored:
-                await _record(shared, dispatch, capture)
+            if not capture.errored:
+                await _record(state, dispatch, capture)
             await reply.end(whole + events.rest())
             break
         if whole:
@@ -405,20 +401,29 @@ async def _relay_stream(
                 "request %s: worker %s failed mid-stream: %r", request_id, dispatch.worker.name, exc
             )
             # The half event it sent is dropped: the client reads only whole events.
-            await reply.end(MID_STREAM_ERROR_EVENT)
+            await reply.end(APIS[dispatch.request.kind].mid_stream_error)
             break
     return "upstream_error" if capture.errored else outcome
 
 
-async def _record(shared: SharedPath, dispatch: Dispatch, capture: ReplyCapture) -> None:
-    """The reply's blocks reach Redis before its end reaches the client: the session's
-    next turn finds them whichever replica it goes to."""
-    await shared.record(
-        dispatch.worker,
-        dispatch.route.block_hashes,
-        capture.reply_hashes(),
-        dispatch.request.session_key,
-    )
+async def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture) -> None:
+    """What the reply leaves on its worker, recorded before its end reaches the client:
+    the session's next turn, or a request continuing the response, finds it whichever
+    replica it goes to. The blocks reach Redis here (the local index hears of them when
+    the request is settled); a stored response's owner, here and in Redis."""
+    shared = state.shared_path
+    if shared is not None:
+        await shared.record(
+            dispatch.worker,
+            dispatch.route.block_hashes,
+            capture.reply_hashes(),
+            dispatch.request.session_key,
+        )
+    if capture.response_id is not None:
+        owner = Owner.of(dispatch.worker)
+        state.response_owners.remember(capture.response_id, owner)
+        if shared is not None:
+            await shared.remember_response(capture.response_id, owner)
 
 
 # The most of an unfinished event the relay holds back (a worker that never ends one
@@ -456,15 +461,14 @@ async def _relay_whole(
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
-    shared: SharedPath | None,
+    state: RouterState,
 ) -> Outcome:
     body = await _read_whole(dispatch, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
     dispatch.first_byte(observe=False, computed=upstream.status < 400)
     if upstream.status == 200:
         capture.feed_whole(body)
-        if shared is not None:
-            await _record(shared, dispatch, capture)
+        await _record(state, dispatch, capture)
     await client.reply.whole(
         upstream.status, client.response_headers(upstream, dispatch.worker.name), body
     )

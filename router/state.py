@@ -16,6 +16,7 @@ from router.kv_events.subscriptions import KvEventSubscriptions
 from router.membership import Membership
 from router.metrics import RouterMetrics
 from router.provision import new_worker
+from router.response_owners import ResponseOwners, holder_of
 from router.routing import Router
 from router.shared.path import SharedPath
 from router.tokens.keys import PromptKeys
@@ -47,6 +48,8 @@ class RouterState:
     tokens: PromptKeys | None = None
     # Exact mode's subscriptions to the workers' KV events (kv_events); None: none.
     kv_events: KvEventSubscriptions | None = None
+    # Which worker stored each Responses response.
+    response_owners: ResponseOwners = field(default_factory=ResponseOwners)
 
     def __post_init__(self) -> None:
         self.session_header = self.config.session_header.lower().encode("latin-1")
@@ -55,6 +58,12 @@ class RouterState:
             for name, value in self.config.upstream.auth_headers.items()
         )
         self.accepted_bearers = bearers(self.config.api_keys)
+
+    async def holder_of(self, response_id: str) -> Worker:
+        """The worker holding a stored response; ``ResponseNotFound`` where none does."""
+        return await holder_of(
+            response_id, self.response_owners, self.router.fleet, self.shared_path
+        )
 
     def add_worker(self, config: WorkerConfig) -> Worker:
         """The one way a worker joins, from the config file, the admin API or discovery:

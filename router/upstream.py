@@ -298,14 +298,15 @@ class UpstreamPool:
         self._closed = False
         self._reaper: asyncio.TimerHandle | None = None
 
-    async def post(
-        self, origin: Origin, path: bytes, header_lines: bytes, body: bytes
+    async def send(
+        self, origin: Origin, path: bytes, header_lines: bytes, body: bytes, method: bytes = b"POST"
     ) -> UpstreamResponse:
         """Sends ``body`` to ``origin`` and returns once the response's headers are in;
         ``header_lines`` are whole header lines, each ending in CRLF (Host and
-        Content-Length are added here)."""
+        Content-Length are added here). ``method``: POST, or GET with an empty body."""
         connection = await self._acquire(origin)
-        head = b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
+            method,
             path,
             origin.host_header,
             header_lines,

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from router.capture import ReplyCapture
+from router.capture import ChatCapture, CompletionCapture
 from router.index import LocalPrefixIndex, Residency
 from router.parse import ClientRequest, parse_request
 from router.prefix import (
@@ -324,19 +324,19 @@ def test_capture_reads_sse_split_anywhere(cut: int) -> None:
     events.append({"id": "x", "choices": [], "usage": USAGE})
     body = sse(*events)
     key = chat(TURNS[:2]).key
-    capture = ReplyCapture(ChainExtender(key, BLOCK), chat=True)
+    capture = ChatCapture(ChainExtender(key, BLOCK))
     for i in range(0, len(body), cut):
         capture.feed_stream(body[i : i + cut])  # cuts through lines and UTF-8 characters
     expected = ChainExtender(key, BLOCK)
     expected.feed(reply)
     assert capture.reply_hashes() == expected.finish() != []
-    assert capture.usage == USAGE
+    assert (capture.prompt_tokens, capture.cached_tokens, capture.completion_tokens) == (40, 32, 3)
     assert (capture.prompt_tokens, capture.cached_tokens) == (40, 32)
     assert not capture.errored and not capture.broken
 
 
 def test_capture_error_event_marks_errored() -> None:
-    capture = ReplyCapture(ChainExtender(chat(TURNS[:2]).key, BLOCK), chat=True)
+    capture = ChatCapture(ChainExtender(chat(TURNS[:2]).key, BLOCK))
     body = sse(
         delta("partial reply " * 4),
         {"error": {"message": "boom", "type": "server_error", "code": 500}},
@@ -349,7 +349,7 @@ def test_capture_error_event_marks_errored() -> None:
 
 def test_capture_whole_responses_and_completions() -> None:
     key = chat(TURNS[:2]).key
-    whole = ReplyCapture(ChainExtender(key, BLOCK), chat=True)
+    whole = ChatCapture(ChainExtender(key, BLOCK))
     whole.feed_whole(
         orjson.dumps(
             {
@@ -364,25 +364,25 @@ def test_capture_whole_responses_and_completions() -> None:
     assert whole.cached_tokens == 32
 
     text = completion("Once upon a time " * 3).key
-    streamed = ReplyCapture(ChainExtender(text, BLOCK, COMPLETION_REPLY_HEADER), chat=False)
+    streamed = CompletionCapture(ChainExtender(text, BLOCK, COMPLETION_REPLY_HEADER))
     streamed.feed_stream(
         sse({"choices": [{"text": "there was a "}]}, {"choices": [{"text": "router."}]})
     )
     done = ChainExtender(text, BLOCK, COMPLETION_REPLY_HEADER)
     done.feed("there was a router.")
     assert streamed.reply_hashes() == done.finish()
-    assert streamed.usage is None and streamed.cached_tokens is None
+    assert streamed.prompt_tokens is None and streamed.cached_tokens is None
 
 
 def test_capture_gives_up_on_garbage_and_tool_calls() -> None:
     key = chat(TURNS[:2]).key
-    garbage = ReplyCapture(ChainExtender(key, BLOCK), chat=True)
+    garbage = ChatCapture(ChainExtender(key, BLOCK))
     garbage.feed_stream(b"data: {not json\n\n")
     assert garbage.broken and garbage.reply_hashes() == []
-    tools = ReplyCapture(ChainExtender(key, BLOCK), chat=True)
+    tools = ChatCapture(ChainExtender(key, BLOCK))
     tools.feed_stream(sse({"choices": [{"delta": {"tool_calls": [{"index": 0}]}}]}))
     assert tools.broken and tools.reply_hashes() == []
-    no_extender = ReplyCapture(None, chat=True)
+    no_extender = ChatCapture(None)
     no_extender.feed_stream(sse(delta("x" * 100)))
     assert no_extender.reply_hashes() == []
 

@@ -115,7 +115,7 @@ async def test_keep_alive_connection_is_reused_and_request_framed() -> None:
     async with serving(lambda s: keep_alive(OK, [s])) as server:
         client = pool()
         for _ in range(3):
-            response = await client.post(
+            response = await client.send(
                 server.origin, b"/v1/completions", b"X-Request-Id: abc\r\n", b'{"a":1}'
             )
             assert response.status == 200
@@ -133,7 +133,7 @@ async def test_keep_alive_connection_is_reused_and_request_framed() -> None:
 async def test_idle_connections_are_closed_after_the_idle_timeout() -> None:
     async with serving(lambda s: keep_alive(OK, [s])) as server:
         client = pool(idle_timeout_s=0.2)
-        responses = [await client.post(server.origin, b"/", b"", b"") for _ in range(3)]
+        responses = [await client.send(server.origin, b"/", b"", b"") for _ in range(3)]
         for response in responses:
             assert await read_all(response) == b"{}"
             response.release()
@@ -156,9 +156,9 @@ async def test_response_not_read_to_its_end_is_not_reused() -> None:
     box: list[Server] = []
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool()
-        response = await client.post(server.origin, b"/", b"", b"")
+        response = await client.send(server.origin, b"/", b"", b"")
         response.release()  # before the body ended: the connection is in mid-response
-        response = await client.post(server.origin, b"/", b"", b"")
+        response = await client.send(server.origin, b"/", b"", b"")
         assert await read_all(response) == b"{}"
         response.release()
         assert server.connections == 2
@@ -176,7 +176,7 @@ async def test_body_delimited_by_close_ends_cleanly() -> None:
     box: list[Server] = []
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool()
-        response = await client.post(server.origin, b"/", b"", b"x")
+        response = await client.send(server.origin, b"/", b"", b"x")
         assert await read_all(response) == b"part one, part two"
         response.release()
         assert client.open_connections() == 0
@@ -192,7 +192,7 @@ async def test_connection_lost_mid_body_raises() -> None:
     box: list[Server] = []
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool()
-        response = await client.post(server.origin, b"/", b"", b"x")
+        response = await client.send(server.origin, b"/", b"", b"x")
         assert await response.read_chunk() == b"only this"
         with pytest.raises(UpstreamClosed):
             await response.read_chunk()
@@ -210,7 +210,7 @@ async def test_idle_connection_closed_by_worker_is_not_reused() -> None:
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool()
         for _ in range(2):
-            response = await client.post(server.origin, b"/", b"", b"")
+            response = await client.send(server.origin, b"/", b"", b"")
             assert await read_all(response) == b"{}"
             response.release()
             for _ in range(50):  # until the close reaches the client
@@ -228,7 +228,7 @@ async def test_refused_connection_is_connect_failed() -> None:
         port = probe.getsockname()[1]
     client = pool()
     with pytest.raises(ConnectFailed):
-        await client.post(Origin.of(f"http://127.0.0.1:{port}"), b"/", b"", b"")
+        await client.send(Origin.of(f"http://127.0.0.1:{port}"), b"/", b"", b"")
     assert client.open_connections() == 0
     await client.aclose()
 
@@ -243,7 +243,7 @@ async def test_silence_past_read_timeout_raises_timeout() -> None:
     box: list[Server] = []
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool(read_timeout_s=0.2)
-        response = await client.post(server.origin, b"/", b"", b"")
+        response = await client.send(server.origin, b"/", b"", b"")
         assert await response.read_chunk() == b"abc"
         with pytest.raises(TimeoutError):
             await response.read_chunk()
@@ -261,7 +261,7 @@ async def test_no_headers_within_read_timeout_raises_timeout() -> None:
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool(read_timeout_s=0.2)
         with pytest.raises(TimeoutError):
-            await client.post(server.origin, b"/", b"", b"")
+            await client.send(server.origin, b"/", b"", b"")
         await asyncio.sleep(0)
         assert client.open_connections() == 0  # a connection in that state is not kept
         await client.aclose()
@@ -278,7 +278,7 @@ async def test_malformed_response_is_upstream_closed() -> None:
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool()
         with pytest.raises(UpstreamClosed):
-            await client.post(server.origin, b"/", b"", b"")
+            await client.send(server.origin, b"/", b"", b"")
         await client.aclose()
 
 
@@ -297,7 +297,7 @@ async def test_requests_over_the_worker_limit_wait_for_a_connection() -> None:
         client = pool(max_per_worker=1)
 
         async def one() -> bytes:
-            response = await client.post(server.origin, b"/", b"", b"")
+            response = await client.send(server.origin, b"/", b"", b"")
             try:
                 return await read_all(response)
             finally:
@@ -329,7 +329,7 @@ async def test_unread_body_stops_the_socket_being_read() -> None:
     box: list[Server] = []
     async with serving(lambda s: boxed(box, s, handler)) as server:
         client = pool()
-        response = await client.post(server.origin, b"/", b"", b"")
+        response = await client.send(server.origin, b"/", b"", b"")
         await asyncio.sleep(0.3)  # the worker sends as fast as it can; nobody reads
         held = response._connection._buffered
         assert HIGH_WATER_BYTES < held < size  # reading stopped past the high-water mark

@@ -21,6 +21,7 @@ class Keys:
         self._residency = f"{ns}:res:"
         self._reserved = f"{ns}:rsv:"
         self._binding = f"{ns}:bind:"
+        self._response = f"{ns}:resp:"
 
     def residency(self, worker: str) -> str:
         """The blocks the worker holds: a sorted set scored by last touch (ms)."""
@@ -35,6 +36,10 @@ class Keys:
         """The worker a session's last turn was served by (a plain string, with a TTL);
         for a request with no session key, a key nobody writes."""
         return self._binding + (session_key or "")
+
+    def response(self, response_id: str) -> str:
+        """The worker that stored a Responses response (``router.response_owners``)."""
+        return self._response + response_id
 
 
 def member(block_hash: int) -> bytes:

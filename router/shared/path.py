@@ -40,8 +40,10 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from router.config import StateConfig
+from router.errors import SharedStateUnavailable
 from router.index import LocalPrefixIndex
 from router.parse import ClientRequest
+from router.response_owners import Owner
 from router.shared.keys import Keys, member, touch_scores
 from router.shared.metrics import PathMetrics
 from router.shared.scripts import LONGEST_PREFIXES
@@ -59,6 +61,7 @@ def _binding_of(worker: Worker) -> str:
 # died): long enough for any prefill, short enough not to mislead for long.
 RESERVATION_TTL_S = 60.0
 WITHDRAW_TIMEOUT_S = 1.0
+_UNANSWERED = object()
 # Writes past the bound left to finish off the request's path, at most (then cancelled).
 MAX_LATE_WRITES = 1024
 
@@ -171,6 +174,21 @@ class SharedPath:
         pending = self._reserving.get(_reservation(worker.name, prompt)) if prompt else None
         await self._bounded("record", _after(pending, pipe.execute), finish_late=True)
 
+    async def remember_response(self, response_id: str, owner: Owner) -> None:
+        """``owner`` stored ``response_id``: every replica can find it from now."""
+        key = self._keys.response(response_id)
+        call = self._redis.set(key, owner.encode(), px=self._key_ttl_ms)
+        await self._bounded("remember_response", call, finish_late=True)
+
+    async def response_owner(self, response_id: str) -> Owner | None:
+        """The worker another replica saw store ``response_id``; None if none did. Redis
+        not answering is not "none did": that is a 503, not the engine's 404."""
+        key = self._keys.response(response_id)
+        found = await self._bounded("response_owner", self._redis.get(key), unanswered=_UNANSWERED)
+        if found is _UNANSWERED:
+            raise SharedStateUnavailable("where this response is stored could not be read")
+        return Owner.decode(found.decode()) if isinstance(found, bytes) else None
+
     def withdraw(self, worker: str, hashes: Sequence[int]) -> None:
         """The dispatch failed: its reservation goes, without holding the request up."""
         if not hashes or not self._peers():
@@ -191,10 +209,16 @@ class SharedPath:
         return self._keys.residency(worker), self._keys.reserved(worker)
 
     async def _bounded(
-        self, op: str, call: Awaitable[Any], count_ok: bool = True, finish_late: bool = False
+        self,
+        op: str,
+        call: Awaitable[Any],
+        count_ok: bool = True,
+        finish_late: bool = False,
+        unanswered: Any = None,
     ) -> Any:
-        """``call``'s result, or None past the bound or on a Redis error (counted). The
-        wait is observed whatever the result: a slow Redis shows as the bound.
+        """``call``'s result, or ``unanswered`` past the bound or on a Redis error
+        (counted). The wait is observed whatever the result: a slow Redis shows as the
+        bound.
 
         ``finish_late``: a write past the bound still completes, off the request's path.
         Cancelling it would leave a reservation claiming blocks for its whole lapse after
@@ -212,11 +236,11 @@ class SharedPath:
         if not done:
             self._metrics.operations.labels(op, "timeout").inc()
             self._give_up(op, task, finish_late)
-            return None
+            return unanswered
         error = task.exception()
         if isinstance(error, REDIS_ERRORS):
             self._metrics.operations.labels(op, "error").inc()
-            return None
+            return unanswered
         if error is not None:
             raise error
         if count_ok:

@@ -76,7 +76,8 @@ class EngineTokens:
         if self._pending >= MAX_PENDING:
             return self._by_text(body, block_bytes, "busy")
         fields = CHAT_FIELDS if body.messages is not None else COMPLETION_FIELDS
-        request = {"model": body.model, **{k: body.fields[k] for k in fields if k in body.fields}}
+        given = body.rendered_fields
+        request = {"model": body.model, **{k: given[k] for k in fields if k in given}}
         self._pending += 1
         started = time.perf_counter()
         try:

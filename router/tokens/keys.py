@@ -114,7 +114,7 @@ class TokenKeys:
         engine, not the router, decides whether such a request is valid)."""
         if body.messages is None:
             return await self._completion(body, block_bytes)
-        fields = body.fields
+        fields = body.rendered_fields
         tools = fields.get("tools")
         tools = tools if isinstance(tools, list) and tools else None
         kwargs = template_kwargs_of(fields)

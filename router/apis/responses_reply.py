@@ -1,0 +1,85 @@
+"""An OpenAI Responses reply as the router reads it
+(``docs/engines/vllm-messages-responses.md`` §2.3-2.4).
+
+* Its id (``resp_…``): the response the engine stores, which a later request may
+  continue (``previous_response_id``) or fetch; the stream names it in
+  ``response.created``.
+* A client that sends the whole conversation each turn sends the output items back:
+  vLLM reads the first content part of an assistant ``message`` and merges each
+  ``function_call`` into it as a chat tool call (``router.apis.responses_chat``); the
+  capture rebuilds that. A reply of several messages is not rebuilt.
+* usage (in ``response.completed`` or ``response.incomplete``, or the whole object):
+  ``input_tokens`` is the whole prompt, ``input_tokens_details.cached_tokens`` the hit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.capture import ReplyCapture
+
+_ENDED = ("response.completed", "response.incomplete")
+
+
+class ResponsesCapture(ReplyCapture):
+    __slots__ = ("_messages",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._messages = 0  # message output items seen
+
+    def _event(self, obj: dict[str, Any]) -> None:
+        kind = obj.get("type")
+        if kind == "response.output_text.delta":
+            if not obj.get("content_index"):  # vLLM reads a message's first part only
+                self._text(obj.get("delta"))
+        elif kind == "response.output_item.added":
+            self._item_added(obj.get("item"))
+        elif kind == "response.output_item.done":
+            item = obj.get("item")
+            if isinstance(item, dict) and item.get("type") == "function_call":
+                self._function_call(item)
+        elif kind == "response.created":
+            self._identify(obj.get("response"))
+        elif kind in _ENDED:
+            response = obj.get("response")
+            if isinstance(response, dict):
+                self._read_usage(response.get("usage"))
+        elif kind in ("response.failed", "error"):
+            self.errored = True
+
+    def _item_added(self, item: Any) -> None:
+        if isinstance(item, dict) and item.get("type") == "message":
+            self._messages += 1
+            if self._messages > 1:
+                self._give_up()
+
+    def _function_call(self, item: dict[str, Any]) -> None:
+        self._tool_call(item.get("call_id"), item.get("name"), item.get("arguments"))
+
+    def _identify(self, response: Any) -> None:
+        if isinstance(response, dict) and isinstance(response.get("id"), str):
+            self.response_id = response["id"]
+
+    def _whole(self, obj: dict[str, Any]) -> None:
+        self._identify(obj)
+        if obj.get("status") == "failed" or obj.get("object") == "error":
+            self.errored = True
+            return
+        for item in obj.get("output") or ():
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "message":
+                self._item_added(item)
+                content = item.get("content")
+                if isinstance(content, list) and content and isinstance(content[0], dict):
+                    self._text(content[0].get("text"))
+            elif item.get("type") == "function_call":
+                self._function_call(item)
+        self._read_usage(obj.get("usage"))
+
+    def _read_usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            details = usage.get("input_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            self._usage(usage.get("input_tokens"), cached, usage.get("output_tokens"))

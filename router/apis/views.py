@@ -1,0 +1,98 @@
+"""A Responses or Messages request seen as the chat request the engine runs it as: what
+the router keys and routes it by (``router.parse``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.apis.anthropic_chat import chat_request
+from router.apis.invalid import InvalidBody
+from router.apis.responses_chat import chat_messages, input_messages
+from router.errors import BadRequest
+
+OWN_SESSION = ("session",)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatView:
+    fields: Mapping[str, Any]  # a chat completion body: model, messages, tools, …
+    session_field: str | None = None  # the API's own session-like field, if set
+    continues: str | None = None  # a stored response this request continues
+
+    @property
+    def own_session(self) -> Mapping[str, Any]:
+        """The API's session field where ``router.parse.session_key_of`` reads it."""
+        return {OWN_SESSION[0]: self.session_field}
+
+
+def _checked(convert: Callable[[], ChatView]) -> ChatView:
+    try:
+        return convert()
+    except InvalidBody as exc:
+        where = f"'{exc.field}': " if exc.field and exc.field not in exc.message else ""
+        raise BadRequest(where + exc.message, param=exc.field or None) from None
+
+
+def messages_chat(body: Mapping[str, Any]) -> ChatView:
+    """An Anthropic Messages body. ``metadata.user_id`` is the session where the client
+    names none (Claude Code puts its session id there)."""
+
+    def convert() -> ChatView:
+        metadata = body.get("metadata")
+        user = metadata.get("user_id") if isinstance(metadata, dict) else None
+        return ChatView(chat_request(body), user if isinstance(user, str) and user else None)
+
+    return _checked(convert)
+
+
+def responses_chat(body: Mapping[str, Any]) -> ChatView:
+    """An OpenAI Responses body: ``instructions`` and ``input`` as messages, function
+    tools in chat's form. ``prompt_cache_key`` is the session where the client names
+    none (Codex sends its conversation id there)."""
+
+    def convert() -> ChatView:
+        if "input" not in body:
+            raise InvalidBody("input", "'input' is required")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidBody("model", "'model' must be a non-empty string")
+        instructions = _optional_str(body, "instructions")
+        previous = _optional_str(body, "previous_response_id")
+        fields: dict[str, Any] = {
+            "model": model,
+            "messages": chat_messages(instructions, input_messages(body["input"])),
+        }
+        tools = _function_tools(body.get("tools"))
+        if tools:
+            fields["tools"] = tools
+        for name in ("cache_salt", "chat_template_kwargs"):
+            if body.get(name) is not None:
+                fields[name] = body[name]
+        cache_key = _optional_str(body, "prompt_cache_key")
+        return ChatView(fields, cache_key or None, previous or None)
+
+    return _checked(convert)
+
+
+def _optional_str(body: Mapping[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidBody(name, f"'{name}' must be a string")
+    return value
+
+
+def _function_tools(tools: Any) -> list[dict[str, Any]]:
+    """Responses' function tools (``{"type": "function", "name", …}``) as chat's
+    (``{"type": "function", "function": {"name", …}}``), as vLLM hands them to the
+    chat template; other tool types do not reach the template."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidBody("tools", "'tools' must be an array")
+    return [
+        {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+        for tool in tools
+        if isinstance(tool, dict) and tool.get("type") == "function"
+    ]
