@@ -120,4 +120,6 @@ class RequestLifecycle:
 
     def gave_up(self, outcome: Outcome) -> None:
         """No attempt served the request; the last one ended as ``outcome``."""
-        self._router.recorder.gave_up(self.request.model, self.tried[-1], outcome)
+        self._router.recorder.gave_up(
+            self.request.model, self.request.kind, self.tried[-1], outcome
+        )

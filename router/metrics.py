@@ -8,6 +8,7 @@ Per-worker gauges (load, resident tokens, health) are read from the fleet at scr
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -17,6 +18,7 @@ from router.index import PREFIX_MODES, PrefixIndex
 from router.loop_metrics import EventLoopCollector, running_loop
 from router.metric_types import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from router.outcomes import CAUSES, OUTCOMES
+from router.parse import Kind
 from router.workers import Fleet
 
 # TTFT and latency buckets: vLLM's TTFT buckets, which span cached (ms) to cold (minutes).
@@ -195,6 +197,25 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        # By client API (chat, completion, responses, messages): a fixed set of labels.
+        self.api_requests = LoopCounter(
+            "kvrouter_api_requests",
+            "Requests by client API and final outcome.",
+            ["api", "outcome"],
+            registry=r,
+        )
+        self.api_engine_cached_tokens = LoopCounter(
+            "kvrouter_api_engine_cached_tokens",
+            "Cached prompt tokens the engine reported, by client API (each API's usage).",
+            ["api"],
+            registry=r,
+        )
+        self.api_usage_prompt_tokens = LoopCounter(
+            "kvrouter_api_usage_prompt_tokens",
+            "Prompt tokens of responses that reported usage, by client API.",
+            ["api"],
+            registry=r,
+        )
         self.ttft = LoopHistogram(
             "kvrouter_time_to_first_token_seconds",
             "Time from dispatch to the first response byte from the worker.",
@@ -289,6 +310,10 @@ class RouterMetrics:
         r.register(EventLoopCollector(running_loop()))
         # Series for every fixed label value from the start, so rates and dashboards
         # read 0 rather than "no data" before the first event.
+        for api in get_args(Kind):
+            self.api_engine_cached_tokens.labels(api)
+            self.api_usage_prompt_tokens.labels(api)
+            self.api_requests.labels(api, "success")
         for outcome in OUTCOMES:
             self.turns.labels(outcome)
         for cause in CAUSES:

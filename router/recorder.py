@@ -16,6 +16,7 @@ from router import request_log
 from router.clock import monotonic
 from router.learning import Learner
 from router.metrics import RouterMetrics
+from router.parse import Kind
 from router.workers import Fleet
 
 if TYPE_CHECKING:
@@ -38,10 +39,11 @@ class Recorder:
         """A dispatch is retried elsewhere after failing on ``worker``."""
         self._metrics.worker(worker).retries.inc()
 
-    def gave_up(self, model: str, worker: str, outcome: Outcome) -> None:
+    def gave_up(self, model: str, api: Kind, worker: str, outcome: Outcome) -> None:
         """No worker served the request: its last attempt, on ``worker``, ended it."""
         label = self._fleet.model_label(model)
         self._metrics.worker(worker).requests(label, outcome).inc()
+        self._metrics.counter(self._metrics.api_requests, api, outcome).inc()
 
     def finished(
         self,
@@ -64,9 +66,13 @@ class Recorder:
             if reported_prompt_tokens is None
             else reported_prompt_tokens
         )
+        metrics, api = self._metrics, dispatch.request.kind
+        metrics.counter(metrics.api_requests, api, outcome).inc()
         if usage is not None:
             series.engine_cached_tokens.inc(usage.cached_tokens)
             series.usage_prompt_tokens.inc(usage.prompt_tokens)
+            metrics.counter(metrics.api_engine_cached_tokens, api).inc(usage.cached_tokens)
+            metrics.counter(metrics.api_usage_prompt_tokens, api).inc(usage.prompt_tokens)
         if self.log_requests:
             request_log.write(
                 request_log.request_line(dispatch, outcome, usage, latency, dispatch.attempt)

@@ -21,7 +21,14 @@ import yaml
 from bench.dashboards import render_all
 from bench.textgen import text_for
 from router.config import HealthConfig, PrefixConfig, StateConfig, WorkerConfig
-from tests.conftest import EngineFactory, RunningEngine, _free_port, router_config, serve_router
+from tests.conftest import (
+    TEST_MODEL,
+    EngineFactory,
+    RunningEngine,
+    _free_port,
+    router_config,
+    serve_router,
+)
 from tests.kv_publisher import publishing_engine
 from tests.router_client import chat_body, conversation, post, set_faults, wait_for
 from tests.token_model import build_model_dir
@@ -89,9 +96,20 @@ def _prometheus(folder: Path, targets: dict[str, list[str]]) -> tuple[subprocess
 
 
 async def _traffic(http: aiohttp.ClientSession, url: str, fleet: list[RunningEngine]) -> None:
-    """Hits, a partial (a worker out of rotation), a retry, long enough for rates."""
+    """Hits, a partial (a worker out of rotation), a retry, long enough for rates; one
+    session speaks Anthropic Messages."""
     sessions = {f"s{i}": conversation(f"obs{i}", 400, 100) for i in range(4)}
+    claude = [{"role": "user", "content": text_for("obs-claude", 300)}]
     for turn in range(4):
+        if turn != 2:  # not while a worker fails: its retry would leave no Messages hit
+            body = {"model": TEST_MODEL, "max_tokens": 16, "system": "Brief.", "messages": claude}
+            async with http.post(url + "/v1/messages", json=body) as reply:
+                message = await reply.json()
+                assert reply.status == 200, message
+            claude += [
+                {"role": "assistant", "content": message["content"]},
+                {"role": "user", "content": text_for(f"obs-claude{turn}", 100)},
+            ]
         if turn == 2:
             await set_faults(http, fleet[0], fail_requests=True)
         if turn == 3:
@@ -161,6 +179,8 @@ async def test_every_panel_and_rule_returns_data(
                     if "record" in r and not await _query(http, prom, r["record"])
                 ]
                 assert empty == [], f"no data for: {empty}"
+                by_api = await _query(http, prom, "kvrouter:hit_rate_engine_by_api:ratio_rate5m")
+                assert {r["metric"]["api"] for r in by_api} >= {"chat", "messages"}
                 for rule in (r for r in rules() if "alert" in r):
                     await _query(http, prom, rule["expr"])  # valid; quiet while all is well
                     for name in set(re.findall(r"\b(kvrouter_[a-z_]+)", rule["expr"])):

@@ -110,11 +110,17 @@ async def test_responses_sessions_keep_their_worker_and_read_its_cache(
                 seen, output = await responses_turn(client, s, histories[s], stream)
                 turns[s].append(seen)
                 histories[s] += [*output, {"role": "user", "content": question(s, turn + 1)}]
-        engine_cached = await metric(http, router, "kvrouter_engine_cached_tokens_total")
+        engine_cached = await metric(
+            http, router, "kvrouter_api_engine_cached_tokens_total", api="responses"
+        )
+        requests = await metric(
+            http, router, "kvrouter_api_requests_total", api="responses", outcome="success"
+        )
     for s in range(SESSIONS):
         assert_each_turn_read_the_last(turns[s])
     # The router read the cache hits from Responses' own usage fields.
     assert engine_cached == sum(cached for session in turns.values() for _, _, cached in session)
+    assert requests == SESSIONS * TURNS
 
 
 async def test_a_continued_response_goes_where_it_was_stored(
@@ -246,10 +252,21 @@ async def test_messages_sessions_keep_their_worker_and_read_its_cache(
                     {"role": "assistant", "content": [{"type": "text", "text": text}]},
                     {"role": "user", "content": question(s, turn + 1)},
                 ]
-        engine_cached = await metric(http, router, "kvrouter_engine_cached_tokens_total")
+        engine_cached = await metric(
+            http, router, "kvrouter_api_engine_cached_tokens_total", api="messages"
+        )
+        prompts = await metric(
+            http, router, "kvrouter_api_usage_prompt_tokens_total", api="messages"
+        )
+        chat_requests = await metric(
+            http, router, "kvrouter_api_requests_total", api="chat", outcome="success"
+        )
     for s in range(SESSIONS):
         assert_each_turn_read_the_last(turns[s])
+    # From Anthropic's usage: the hit is cache_read_input_tokens, the prompt its sum.
     assert engine_cached == sum(cached for session in turns.values() for _, _, cached in session)
+    assert prompts == sum(prompt for session in turns.values() for _, prompt, _ in session)
+    assert chat_requests == 0
 
 
 async def test_messages_errors_come_in_anthropics_shape(router: RunningRouter) -> None:
