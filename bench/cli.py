@@ -9,6 +9,7 @@ from typing import Any
 def register(commands: argparse._SubParsersAction[Any]) -> None:
     from bench import (
         agreement,
+        apis_bench,
         dashboards,
         engine_cpu,
         fuzz,
@@ -44,3 +45,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     soak.register(sub)
     tokenize_cost.register(sub)
     agreement.register(sub)
+    apis_bench.register(sub)

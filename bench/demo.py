@@ -100,6 +100,7 @@ class RouterSpec:
     # Where each replica's stdout goes (e.g. its --log-requests lines), the i-th replica
     # to ``{stdout}.{i}``; None: discarded. Real clock only.
     stdout: Path | None = None
+    api: Api | None = None  # the API the replay speaks to it; None: the config's
 
 
 def kvrouter_command(
@@ -321,7 +322,7 @@ async def run_comparison(
                         model=model,
                         time_scale=config.engine_time_scale,
                         request_timeout_s=REQUEST_TIMEOUT_S,
-                        api=config.api,
+                        api=spec.api or config.api,
                     )
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:
