@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 
 from router.apis.anthropic_reply import MessagesCapture
 from router.apis.responses_reply import ResponsesCapture
 from router.capture import ReplyCapture
+from router.errors import BadRequest
 from router.parse import ClientRequest, Kind, parse_request
 from router.prefix import CHAT_REPLY_HEADER, ChainExtender
 from router.response_owners import Owner, ResponseOwners
@@ -230,3 +232,48 @@ def test_stored_responses_are_remembered_within_a_bound_and_lost_with_their_engi
     assert owner.holder(fleet) is None
     fleet.remove("w0")
     assert Owner("w0", None).holder(fleet) is None
+
+
+# -- what clients and engines may send --------------------------------------------------
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+BAD_BODIES = [
+    ("messages", b'{"model": "m", "max_tokens": 5, "messages": "hi"}'),
+    ("messages", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'),
+    ("messages", b'{"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": 5}]}'),
+    (
+        "messages",
+        b'{"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": '
+        b'[{"type": "tool_use", "id": "x", "name": "n", "input": {"a": '
+        + nested(1000).encode()
+        + b"}}]}]}",
+    ),
+    ("messages", b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": 5}]}'),
+    ("responses", b'{"model": "m"}'),
+    ("responses", b'{"input": "hi"}'),
+    ("responses", b'{"model": "m", "input": [{"role": ["x"], "content": "hi"}]}'),
+    ("responses", b'{"model": "m", "input": [{"type": "web_search_call"}]}'),
+    ("responses", b'{"model": "m", "input": [{"type": "function_call_output", "output": 5}]}'),
+    ("responses", b'{"model": "m", "input": "hi", "previous_response_id": 5}'),
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "raw"), BAD_BODIES, ids=[f"{kind}-{i}" for i, (kind, _) in enumerate(BAD_BODIES)]
+)
+def test_a_body_the_engine_would_refuse_is_a_400(kind: Kind, raw: bytes) -> None:
+    with pytest.raises(BadRequest):
+        parse_request(kind, raw, None, (), BLOCK_BYTES)
+
+
+def test_a_tool_input_nested_too_deep_to_rebuild_stops_the_capture_not_the_stream() -> None:
+    capture = capture_for(keyed("messages", MESSAGES_TURN), MessagesCapture)
+    block = b'{"type": "tool_use", "id": "t", "name": "n", "input": {"a": %s}}' % (
+        nested(1000).encode()
+    )
+    capture.feed_whole(b'{"type": "message", "content": [%s]}' % block)
+    assert capture.broken and capture.reply_hashes() == []

@@ -96,7 +96,11 @@ class MessagesCapture(ReplyCapture):
 
     def _tool_use_call(self, block: dict[str, Any], given: Any) -> None:
         # vLLM: json.dumps(block.input or {}), stdlib spacing and ASCII escapes.
-        arguments = json.dumps(given or {})
+        try:
+            arguments = json.dumps(given or {})
+        except (RecursionError, TypeError, ValueError):
+            self._give_up()
+            return
         self._tool_call(block.get("id"), block.get("name"), arguments)
 
     def _whole(self, obj: dict[str, Any]) -> None:

@@ -33,6 +33,8 @@ def _checked(convert: Callable[[], ChatView]) -> ChatView:
     except InvalidBody as exc:
         where = f"'{exc.field}': " if exc.field and exc.field not in exc.message else ""
         raise BadRequest(where + exc.message, param=exc.field or None) from None
+    except RecursionError:  # json.dumps of a tool's input nested deeper than it goes
+        raise BadRequest("the request is nested too deeply") from None
 
 
 def messages_chat(body: Mapping[str, Any]) -> ChatView:
