@@ -240,6 +240,94 @@ def completion_bodies(model: str) -> Strategy[dict[str, Any]]:
     ).flatmap(_mutate_fields)
 
 
+def _anthropic_blocks() -> Strategy[Any]:
+    text = st.fixed_dictionaries({"type": st.just("text"), "text": strings()})
+    tool_use = st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": strings(), "name": strings(), "input": json_values()}
+    )
+    tool_result = st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": strings(), "content": json_values()}
+    )
+    image = st.fixed_dictionaries({"type": st.just("image"), "source": json_values()})
+    return st.one_of(text, text, tool_use, tool_result, image, json_values())
+
+
+def messages_bodies(model: str) -> Strategy[dict[str, Any]]:
+    """Anthropic Messages bodies: system and content blocks of every kind, wrong types."""
+    content = st.one_of(strings(), st.lists(_anthropic_blocks(), max_size=4), json_values())
+    message = st.fixed_dictionaries(
+        {"role": _or_junk(st.sampled_from(("user", "assistant", "system"))), "content": content}
+    )
+    return st.fixed_dictionaries(
+        {
+            "model": _model(model),
+            "max_tokens": st.integers(1, 8),
+            "messages": st.one_of(st.lists(_or_junk(message), max_size=4), json_values()),
+        },
+        optional={
+            "system": st.one_of(strings(), st.lists(_anthropic_blocks(), max_size=3)),
+            "stream": st.booleans(),
+            "tools": json_values(),
+            "tool_choice": json_values(),
+            "metadata": st.one_of(st.fixed_dictionaries({"user_id": strings()}), json_values()),
+            "ignore_eos": st.booleans(),
+        },
+    ).flatmap(_mutate_fields)
+
+
+def _responses_items() -> Strategy[Any]:
+    message = st.fixed_dictionaries(
+        {
+            "role": _or_junk(st.sampled_from(("user", "assistant", "system", "developer"))),
+            "content": st.one_of(
+                strings(),
+                st.lists(
+                    st.fixed_dictionaries(
+                        {"type": st.sampled_from(("input_text", "output_text")), "text": strings()}
+                    ),
+                    max_size=3,
+                ),
+                json_values(),
+            ),
+        },
+        optional={"type": st.just("message")},
+    )
+    call = st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": strings(),
+            "name": strings(),
+            "arguments": json_values(),
+        }
+    )
+    output = st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": strings(), "output": json_values()}
+    )
+    reasoning = st.fixed_dictionaries({"type": st.just("reasoning"), "summary": json_values()})
+    return st.one_of(message, message, call, output, reasoning, json_values())
+
+
+def responses_bodies(model: str) -> Strategy[dict[str, Any]]:
+    """OpenAI Responses bodies: instructions, input items of every kind, wrong types,
+    continuations of responses nobody stored."""
+    return st.fixed_dictionaries(
+        {
+            "model": _model(model),
+            "input": st.one_of(strings(), st.lists(_responses_items(), max_size=4), json_values()),
+        },
+        optional={
+            "instructions": st.one_of(strings(), json_values()),
+            "max_output_tokens": st.integers(1, 8),
+            "stream": st.booleans(),
+            "store": st.booleans(),
+            "tools": json_values(),
+            "previous_response_id": st.one_of(strings(), json_values()),
+            "prompt_cache_key": strings(),
+            "ignore_eos": st.booleans(),
+        },
+    ).flatmap(_mutate_fields)
+
+
 @st.composite
 def _mutated(draw: st.DrawFn, raw: bytes) -> bytes:
     """``raw`` cut, spliced or re-encoded somewhere."""
@@ -466,6 +554,16 @@ def completion_requests(target: Target) -> Strategy[RawRequest]:
     return _framed(b"POST", b"/v1/completions", target.api_key, body)
 
 
+def messages_requests(target: Target) -> Strategy[RawRequest]:
+    body = bodies(messages_bodies(target.model))
+    return _framed(b"POST", b"/v1/messages", target.api_key, body)
+
+
+def responses_requests(target: Target) -> Strategy[RawRequest]:
+    body = bodies(responses_bodies(target.model))
+    return _framed(b"POST", b"/v1/responses", target.api_key, body)
+
+
 def _path_segment(names: Strategy[str]) -> Strategy[bytes]:
     return names.map(lambda n: quote(n.encode("utf-8", "surrogatepass"), safe="").encode())
 
@@ -542,6 +640,13 @@ _METHODS = (
 _PATHS = (
     b"/v1/chat/completions",
     b"/v1/completions",
+    b"/v1/responses",
+    b"/v1/responses/resp_0",
+    b"/v1/responses/resp_0/cancel",
+    b"/v1/messages",
+    b"/v1/messages/count_tokens",
+    b"/tokenize",
+    b"/detokenize",
     b"/v1/models",
     b"/health",
     b"/ready",

@@ -26,6 +26,10 @@ from bench.fuzz_inputs import (
     chat_requests,
     completion_bodies,
     completion_requests,
+    messages_bodies,
+    messages_requests,
+    responses_bodies,
+    responses_requests,
     wild_requests,
 )
 from router.config import RequestLimits
@@ -77,6 +81,8 @@ _SESSION_HEADERS = st.one_of(
 _KINDS: list[tuple[Kind, st.SearchStrategy[bytes]]] = [
     ("chat", bodies(chat_bodies(TEST_MODEL))),
     ("completion", bodies(completion_bodies(TEST_MODEL))),
+    ("messages", bodies(messages_bodies(TEST_MODEL))),
+    ("responses", bodies(responses_bodies(TEST_MODEL))),
 ]
 
 
@@ -152,6 +158,12 @@ async def test_generated_bodies_never_get_a_500_or_an_error_that_is_not_json(
     router: RunningRouter,
 ) -> None:
     await _fuzz(router, st.one_of(chat_requests(TARGET), completion_requests(TARGET)), 300)
+
+
+async def test_generated_responses_and_messages_never_get_a_500_or_an_error_that_is_not_json(
+    router: RunningRouter,
+) -> None:
+    await _fuzz(router, st.one_of(messages_requests(TARGET), responses_requests(TARGET)), 300)
 
 
 async def test_generated_headers_never_get_a_500_or_an_error_that_is_not_json(
