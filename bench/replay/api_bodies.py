@@ -40,6 +40,7 @@ class ChatRequest:
     session: str
     messages: tuple[Mapping[str, str], ...]
     max_tokens: int
+    api: Api | None = None  # None: the client's default API
 
 
 def _split_system(

@@ -54,9 +54,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--api",
         choices=APIS,
         default=DEFAULT_API,
-        help="the API each turn goes through: OpenAI chat completions, OpenAI "
-        "responses (/v1/responses) or Anthropic messages (/v1/messages); "
-        "default %(default)s",
+        help="the API of sessions whose trace names none (a trace's per-session api "
+        "wins): OpenAI chat completions, OpenAI responses (/v1/responses) or "
+        "Anthropic messages (/v1/messages); default %(default)s",
     )
     rp.add_argument(
         "--concurrency",

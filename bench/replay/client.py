@@ -69,14 +69,15 @@ async def _read_stream(resp: aiohttp.ClientResponse, reader: StreamReader, t0: f
 
 
 class ChatClient:
-    """Sends chat turns for one model, through one API, over a shared pooled session.
+    """Sends chat turns for one model over a shared pooled session, each through the API
+    its request names (``ChatRequest.api``), or the client's default ``api``.
 
     With several targets (router replicas behind no load balancer), each request goes
     to the next one (``assign="round_robin"``) or to one picked at random, as a load
     balancer in front of replicas without affinity would do.
     """
 
-    __slots__ = ("_api", "_assign", "_http", "_model", "_next", "_rng", "_urls")
+    __slots__ = ("_api", "_assign", "_bases", "_http", "_model", "_next", "_rng")
 
     def __init__(
         self,
@@ -91,28 +92,32 @@ class ChatClient:
         self._http = http
         self._model = model
         self._api = api
-        self._urls = [f"{t.rstrip('/')}{PATHS[api]}" for t in (target, *more_targets)]
+        self._bases = [t.rstrip("/") for t in (target, *more_targets)]
         self._rng = random.Random(seed)
         self._assign = assign
         self._next = 0
 
-    def _url(self) -> str:
-        urls = self._urls
-        if len(urls) == 1:
-            return urls[0]
+    def _url(self, api: Api | None = None) -> str:
+        return f"{self._base()}{PATHS[api or self._api]}"
+
+    def _base(self) -> str:
+        bases = self._bases
+        if len(bases) == 1:
+            return bases[0]
         if self._assign == "random":
-            return self._rng.choice(urls)
-        self._next = (self._next + 1) % len(urls)
-        return urls[self._next]
+            return self._rng.choice(bases)
+        self._next = (self._next + 1) % len(bases)
+        return bases[self._next]
 
     async def stream_chat(self, request: ChatRequest) -> StreamOutcome:
+        api = request.api or self._api
         outcome = StreamOutcome()
-        reader = READERS[self._api](outcome)
-        body = BODIES[self._api](self._model, request)
+        reader = READERS[api](outcome)
+        body = BODIES[api](self._model, request)
         headers = {SESSION_HEADER: request.session, "Content-Type": "application/json"}
         t0 = monotonic()
         try:
-            url = self._url()
+            url = self._url(api)
             async with self._http.post(url, data=orjson.dumps(body), headers=headers) as resp:
                 outcome.status = resp.status
                 outcome.worker = resp.headers.get(WORKER_HEADER)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from bench.replay.result import MISS_FRACTION, RunResult, Summary, summarize
+from bench.replay.result import MISS_FRACTION, ApiStats, RunResult, Summary, summarize
 
 
 def _pct(value: float) -> str:
@@ -88,17 +88,37 @@ def by_turn_table(summaries: Sequence[Summary], labels: Sequence[str]) -> Table:
     return table
 
 
+def by_api_table(stats: Sequence[ApiStats]) -> Table:
+    """One row per API a run used."""
+    table = Table(title="by client API")
+    table.add_column("api")
+    for name in ("requests", "errors", "hit rate", "TTFT p50", "TTFT p99"):
+        table.add_column(name, justify="right")
+    for s in stats:
+        table.add_row(
+            s.api,
+            _count(s.requests),
+            _count(s.errors),
+            _pct(s.hit_rate),
+            _secs(s.ttft_p50),
+            _secs(s.ttft_p99),
+        )
+    return table
+
+
 def print_run_report(result: RunResult, console: Console) -> Summary:
     """The end-of-run report; returns the summary it printed."""
     meta = result.meta
     summary = summarize(result.records, meta.duration_s)
     console.print(
-        f"replay {meta.trace} -> {meta.target}  api={meta.api}  model={meta.model}  "
+        f"replay {meta.trace} -> {meta.target}  default api={meta.api}  model={meta.model}  "
         f"time scale={meta.time_scale:g}  concurrency={meta.concurrency}",
         highlight=False,
         markup=False,
     )
     print_tables(console, [summary], ["result"])
+    if summary.by_api:  # more than one API
+        console.print(by_api_table(summary.by_api))
     return summary
 
 

@@ -12,7 +12,12 @@ File layout (JSON)::
               api, time_unit},
      "summary": {...},        # for people and jq; loaders recompute it from the records
      "records": [{session, turn, start, ttft_s, latency_s, prompt_tokens, cached_tokens,
-                  oracle_cached_tokens, completion_tokens, worker, error, status}, ...]}
+                  oracle_cached_tokens, completion_tokens, worker, error, status,
+                  api}, ...]}
+
+``meta.api`` is the run's default API; each record's ``api`` the one that carried it
+(records written before the field existed read as ``meta.api``). A run through more
+than one API has its summary split by API too (``Summary.by_api``).
 
 A turn *missed* the cache when it is not a session's first turn (turn > 0) and its
 cached tokens are below ``MISS_FRACTION`` (half) of what the oracle (a perfect router
@@ -50,6 +55,7 @@ class RequestRecord:
     worker: str | None  # the x-kvrouter-worker response header
     error: str | None
     status: int  # HTTP status; 0 when no response arrived
+    api: str = "chat"  # bench.replay.api_bodies.Api: the API that carried the request
 
     @property
     def ok(self) -> bool:
@@ -65,7 +71,9 @@ class RunMeta:
     concurrency: int
     started_at: str  # ISO 8601, UTC
     duration_s: float  # simulated
-    api: str = "chat"  # bench.replay.api_bodies.Api; results written before it: chat
+    # bench.replay.api_bodies.Api: the default, for sessions whose trace names none;
+    # results written before it: chat
+    api: str = "chat"
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +88,16 @@ class TurnStats:
     requests: int
     hit_rate: float
     oracle_hit_rate: float
+
+
+@dataclass(frozen=True, slots=True)
+class ApiStats:
+    api: str
+    requests: int
+    errors: int
+    hit_rate: float  # token-weighted, successful requests only
+    ttft_p50: float | None
+    ttft_p99: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +132,8 @@ class Summary:
     # prefilled (prompt minus cached). None: fewer than two workers named.
     requests_cov: float | None = None
     prefill_cov: float | None = None
+    # Per API, in order of first use; empty when the run used one API only.
+    by_api: tuple[ApiStats, ...] = ()
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -150,6 +170,28 @@ def _by_turn(ok: Sequence[RequestRecord]) -> tuple[TurnStats, ...]:
                 requests=len(group),
                 hit_rate=_ratio(sum(r.cached_tokens for r in group), prompt),
                 oracle_hit_rate=_ratio(sum(r.oracle_cached_tokens for r in group), prompt),
+            )
+        )
+    return tuple(stats)
+
+
+def by_api(records: Sequence[RequestRecord]) -> tuple[ApiStats, ...]:
+    """Requests, hit rate and TTFT per API, in order of first use."""
+    groups: dict[str, list[RequestRecord]] = {}
+    for record in records:
+        groups.setdefault(record.api, []).append(record)
+    stats = []
+    for api, group in groups.items():
+        ok = [r for r in group if r.ok]
+        ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+        stats.append(
+            ApiStats(
+                api=api,
+                requests=len(group),
+                errors=len(group) - len(ok),
+                hit_rate=_ratio(sum(r.cached_tokens for r in ok), sum(r.prompt_tokens for r in ok)),
+                ttft_p50=percentile(ttfts, 50),
+                ttft_p99=percentile(ttfts, 99),
             )
         )
     return tuple(stats)
@@ -202,6 +244,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
     completion = sum(r.completion_tokens for r in ok)
     duration = run_span(records) if duration_s is None else duration_s
     requests_cov, prefill_cov = load_imbalance(ok)
+    apis = by_api(records)
     return Summary(
         requests=len(records),
         errors=len(records) - len(ok),
@@ -230,6 +273,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
         by_turn=_by_turn(ok),
         requests_cov=requests_cov,
         prefill_cov=prefill_cov,
+        by_api=apis if len(apis) > 1 else (),
     )
 
 
@@ -255,7 +299,7 @@ def result_from_json(obj: Any, where: str = "result") -> RunResult:
     try:
         meta_obj = {k: v for k, v in obj["meta"].items() if k != "time_unit"}
         meta = RunMeta(**meta_obj)
-        records = tuple(RequestRecord(**r) for r in obj["records"])
+        records = tuple(RequestRecord(**{"api": meta.api, **r}) for r in obj["records"])
     except (KeyError, TypeError, AttributeError) as exc:
         raise ResultFormatError(f"{where}: {exc}") from exc
     return RunResult(meta, records)

@@ -11,6 +11,10 @@ Failures. A failed request is recorded and the session goes on with its next tur
 failed turn is left out of the conversation (see ``Conversation``), so later turns still
 extend the prefix the engine may hold.
 
+APIs. A session whose trace names an API (``Turn.api`` on its turn 0) is replayed
+through it; the others through ``ReplayConfig.api``, the run's default. Each record
+says which API carried its request.
+
 Duration. With ``duration_s`` (simulated seconds from the first arrival), sessions that
 arrive later are not replayed and no new turn starts after it; requests in flight finish.
 """
@@ -60,7 +64,8 @@ class ReplayConfig:
     duration_s: float | None = None  # simulated seconds
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # wall seconds
     block_tokens: int = DEFAULT_BLOCK_TOKENS
-    api: Api = DEFAULT_API  # which API carries the turns (bench.replay.api_bodies)
+    # The API of sessions whose trace names none (bench.replay.api_bodies).
+    api: Api = DEFAULT_API
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -96,6 +101,7 @@ class _Run:
     def __init__(self, config: ReplayConfig, client: ChatClient, sink: RecordSink | None) -> None:
         self._scale = config.time_scale
         self._client = client
+        self._default_api = config.api
         self._sink = sink
         self._slots = asyncio.Semaphore(config.concurrency)
         self._oracle = PrefixOracle(config.block_tokens)
@@ -125,14 +131,15 @@ class _Run:
 
     async def _session(self, session: Session) -> None:
         conversation = Conversation(session.turns[0].system)
+        api = session.turns[0].api or self._default_api
         for turn in session.turns:
             if turn.turn > 0 and turn.gap > 0:
                 await asyncio.sleep(turn.gap / self._scale)
             if self._past_deadline():
                 return
-            await self._turn(turn, conversation)
+            await self._turn(turn, conversation, api)
 
-    async def _turn(self, turn: Turn, conversation: Conversation) -> None:
+    async def _turn(self, turn: Turn, conversation: Conversation, api: Api) -> None:
         messages = conversation.request(turn)
         prompt = tokenize_prompt(messages)
         async with self._slots:
@@ -141,7 +148,7 @@ class _Run:
             self._oracle.observe_prompt(prompt)
             start = self.elapsed()
             outcome = await self._client.stream_chat(
-                ChatRequest(turn.session, messages, turn.output_tokens)
+                ChatRequest(turn.session, messages, turn.output_tokens, api)
             )
         if outcome.error is None:
             conversation.commit(messages, outcome.reply)
@@ -162,6 +169,7 @@ class _Run:
             worker=outcome.worker,
             error=outcome.error,
             status=outcome.status,
+            api=api,
         )
         self.records.append(record)
         if self._sink is not None:

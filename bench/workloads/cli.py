@@ -8,6 +8,7 @@ error that lists the known ones.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
 
+from bench.replay.api_bodies import APIS, Api
 from bench.workloads import agent, azure, burst, chat, mix, mooncake, qa, shared_prompt
 from bench.workloads.sampling import LogNormal
 from bench.workloads.stats import describe, summarize
@@ -59,6 +61,42 @@ def _weights(text: str) -> tuple[tuple[str, float], ...]:
         if not sep:
             raise argparse.ArgumentTypeError(f"expected KIND=WEIGHT,...: {text!r}")
     return tuple(pairs)
+
+
+ApiWeights = tuple[tuple[Api, float], ...]
+
+
+def _api_weights(text: str) -> ApiWeights:
+    """``--api``: one API name (every session), or ``NAME=WEIGHT,...``."""
+    pairs = _weights(text) if "=" in text else ((text.strip(), 1.0),)
+    known: dict[str, Api] = {api: api for api in APIS}
+    weights: list[tuple[Api, float]] = []
+    for name, weight in pairs:
+        api = known.get(name)
+        if api is None:
+            raise argparse.ArgumentTypeError(f"unknown api {name!r}; known: {', '.join(APIS)}")
+        if weight < 0:
+            raise argparse.ArgumentTypeError(f"api weights must be >= 0: {text!r}")
+        weights.append((api, weight))
+    if sum(w for _, w in weights) <= 0:
+        raise argparse.ArgumentTypeError(f"api weights must not all be 0: {text!r}")
+    return tuple(weights)
+
+
+def with_apis(turns: list[Turn], weights: ApiWeights, seed: int) -> list[Turn]:
+    """``turns`` with each session's API on its turn 0, drawn by ``weights``.
+
+    The draws come from their own generator, one per session in order of first
+    appearance, so the rest of the trace is what the same seed gives without ``--api``.
+    """
+    rng = random.Random(f"api:{seed}")
+    names = [api for api, _ in weights]
+    shares = [weight for _, weight in weights]
+    drawn: dict[str, Api] = {}
+    for turn in turns:
+        if turn.session not in drawn:
+            drawn[turn.session] = rng.choices(names, shares)[0]
+    return [replace(t, api=drawn[t.session]) if t.turn == 0 else t for t in turns]
 
 
 def _median(dist: LogNormal, median: float | None) -> LogNormal:
@@ -283,7 +321,8 @@ GENERATORS: Final[Mapping[str, Generator]] = MappingProxyType(
 
 
 def build_trace(kind: str, args: argparse.Namespace) -> list[Turn]:
-    """The turns of ``kind`` built from parsed flags, retimed by ``--arrivals-from``."""
+    """The turns of ``kind`` built from parsed flags, retimed by ``--arrivals-from``,
+    each session's API drawn by ``--api``."""
     generator = GENERATORS.get(kind)
     if generator is None:
         raise ValueError(f"unknown workload kind {kind!r}; known: {', '.join(GENERATORS)}")
@@ -291,6 +330,9 @@ def build_trace(kind: str, args: argparse.Namespace) -> list[Turn]:
     arrivals_from: Path | None = getattr(args, "arrivals_from", None)
     if arrivals_from is not None:
         turns = azure.with_arrivals(turns, azure.arrival_offsets(arrivals_from))
+    apis: ApiWeights | None = getattr(args, "api", None)
+    if apis is not None:
+        turns = with_apis(turns, apis, args.seed)
     return turns
 
 
@@ -308,6 +350,14 @@ def run(args: argparse.Namespace) -> int:
 def _add_common(parser: argparse.ArgumentParser, synthetic: bool) -> None:
     parser.add_argument("-o", "--output", type=Path, required=True, help="trace .jsonl to write")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--api",
+        type=_api_weights,
+        metavar="API|API=W,...",
+        help=f"the API each session's client speaks ({', '.join(APIS)}): one for every "
+        "session, or weights each session draws from, e.g. chat=1,responses=1,messages=2 "
+        "(default: none named; the replay's --api carries them)",
+    )
     if synthetic:
         parser.add_argument("--sessions", type=int, help="number of sessions")
         parser.add_argument("--rate", type=float, help="session arrivals per second (Poisson)")

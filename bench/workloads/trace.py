@@ -13,6 +13,9 @@ Fields of a line::
     user           text   the new user message of this turn
     output_tokens  int    the expected length of the reply (sent as max_tokens)
     system         text   optional, turn 0 only: the system prompt
+    api            str    optional, turn 0 only: the API the session's client speaks,
+                          "chat", "responses" or "messages" (``bench.replay.api_bodies``);
+                          without it the replay's ``--api`` carries the session
 
 A *text* is either a literal string, or ``{"id": KEY, "tokens": N}`` (N stand-in tokens
 of deterministic filler drawn from KEY, see ``bench.textgen``), or a list of those,
@@ -29,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from bench.replay.api_bodies import APIS, Api
 from bench.textgen import text_for
 
 
@@ -50,6 +54,7 @@ class Turn:
     user: TextSpec
     output_tokens: int
     system: TextSpec | None = None
+    api: Api | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +119,18 @@ def turn_to_json(turn: Turn) -> dict[str, Any]:
     }
     if turn.system is not None:
         line["system"] = _text_to_json(turn.system)
+    if turn.api is not None:
+        line["api"] = turn.api
     return line
+
+
+def _api_from_json(value: Any, where: str) -> Api | None:
+    if value is None:
+        return None
+    for api in APIS:
+        if value == api:
+            return api
+    raise TraceFormatError(f"{where}: unknown api {value!r}; known: {', '.join(APIS)}")
 
 
 def turn_from_json(obj: Any, where: str = "trace") -> Turn:
@@ -134,7 +150,8 @@ def turn_from_json(obj: Any, where: str = "trace") -> Turn:
             raise
         raise TraceFormatError(f"{where}: {exc}") from exc
     system = _text_from_json(obj["system"], f"{where}.system") if obj.get("system") else None
-    return Turn(session, turn, arrival, gap, user, output_tokens, system)
+    api = _api_from_json(obj.get("api"), f"{where}.api")
+    return Turn(session, turn, arrival, gap, user, output_tokens, system, api)
 
 
 def write_trace(turns: Iterable[Turn], path: Path) -> int:
