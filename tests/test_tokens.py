@@ -422,3 +422,60 @@ def test_padding_and_truncation_in_tokenizer_json_are_off(model_dir: Path, tmp_p
     text = "one two three four five six"
     assert padded.encode(text) == plain.encode(text)
     assert len(plain.encode(text)) > 4
+
+
+async def test_a_messages_or_responses_request_is_keyed_by_the_tokens_of_its_chat_request(
+    model: ModelTokenizer,
+) -> None:
+    """The same conversation through each API: the same tools, template and ids."""
+    tool = {"name": "read_file", "description": "Reads", "input_schema": {"type": "object"}}
+    chat_tool = {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Reads",
+            "parameters": tool["input_schema"],
+        },
+    }
+    system, ask, reply = "You are terse.", "Read a.py", "It prints one."
+    chat = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": ask},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And b.py?"},
+        ],
+        "tools": [chat_tool],
+    }
+    anthropic = {
+        "model": "m",
+        "max_tokens": 8,
+        "system": system,
+        "messages": chat["messages"][1:],
+        "tools": [tool],
+    }
+    responses = {
+        "model": "m",
+        "instructions": system,
+        "input": [
+            {"role": "user", "content": ask},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": reply}],
+            },
+            {"role": "user", "content": "And b.py?"},
+        ],
+        "tools": [{"type": "function", **chat_tool["function"]}],
+    }
+    keys = TokenKeys(model, 1_000_000, TokenMetrics(CollectorRegistry()))
+    try:
+        keyed = [
+            await keys.key(read_request(kind, orjson.dumps(body), None, ()), 64)
+            for kind, body in (("chat", chat), ("messages", anthropic), ("responses", responses))
+        ]
+    finally:
+        keys.close()
+    assert keyed[0].key.hashes and keyed[0].key == keyed[1].key == keyed[2].key
+    assert keyed[0].history_blocks == keyed[1].history_blocks == keyed[2].history_blocks > 0
