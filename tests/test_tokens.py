@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from bench.textgen import text_for
 from router.errors import BadRequest, ConfigError
-from router.parse import RequestBody, read_request
+from router.parse import Kind, RequestBody, read_request
 from router.tokens.conversation import (
     BILLING_HEADER,
     detect_content_format,
@@ -467,13 +467,18 @@ async def test_a_messages_or_responses_request_is_keyed_by_the_tokens_of_its_cha
             },
             {"role": "user", "content": "And b.py?"},
         ],
-        "tools": [{"type": "function", **chat_tool["function"]}],
+        "tools": [{"type": "function", **function}],
     }
+    bodies: list[tuple[Kind, dict[str, Any]]] = [
+        ("chat", chat),
+        ("messages", anthropic),
+        ("responses", responses),
+    ]
     keys = TokenKeys(model, 1_000_000, TokenMetrics(CollectorRegistry()))
     try:
         keyed = [
             await keys.key(read_request(kind, orjson.dumps(body), None, ()), 64)
-            for kind, body in (("chat", chat), ("messages", anthropic), ("responses", responses))
+            for kind, body in bodies
         ]
     finally:
         keys.close()
