@@ -428,15 +428,9 @@ async def test_a_messages_or_responses_request_is_keyed_by_the_tokens_of_its_cha
     model: ModelTokenizer,
 ) -> None:
     """The same conversation through each API: the same tools, template and ids."""
+    function = {"name": "read_file", "description": "Reads", "parameters": {"type": "object"}}
     tool = {"name": "read_file", "description": "Reads", "input_schema": {"type": "object"}}
-    chat_tool = {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Reads",
-            "parameters": tool["input_schema"],
-        },
-    }
+    chat_tool = {"type": "function", "function": function}
     system, ask, reply = "You are terse.", "Read a.py", "It prints one."
     chat = {
         "model": "m",
