@@ -21,7 +21,7 @@ from router import __version__, discovery, passthrough
 from router.admin import add_routes
 from router.admission import Admission
 from router.aio_proxy import handler_for
-from router.apis.kinds import APIS
+from router.apis.kinds import APIS, error_body_for
 from router.auth import Unauthenticated, authorized, bearers
 from router.config import ENGINE_TOKENIZER, RouterConfig
 from router.errors import (
@@ -76,6 +76,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except RouterError as exc:
         if STATE_KEY in request.app and exc.status >= 400:
             request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
+        if exc.shape is None:
+            exc.shape = error_body_for(request.path)
         response = _json(exc.answer_body(), exc.status)
         response.headers.update(exc.headers())
         if exc.closes_connection:

@@ -320,3 +320,30 @@ async def test_count_tokens_embeddings_and_tokenize_are_passed_on(
             assert "hello world" in orjson.loads(await detokenized.read())["prompt"]
         with pytest.raises(anthropic.NotFoundError):
             await client.messages.count_tokens(model="no-such-model", messages=messages)
+
+
+async def test_anthropic_clients_authenticate_with_x_api_key(fleet: list[Any]) -> None:
+    """The Anthropic SDKs send their key as ``x-api-key``; a wrong one is refused in
+    Anthropic's shape on every Messages route, whichever server answers it."""
+    messages: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hi"}]
+    async with serve_router(router_config(fleet, api_keys=("right-key",))) as router:
+        right = anthropic.AsyncAnthropic(base_url=router.url, api_key="right-key", max_retries=0)
+        wrong = anthropic.AsyncAnthropic(base_url=router.url, api_key="wrong-key", max_retries=0)
+        async with right, wrong:
+            reply = await right.messages.create(model=TEST_MODEL, max_tokens=4, messages=messages)
+            assert reply.content
+            counted = await right.messages.count_tokens(model=TEST_MODEL, messages=messages)
+            assert counted.input_tokens > 0
+            for call in (
+                wrong.messages.create(model=TEST_MODEL, max_tokens=4, messages=messages),
+                wrong.messages.count_tokens(model=TEST_MODEL, messages=messages),
+            ):
+                with pytest.raises(anthropic.AuthenticationError) as refused:
+                    await call
+                assert refused.value.body == {
+                    "type": "error",
+                    "error": {
+                        "type": "authentication_error",
+                        "message": "missing or invalid API key",
+                    },
+                }

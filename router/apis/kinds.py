@@ -66,3 +66,11 @@ APIS: dict[Kind, Api] = {
     )
 }
 KIND_OF_PATH: dict[bytes, Kind] = {api.path: api.kind for api in APIS.values()}
+
+
+def error_body_for(path: str) -> ErrorBody:
+    """The error shape of a path's API (``/v1/messages`` and below: Anthropic's), for
+    errors raised before a route's handler knows its API (a missing API key)."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return anthropic_error_body
+    return openai_error_body
