@@ -156,6 +156,28 @@ async def test_a_continued_response_goes_where_it_was_stored(
         computed = stored.usage.input_tokens + REPLY_TOKENS - 1
         assert second.usage.input_tokens_details.cached_tokens == computed // BLOCK * BLOCK
 
+        # A streamed continuation: its id comes in response.created, and is remembered.
+        events = await client.responses.create(
+            model=TEST_MODEL,
+            instructions=system_of(0),  # instructions do not carry over
+            previous_response_id=second.id,
+            input=question(0, 2),
+            max_output_tokens=REPLY_TOKENS,
+            extra_body=EXACT,
+            stream=True,
+        )
+        assert events.response.headers["x-kvrouter-worker"] == holder
+        third = None
+        async for event in events:
+            if event.type in ("response.completed", "response.incomplete"):
+                third = event.response
+        assert third is not None and third.usage is not None
+        assert third.usage.input_tokens_details.cached_tokens > computed
+        continued = await client.responses.with_raw_response.create(
+            model=TEST_MODEL, previous_response_id=third.id, input="and?", max_output_tokens=4
+        )
+        assert continued.headers["x-kvrouter-worker"] == holder
+
         fetched = await client.responses.retrieve(stored.id)
         assert fetched.id == stored.id and fetched.output_text == stored.output_text
         with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous"):
