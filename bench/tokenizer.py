@@ -26,8 +26,8 @@ from typing import Any
 import orjson
 
 from router.prefix import content_text
+from router.wire.blocks import TOKEN_BYTES, token_bytes
 
-TOKEN_BYTES = 4
 _PAD = b"\xff"
 
 IM_START = "<|im_start|>"
@@ -47,7 +47,7 @@ def num_tokens(encoded: bytes) -> int:
 
 def encode_token_ids(ids: Iterable[int]) -> bytes:
     """Encode a completions prompt given as token ids (each must fit in 32 bits)."""
-    return b"".join(i.to_bytes(TOKEN_BYTES, "little") for i in ids)
+    return token_bytes(ids)
 
 
 def _render_message(message: Mapping[str, Any]) -> list[bytes]:

@@ -38,7 +38,6 @@ import httptools
 import orjson
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from router import wire
 from router.apis.kinds import APIS
 from router.auth import Unauthenticated
 from router.errors import (
@@ -64,6 +63,7 @@ from router.front_request import (
 from router.parse import Kind
 from router.proxy import serve
 from router.state import RouterState
+from router.wire import http1
 
 if TYPE_CHECKING:
     from router.bridge import Bridge
@@ -219,7 +219,7 @@ class FrontConnection(asyncio.Protocol):
         if plain and message.method == b"POST" and message.version == "1.1":
             message.kind = HOT_ROUTES.get(message.url.partition(b"?")[0])
         if message.expects_continue and not self._busy and self._transport is not None:
-            self._transport.write(wire.CONTINUE)
+            self._transport.write(http1.CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         message = self._message
@@ -330,7 +330,7 @@ class FrontConnection(asyncio.Protocol):
         headers = [*_JSON, *((k.encode(), v.encode()) for k, v in error.headers().items())]
         body = orjson.dumps(error.answer_body())
         transport.write(
-            wire.head(error.status, headers, wire.content_length(len(body)), close) + body
+            http1.head(error.status, headers, http1.content_length(len(body)), close) + body
         )
 
     def _too_large(self) -> RouterError:
@@ -452,29 +452,29 @@ class _Reply:
         self.ended = False
         self._head = b""
 
-    async def whole(self, status: int, headers: wire.Headers, body: bytes) -> None:
+    async def whole(self, status: int, headers: http1.Headers, body: bytes) -> None:
         self.started = True
         close = not self.keep_alive
         self._connection.write(
-            wire.head(status, headers, wire.content_length(len(body)), close) + body
+            http1.head(status, headers, http1.content_length(len(body)), close) + body
         )
         self.ended = True
 
-    async def start(self, status: int, headers: wire.Headers) -> None:
+    async def start(self, status: int, headers: http1.Headers) -> None:
         self.started = True
-        self._head = wire.head(status, headers, wire.CHUNKED, not self.keep_alive)
+        self._head = http1.head(status, headers, http1.CHUNKED, not self.keep_alive)
 
     async def write(self, data: bytes) -> None:
         connection = self._connection
         if self._head:
             head, self._head = self._head, b""
-            connection.write(head + wire.chunk(data))
+            connection.write(head + http1.chunk(data))
         else:
-            connection.write(wire.chunk(data))
+            connection.write(http1.chunk(data))
         await connection.drain()
 
     async def end(self, last: bytes = b"") -> None:
         head, self._head = self._head, b""
-        tail = wire.chunk(last) + wire.LAST_CHUNK if last else wire.LAST_CHUNK
+        tail = http1.chunk(last) + http1.LAST_CHUNK if last else http1.LAST_CHUNK
         self._connection.write(head + tail)
         self.ended = True

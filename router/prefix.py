@@ -13,19 +13,18 @@ kept so the streamed reply can extend the chain (``ChainExtender``).
 
 from __future__ import annotations
 
-import sys
-from array import array
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import xxhash
 
+from router.wire.blocks import chain_hashes, token_bytes
+
 _RS = b"\x1e"  # starts a message
 _US = b"\x1f"  # separates its fields
 _TOKEN_IDS = b"\x1d"  # marks a prompt given as token ids
-TOKEN_BYTES = 4  # a token id in the canonical bytes of a tokenized prompt
 
 _digest = xxhash.xxh3_64_intdigest
 
@@ -81,16 +80,6 @@ def render_chat_history(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, i
     return b"".join(rendered), sum(map(len, rendered[:last]))
 
 
-def token_bytes(ids: Iterable[int]) -> bytes:
-    """Token ids as the canonical bytes, ``TOKEN_BYTES`` little-endian bytes each, built at
-    C speed: a body can hold millions of them."""
-    packed = ids if isinstance(ids, array) and ids.typecode == "I" else array("I", ids)
-    if sys.byteorder == "big":
-        packed = array("I", packed)
-        packed.byteswap()
-    return packed.tobytes()
-
-
 def render_prompt(prompt: str | Sequence[int]) -> bytes:
     if isinstance(prompt, str):
         return prompt.encode()
@@ -127,17 +116,8 @@ def leading_held(hashes: Sequence[int], held: Container[int], reserved: Containe
     return low
 
 
-def hash_blocks(data: bytes, block_bytes: int, parent: int) -> list[int]:
-    hashes: list[int] = []
-    view = memoryview(data)
-    for offset in range(0, len(data) - block_bytes + 1, block_bytes):
-        parent = _digest(view[offset : offset + block_bytes], parent)
-        hashes.append(parent)
-    return hashes
-
-
 def prefix_key(canonical: bytes, block_bytes: int, seed: int) -> PrefixKey:
-    hashes = hash_blocks(canonical, block_bytes, seed)
+    hashes = chain_hashes(canonical, block_bytes, seed)
     tail = canonical[len(hashes) * block_bytes :]
     return PrefixKey(tuple(hashes), tail, seed, len(canonical))
 
@@ -180,7 +160,7 @@ class ChainExtender:
         if len(self._buffer) < size:
             return
         full = len(self._buffer) // size * size
-        block_hashes = hash_blocks(bytes(self._buffer[:full]), size, self._parent)
+        block_hashes = chain_hashes(bytes(self._buffer[:full]), size, self._parent)
         self._hashes += block_hashes
         self._parent = block_hashes[-1]
         del self._buffer[:full]

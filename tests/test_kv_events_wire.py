@@ -19,7 +19,8 @@ from router.kv_events.wire import (
     decode_batch,
     read_message,
 )
-from router.prefix import chain_seed, prefix_key, token_bytes
+from router.prefix import chain_seed, prefix_key
+from router.wire.blocks import token_bytes
 from tests import engine_kv_events as engine
 
 BLOCK = 4

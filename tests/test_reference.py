@@ -22,10 +22,10 @@ from bench.sim.kv_cache import BlockPool
 from bench.sim.request import SimRequest
 from bench.sim.scheduler import Scheduler
 from bench.textgen import generated_text
-from bench.tokenizer import TOKEN_BYTES
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.sampling import LogNormal
 from bench.workloads.trace import Turn, group_sessions
+from router.wire.blocks import TOKEN_BYTES
 
 BLOCK = 4  # tokens; small so every block can be counted by hand
 

@@ -27,8 +27,8 @@ from bench.replay.result import (
     summarize,
 )
 from bench.replay.runner import ReplayConfig, replay, select_sessions
-from bench.tokenizer import TOKEN_BYTES
 from bench.workloads.trace import TextBlock, Turn
+from router.wire.blocks import TOKEN_BYTES
 from tests.conftest import EngineFactory
 
 BLOCK = 16

@@ -9,7 +9,6 @@ import random
 import msgspec
 import xxhash
 
-from bench.block_hash import chain_hashes
 from bench.sim.kv_cache import BlockPool
 from bench.sim.kv_event_log import EngineEvents
 from bench.sim.kv_events import KVEventBatch
@@ -19,6 +18,7 @@ from bench.sim.vllm_hash import BlockHasher
 from router.kv_events.chain import EngineChains
 from router.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from router.prefix import chain_seed, prefix_key
+from router.wire.blocks import token_block_hashes
 
 BLOCK = 4
 MODEL = "m"
@@ -122,7 +122,7 @@ def test_the_events_name_exactly_the_blocks_the_pool_holds() -> None:
         reader.catch_up(sink.sent)
         for prompt, salt in probes:
             parent = xxhash.xxh3_64_intdigest(salt.encode()) if salt else 0
-            pool_match = len(pool.cached_prefix(chain_hashes(prompt, BLOCK, parent), 10_000))
+            pool_match = len(pool.cached_prefix(token_block_hashes(prompt, BLOCK, parent), 10_000))
             assert reader.match(prompt, salt) == pool_match
             checked += 1
             partial += 0 < pool_match < len(prompt) // (4 * BLOCK)

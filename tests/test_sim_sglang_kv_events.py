@@ -15,7 +15,6 @@ import msgspec
 import pytest
 import xxhash
 
-from bench.block_hash import chain_hashes
 from bench.sim.config import EngineConfig
 from bench.sim.kv_cache import BlockPool
 from bench.sim.kv_events import KVEventsConfig
@@ -31,6 +30,7 @@ from bench.sim.sglang_kv_events import (
     namespaced_block_hash,
 )
 from router.kv_events import wire
+from router.wire.blocks import token_block_hashes
 from tests.conftest import TEST_MODEL, EngineFactory, engine_config
 from tests.engine_kv_events import SglangBlockStored, SglangEventBatch, encode
 from tests.test_sim_kv_event_log import BLOCK, EventReader, run, tokens
@@ -165,7 +165,7 @@ def test_the_events_name_exactly_the_blocks_the_pool_holds() -> None:
         reader.catch_up(sink.sent)
         for prompt, salt in probes:
             parent = xxhash.xxh3_64_intdigest(salt.encode()) if salt else 0
-            held = len(pool.cached_prefix(chain_hashes(prompt, BLOCK, parent), 10_000))
+            held = len(pool.cached_prefix(token_block_hashes(prompt, BLOCK, parent), 10_000))
             assert reader.match(prompt, salt) == held
             checked += 1
             partial += 0 < held < len(prompt) // (4 * BLOCK)

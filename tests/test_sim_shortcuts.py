@@ -14,14 +14,13 @@ import aiohttp
 import orjson
 import pytest
 
-from bench.block_hash import chain_hashes
 from bench.sim.kv_cache import NO_HASH, BlockPool
 from bench.sim.openai_api import ChunkEvents, sse_event, stream_chunk
 from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.prompts import Kind
 from bench.sim.request import DRAW_AHEAD_TOKENS, SimRequest
 from bench.textgen import generated_text
-from bench.tokenizer import TOKEN_BYTES
+from router.wire.blocks import TOKEN_BYTES, token_block_hashes
 from tests.conftest import TEST_MODEL, RunningEngine, engine_config
 from tests.sim_servers import FRONTS, serve_engine_on
 
@@ -165,7 +164,7 @@ def test_prefix_hashes_equal_hashing_each_prompt_from_scratch() -> None:
     for prompt in prompts:
         for parent in (0, 99):
             hashes = hasher.hashes(prompt, parent)
-            assert hashes == chain_hashes(prompt, BLOCK, parent)
+            assert hashes == token_block_hashes(prompt, BLOCK, parent)
             hashes.reverse()  # the list is the caller's to change
     assert len(hasher._seen) <= 3
 
@@ -192,7 +191,7 @@ def test_tokens_sampled_ahead_are_the_tokens_sampled_each_step(counts: list[int]
         assert bytes(request.output) == output
         assert request.tokens == prompt + output
         assert request.num_tokens == 37 + drawn
-        assert request.hashes == chain_hashes(prompt + output, BLOCK, 42)
+        assert request.hashes == token_block_hashes(prompt + output, BLOCK, 42)
     assert request.output_text(7) == output[7 * TOKEN_BYTES :].decode("ascii")
     assert total > DRAW_AHEAD_TOKENS  # it was sampled in more than one batch
 

@@ -16,10 +16,11 @@ from bench.textgen import text_for
 from router.cli import build_parser
 from router.config import PrefixConfig, WorkerConfig
 from router.errors import ConfigError
-from router.prefix import chain_seed, prefix_key, token_bytes
+from router.prefix import chain_seed, prefix_key
 from router.serve_cli import flag_overrides
 from router.state import STATE_KEY
 from router.tokens.engine import token_ids_of
+from router.wire.blocks import token_bytes
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import (
     WORKER,

@@ -13,8 +13,8 @@ the longest known prefix of whole blocks within ``prompt_tokens - 1`` tokens.
 
 from __future__ import annotations
 
-from bench.block_hash import DEFAULT_BLOCK_TOKENS, chain_hashes
-from bench.tokenizer import TOKEN_BYTES, num_tokens
+from bench.tokenizer import num_tokens
+from router.wire.blocks import DEFAULT_BLOCK_TOKENS, TOKEN_BYTES, token_block_hashes
 
 
 class PrefixOracle:
@@ -34,7 +34,7 @@ class PrefixOracle:
         usable_blocks = max(num_tokens(prompt) - 1, 0) // self._block_tokens
         hits = 0
         usable = prompt[: usable_blocks * self._block_tokens * TOKEN_BYTES]
-        for block_hash in chain_hashes(usable, self._block_tokens):
+        for block_hash in token_block_hashes(usable, self._block_tokens):
             if block_hash not in self._known:
                 break
             hits += 1
@@ -42,7 +42,7 @@ class PrefixOracle:
 
     def observe_prompt(self, prompt: bytes) -> None:
         """A request was sent: its prompt's blocks are now cached somewhere."""
-        self._known.update(chain_hashes(prompt, self._block_tokens))
+        self._known.update(token_block_hashes(prompt, self._block_tokens))
 
     def observe_completion(self, prompt: bytes, reply: bytes) -> None:
         """A request finished: the reply's tokens extend its prompt's cached blocks.
@@ -52,4 +52,4 @@ class PrefixOracle:
         its KV computed, so it does not complete a block.
         """
         computed = (prompt + reply)[:-TOKEN_BYTES] if reply else prompt
-        self._known.update(chain_hashes(computed, self._block_tokens))
+        self._known.update(token_block_hashes(computed, self._block_tokens))

@@ -47,13 +47,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from bench.block_hash import DEFAULT_BLOCK_TOKENS, chain_hashes
 from bench.replay.conversation import Conversation, tokenize_prompt, tokenize_reply
 from bench.replay.result import RequestRecord
 from bench.sim.kv_cache import BlockPool
 from bench.textgen import generated_text
-from bench.tokenizer import TOKEN_BYTES, num_tokens
+from bench.tokenizer import num_tokens
 from bench.workloads.trace import Turn, group_sessions
+from router.wire.blocks import DEFAULT_BLOCK_TOKENS, TOKEN_BYTES, token_block_hashes
 
 RequestKey = tuple[str, int]  # (session, turn)
 
@@ -148,7 +148,7 @@ def _serve(pool: BlockPool, prompt: bytes, reply: bytes) -> int:
     """One request on ``pool``, start to finish with nothing else running."""
     block_tokens = pool.block_tokens
     computed = (prompt + reply)[:-TOKEN_BYTES] if reply else prompt
-    hashes = chain_hashes(computed, block_tokens)
+    hashes = token_block_hashes(computed, block_tokens)
     hit = pool.cached_prefix(hashes, max(num_tokens(prompt) - 1, 0) // block_tokens)
     # Every block is free between requests, so the pool's size is the only limit.
     wanted = min(-(-num_tokens(computed) // block_tokens), pool.num_blocks)

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.block_hash import DEFAULT_BLOCK_TOKENS
 from bench.replay.api_bodies import APIS, DEFAULT_API, Api, ChatRequest
 from bench.replay.client import (
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -42,6 +41,7 @@ from bench.replay.result import RequestRecord, RunMeta, RunResult
 from bench.tokenizer import num_tokens
 from bench.workloads.trace import Session, Turn, group_sessions
 from router.clock import monotonic
+from router.wire.blocks import DEFAULT_BLOCK_TOKENS
 
 DEFAULT_CONCURRENCY = 64
 DEFAULT_TIME_SCALE = 1.0

@@ -12,7 +12,7 @@ from urllib.parse import parse_qs
 from aiohttp.http import SERVER_SOFTWARE
 
 from bench.sim.exchange import Headers, Reply, Stream, too_large
-from router.wire import http_date
+from router.wire.http1 import http_date
 
 _REASONS = {status.value: status.phrase for status in HTTPStatus}
 _SERVER = f"Server: {SERVER_SOFTWARE}\r\n".encode()

@@ -19,7 +19,7 @@ from bench.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVE
 from bench.sim.request import SimRequest
 from bench.sim.tokenize import token_ids
 from bench.sim.vllm_hash import BlockHasher, block_extra_keys, event_extra_keys, external_hash
-from bench.tokenizer import TOKEN_BYTES
+from router.wire.blocks import TOKEN_BYTES
 
 MEDIUM = "GPU"
 GROUP = 0  # one full-attention KV cache group

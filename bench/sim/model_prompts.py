@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 from bench.sim.prompts import ChatInput, check_template_options
 from bench.sim.request_fields import ApiError
 from router.errors import BadRequest
-from router.prefix import token_bytes
 from router.tokens.conversation import (
     detect_content_format,
     renders_as_the_engine,
@@ -36,6 +35,7 @@ from router.tokens.conversation import (
 from router.tokens.incremental import IncrementalEncoder
 from router.tokens.keys import template_kwargs_of
 from router.tokens.model import ModelTokenizer
+from router.wire.blocks import token_bytes
 
 T = TypeVar("T")
 # Ids of earlier prompts the incremental encoder keeps to start later ones from (~16 MB).

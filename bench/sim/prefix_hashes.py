@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from bench.block_hash import chain_hashes
-from bench.tokenizer import TOKEN_BYTES
+from router.wire.blocks import TOKEN_BYTES, token_block_hashes
 
 # Prompts remembered, and the bytes they may hold in all.
 DEFAULT_CAPACITY = 1024
@@ -21,7 +20,7 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 
 class PrefixHashes:
-    """``chain_hashes(prompt, block_tokens, parent)`` for a stream of prompts.
+    """``token_block_hashes(prompt, block_tokens, parent)`` for a stream of prompts.
 
     The latest prompt is remembered per (parent, first block): a conversation's turns
     share their first block, so a turn finds the turn before. At most ``capacity``
@@ -50,9 +49,11 @@ class PrefixHashes:
         same = 0 if seen is None else self._blocks_in_common(prompt, seen[0])
         if seen is not None and same > 0:
             known = seen[1]
-            hashes = known[:same] + chain_hashes(prompt, self.block_tokens, known[same - 1], same)
+            hashes = known[:same] + token_block_hashes(
+                prompt, self.block_tokens, known[same - 1], same
+            )
         else:
-            hashes = chain_hashes(prompt, self.block_tokens, parent)
+            hashes = token_block_hashes(prompt, self.block_tokens, parent)
         if seen is not None:
             self._bytes -= len(seen[0])
         if hashes:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from bench.sim.request_fields import ApiError, field
-from bench.tokenizer import IM_END, TOKEN_BYTES, encode_piece, encode_token_ids, render_chat
+from bench.tokenizer import IM_END, encode_piece, encode_token_ids, render_chat
+from router.wire.blocks import TOKEN_BYTES
 
 Kind = Literal["chat", "completion"]
 _PAD = 0xFF  # the filler a stand-in template piece is padded with; UTF-8 never produces it

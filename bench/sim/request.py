@@ -7,10 +7,9 @@ import random
 from collections.abc import Callable
 from enum import Enum
 
-from bench.block_hash import chain_hashes
 from bench.sim.request_log import RequestRecord
 from bench.textgen import generated_text
-from bench.tokenizer import TOKEN_BYTES
+from router.wire.blocks import TOKEN_BYTES, token_block_hashes
 
 # Most output tokens sampled ahead of need (``SimRequest._draw_ahead``).
 DRAW_AHEAD_TOKENS = 512
@@ -90,7 +89,9 @@ class SimRequest:
         self.arrival = arrival
         self.rng = rng
         # ``hashes``, when given, must be ``chain_hashes`` of the prompt (``PrefixHashes``).
-        self.hashes = chain_hashes(prompt, block_tokens, parent_hash) if hashes is None else hashes
+        self.hashes = (
+            token_block_hashes(prompt, block_tokens, parent_hash) if hashes is None else hashes
+        )
         self.cache_salt = cache_salt
         # vLLM's hashes of the full blocks, computed only when KV events are published.
         self.engine_hashes: list[bytes] = []
@@ -174,7 +175,7 @@ class SimRequest:
             else:
                 fresh = self.output[start - prompt_bytes : end - prompt_bytes]
             parent = self.hashes[-1] if self.hashes else 0
-            self.hashes += chain_hashes(fresh, block_tokens, parent)
+            self.hashes += token_block_hashes(fresh, block_tokens, parent)
 
     def _draw_ahead(self, count: int) -> None:
         """Sample at least ``count`` more tokens into ``_drawn``, up to ``DRAW_AHEAD_TOKENS``

@@ -35,7 +35,7 @@ from bench.sim.sglang_kv_events import (
     salt_seed,
 )
 from bench.sim.tokenize import token_ids
-from bench.tokenizer import TOKEN_BYTES
+from router.wire.blocks import TOKEN_BYTES
 
 MEDIUM = "GPU"  # StorageMedium.GPU
 

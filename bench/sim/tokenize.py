@@ -34,7 +34,7 @@ from typing import Any
 from bench.sim.openai_api import ParsedRequest, new_id
 from bench.sim.prompts import Kind, Prompts, check_vocab, encode_prompt
 from bench.sim.request_fields import ApiError, field, request_body, requested_model
-from bench.tokenizer import TOKEN_BYTES
+from router.wire.blocks import TOKEN_BYTES
 
 
 def token_ids(encoded: bytes) -> list[int]:

@@ -20,7 +20,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from router.kv_events.wire import BlockHash, BlockStored
-from router.prefix import TOKEN_BYTES, chain_seed, hash_blocks, token_bytes
+from router.prefix import chain_seed
+from router.wire.blocks import TOKEN_BYTES, chain_hashes, token_bytes
 
 
 class _Name:
@@ -59,7 +60,7 @@ class EngineChains:
                 self.orphans += len(event.block_hashes)
                 return [], []
             parent = known.router_hash
-        ours = hash_blocks(token_bytes(event.token_ids), event.block_size * TOKEN_BYTES, parent)
+        ours = chain_hashes(token_bytes(event.token_ids), event.block_size * TOKEN_BYTES, parent)
         added: list[int] = []
         names, held = self._names, self._held  # a loop over thousands of blocks a second
         for engine_hash, router_hash in zip(event.block_hashes, ours, strict=True):

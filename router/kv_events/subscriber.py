@@ -40,7 +40,7 @@ from router.kv_events.wire import (
     decode_batch,
     read_message,
 )
-from router.prefix import TOKEN_BYTES
+from router.wire.blocks import TOKEN_BYTES
 from router.workers import Worker
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import aiohttp
 import orjson
 
 from router.parse import ClientRequest, RequestBody, keyed, keyed_by_text
-from router.prefix import token_bytes
 from router.tokens.keys import MAX_PENDING, TokenMetrics
+from router.wire.blocks import token_bytes
 from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ from typing import Any, AnyStr, Protocol
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from router.parse import ClientRequest, RequestBody, keyed, keyed_by_text
-from router.prefix import TOKEN_BYTES, token_bytes
 from router.tokens.conversation import (
     ContentFormat,
     detect_content_format,
@@ -38,6 +37,7 @@ from router.tokens.conversation import (
 )
 from router.tokens.incremental import Encoded, IncrementalEncoder
 from router.tokens.model import ModelTokenizer
+from router.wire.blocks import TOKEN_BYTES, token_bytes
 
 # Requests queued for the tokenizer's thread past which the next is keyed by its text:
 # waiting behind many long first prompts would cost more than a coarser key.
