@@ -12,20 +12,14 @@ testable with plain values.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, NamedTuple
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Literal, NamedTuple, Self, get_args
 
 # Why a worker was chosen; a small fixed set, used as a metric label.
 Reason = Literal["prefix", "load", "session", "rotation", "random", "ttft", "only_choice"]
-REASONS: tuple[Reason, ...] = (
-    "prefix",
-    "load",
-    "session",
-    "rotation",
-    "random",
-    "ttft",
-    "only_choice",
-)
+REASONS: tuple[Reason, ...] = get_args(Reason)
 
 
 class RouteRequest(NamedTuple):
@@ -79,9 +73,28 @@ class Policy(abc.ABC):
 
     ``candidates`` is never empty: the router answers "no eligible worker" itself.
     The hooks are optional; the default does nothing.
+
+    A concrete policy defined in a module of the ``policies`` package is registered by
+    its ``name`` (``policies.registry``). Its knobs are the fields of ``params_type``, a
+    frozen dataclass whose every field has a default; its constructor takes that
+    dataclass first, and a ``seed`` keyword if it draws random numbers.
     """
 
     name: ClassVar[str]
+    params_type: ClassVar[type[Any]]
+
+    @classmethod
+    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
+        """A policy with ``knobs`` over the defaults of ``params_type``.
+
+        Raises PolicyConfigError naming the knob that does not exist or has a bad value.
+        ``seed`` reaches only a constructor that takes one; the others are deterministic.
+        """
+        params = params_from(cls.params_type, knobs, cls.name)
+        construct: Callable[..., Self] = cls
+        if "seed" in inspect.signature(cls).parameters:
+            return construct(params, seed=seed)
+        return construct(params)
 
     @abc.abstractmethod
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision: ...
@@ -96,27 +109,26 @@ class Policy(abc.ABC):
 
 
 def params_from(cls: type[Any], knobs: Mapping[str, Any], policy: str) -> Any:
-    """Build a policy's frozen params dataclass from a mapping, naming bad knobs."""
-    fields = cls.__dataclass_fields__
+    """Build a policy's frozen params dataclass from a mapping, naming bad knobs.
+
+    A knob must be a field of ``cls`` and of the kind of its default (a number or a
+    string); then ``cls``'s own ``__post_init__`` checks the values.
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(knobs) - set(fields))
     if unknown:
         raise PolicyConfigError(
             f"policy {policy!r} has no knob {unknown[0]!r}; knobs: {', '.join(sorted(fields))}"
         )
-    try:
-        return cls(**knobs)
-    except TypeError as exc:
-        # A value of the wrong type fails a comparison in __post_init__ without naming it.
-        wrong = next(
-            (k for k in sorted(knobs) if not _same_kind(knobs[k], fields[k].default)), None
-        )
-        if wrong is None:
-            raise PolicyConfigError(f"policy {policy!r}: {exc}") from exc
+    wrong = next((k for k in sorted(knobs) if not _same_kind(knobs[k], fields[k].default)), None)
+    if wrong is not None:
         expected = "a string" if isinstance(fields[wrong].default, str) else "a number"
         raise PolicyConfigError(
             f"policy {policy!r}: {wrong} must be {expected}, got {knobs[wrong]!r}"
-        ) from exc
-    except ValueError as exc:
+        )
+    try:
+        return cls(**knobs)
+    except (TypeError, ValueError) as exc:
         raise PolicyConfigError(f"policy {policy!r}: {exc}") from exc
 
 

@@ -32,11 +32,11 @@ Differences from SGLang, on purpose:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Self
+from typing import ClassVar, Literal
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
+from policies.base import Decision, Policy, RouteRequest, WorkerView
 
 LowMatchTarget = Literal["smallest_cache", "least_load"]
 LOW_MATCH_TARGETS: tuple[LowMatchTarget, ...] = ("smallest_cache", "least_load")
@@ -92,11 +92,6 @@ class CacheAwarePolicy(Policy):
 
     def __init__(self, params: CacheAwareParams | None = None) -> None:
         self.params = params if params is not None else CacheAwareParams()
-
-    @classmethod
-    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
-        # Deterministic: the seed has nothing to drive.
-        return cls(params_from(CacheAwareParams, knobs, cls.name))
 
     def is_imbalanced(self, candidates: Sequence[WorkerView]) -> bool:
         loads = [v.outstanding_requests for v in candidates]

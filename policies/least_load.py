@@ -6,11 +6,11 @@ the same one, so "load" means one thing in every policy's decisions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
+from policies.base import Decision, Policy, RouteRequest, WorkerView
 
 # 0 counts requests only (outstanding tokens just break ties), like SGLang's shortest
 # queue. A positive value makes that many outstanding prompt tokens weigh as much as one
@@ -52,11 +52,6 @@ class LeastLoadPolicy(Policy):
 
     def __init__(self, params: LeastLoadParams | None = None) -> None:
         self.params = params if params is not None else LeastLoadParams()
-
-    @classmethod
-    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
-        # Deterministic: the seed has nothing to drive.
-        return cls(params_from(LeastLoadParams, knobs, cls.name))
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
         chosen = least_loaded(candidates, self.params.token_weight)

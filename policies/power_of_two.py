@@ -8,11 +8,11 @@ reality does not herd every request onto the one worker it believes is idlest
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
+from policies.base import Decision, Policy, RouteRequest, WorkerView
 from policies.least_load import DEFAULT_TOKEN_WEIGHT, load_key
 
 
@@ -35,10 +35,6 @@ class PowerOfTwoPolicy(Policy):
     def __init__(self, params: PowerOfTwoParams | None = None, *, seed: int | None = None) -> None:
         self.params = params if params is not None else PowerOfTwoParams()
         self._rng = random.Random(seed)
-
-    @classmethod
-    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
-        return cls(params_from(PowerOfTwoParams, knobs, cls.name), seed=seed)
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
         if len(candidates) == 1:

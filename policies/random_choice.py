@@ -7,11 +7,11 @@ policy's registered name is "random". Seeded, so a benchmark run can be replayed
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
+from policies.base import Decision, Policy, RouteRequest, WorkerView
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,10 +28,6 @@ class RandomPolicy(Policy):
     def __init__(self, params: RandomParams | None = None, *, seed: int | None = None) -> None:
         self.params = params if params is not None else RandomParams()
         self._rng = random.Random(seed)
-
-    @classmethod
-    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
-        return cls(params_from(RandomParams, knobs, cls.name), seed=seed)
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
         chosen = self._rng.choice(candidates)

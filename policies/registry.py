@@ -1,81 +1,121 @@
 """Every routing policy by name; the one place that builds a policy from config.
 
-Policies are named as "module:Class" strings and imported on first use, so a policy
-module that is absent (or slow to import) costs nothing until that name is built.
+A policy registers itself by being defined: every concrete ``Policy`` subclass with its
+own ``name`` in a module of the ``policies`` package is found by that name, so adding a
+policy is adding one module. The package is scanned and its modules imported on first
+use of the registry, not on import of this module.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
+import pkgutil
 from collections.abc import Mapping
-from typing import Any, Protocol, cast
+from typing import Any
 
 from policies.base import Policy, PolicyConfigError
 
-# name -> "module:Class". Each class has ``name`` (equal to its key here), a frozen
-# ``params_type`` dataclass whose fields are the knobs, and ``from_knobs``.
-POLICY_PATHS: Mapping[str, str] = {
-    "round_robin": "policies.round_robin:RoundRobinPolicy",
-    "random": "policies.random_choice:RandomPolicy",
-    "least_load": "policies.least_load:LeastLoadPolicy",
-    "power_of_two": "policies.power_of_two:PowerOfTwoPolicy",
-    "session": "policies.session:SessionPolicy",
-    "cache_aware": "policies.cache_aware:CacheAwarePolicy",
-    "ttft": "policies.ttft:TtftPolicy",
-}
+# What the registry hands out: a policy class (``name``, ``params_type``, ``from_knobs``).
+PolicyClass = type[Policy]
 
 
-class PolicyClass(Protocol):
-    """What the registry needs of a policy class (the class object, not an instance)."""
+class PolicyRegistry:
+    """The policies defined in the modules of one package, discovered on first use."""
 
-    @property
-    def name(self) -> str: ...
+    def __init__(self, package: str) -> None:
+        self.package = package
+        self._classes: dict[str, PolicyClass] | None = None
 
-    @property
-    def params_type(self) -> type[Any]: ...
+    def classes(self) -> Mapping[str, PolicyClass]:
+        if self._classes is None:
+            self._classes = discover(self.package)
+        return self._classes
 
-    def from_knobs(self, knobs: Mapping[str, Any], seed: int | None = None) -> Policy: ...
+    def names(self) -> list[str]:
+        return sorted(self.classes())
+
+    def policy_class(self, name: str) -> PolicyClass:
+        """The class registered as ``name``; PolicyConfigError listing the known ones."""
+        try:
+            return self.classes()[name]
+        except KeyError:
+            raise PolicyConfigError(
+                f"unknown policy {name!r}; known policies: {', '.join(self.names())}"
+            ) from None
+
+    def build(
+        self, name: str, knobs: Mapping[str, Any] | None = None, seed: int | None = None
+    ) -> Policy:
+        return self.policy_class(name).from_knobs(knobs or {}, seed=seed)
+
+    def knobs(self, name: str) -> dict[str, Any]:
+        return dataclasses.asdict(self.policy_class(name).params_type())
+
+
+def discover(package: str) -> dict[str, PolicyClass]:
+    """Import every module of ``package`` and return its policies by name.
+
+    A module that fails to import is an ImportError naming it (a broken policy module is
+    a bug, not a config error); so are two classes claiming one name, and a policy
+    without a frozen ``params_type`` dataclass is a TypeError.
+    """
+    found: dict[str, PolicyClass] = {}
+    for info in pkgutil.iter_modules(importlib.import_module(package).__path__):
+        module_name = f"{package}.{info.name}"
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            raise ImportError(
+                f"policy module {module_name} failed to import: {exc!r}", name=module_name
+            ) from exc
+        for cls in vars(module).values():
+            if not _defines_policy(cls, module_name):
+                continue
+            other = found.setdefault(cls.name, cls)
+            if other is not cls:
+                raise ImportError(
+                    f"policy {cls.name!r} is defined twice: "
+                    f"{other.__module__}.{other.__qualname__} and {module_name}.{cls.__qualname__}"
+                )
+    return found
+
+
+def _defines_policy(obj: object, module_name: str) -> bool:
+    """``obj`` is a concrete policy named in ``module_name`` itself (not imported into it,
+    not a subclass that only inherits another policy's name)."""
+    if not (isinstance(obj, type) and issubclass(obj, Policy)):
+        return False
+    if obj.__module__ != module_name or "name" not in vars(obj) or inspect.isabstract(obj):
+        return False
+    params = getattr(obj, "params_type", None)
+    if not (isinstance(params, type) and dataclasses.is_dataclass(params)):
+        raise TypeError(f"policy {obj.name!r}: params_type must be a frozen dataclass")
+    if not params.__dataclass_params__.frozen:  # type: ignore[attr-defined]
+        raise TypeError(f"policy {obj.name!r}: params_type {params.__name__} is not frozen")
+    return True
+
+
+POLICIES = PolicyRegistry("policies")
 
 
 def policy_names() -> list[str]:
-    return sorted(POLICY_PATHS)
+    return POLICIES.names()
 
 
 def policy_class(name: str) -> PolicyClass:
-    """Import and return the class registered as ``name``.
-
-    Raises PolicyConfigError for an unknown name, or a registered one whose module is
-    not there. An import error inside an existing module propagates: that is a bug.
-    """
-    try:
-        path = POLICY_PATHS[name]
-    except KeyError:
-        raise PolicyConfigError(
-            f"unknown policy {name!r}; known policies: {', '.join(policy_names())}"
-        ) from None
-    module_name, _, class_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != module_name:
-            raise
-        raise PolicyConfigError(
-            f"policy {name!r} is registered but its module {module_name} is missing"
-        ) from exc
-    cls = getattr(module, class_name)
-    if not (isinstance(cls, type) and issubclass(cls, Policy)):
-        raise TypeError(f"{path} is not a Policy subclass")
-    return cast(PolicyClass, cls)
+    """The class registered as ``name``; PolicyConfigError for an unknown name."""
+    return POLICIES.policy_class(name)
 
 
 def build_policy(
     name: str, knobs: Mapping[str, Any] | None = None, seed: int | None = None
 ) -> Policy:
     """A new policy ``name`` with ``knobs`` over its defaults; PolicyConfigError if bad."""
-    return policy_class(name).from_knobs(knobs or {}, seed=seed)
+    return POLICIES.build(name, knobs, seed)
 
 
 def policy_knobs(name: str) -> dict[str, Any]:
     """The knobs of policy ``name`` with their defaults, for docs and ``--help``."""
-    return dataclasses.asdict(policy_class(name).params_type())
+    return POLICIES.knobs(name)

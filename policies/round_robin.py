@@ -6,11 +6,11 @@ indexing so the rotation does not depend on the order the router lists them in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
+from policies.base import Decision, Policy, RouteRequest, WorkerView
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,11 +27,6 @@ class RoundRobinPolicy(Policy):
     def __init__(self, params: RoundRobinParams | None = None) -> None:
         self.params = params if params is not None else RoundRobinParams()
         self._counter = 0
-
-    @classmethod
-    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
-        # Deterministic: the seed has nothing to drive.
-        return cls(params_from(RoundRobinParams, knobs, cls.name))
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
         # When the candidate set changes (a worker fails a health check) the rotation

@@ -13,13 +13,13 @@ which is again the same one for every turn while the overload lasts.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar
 
 import xxhash
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
+from policies.base import Decision, Policy, RouteRequest, WorkerView
 from policies.least_load import DEFAULT_TOKEN_WEIGHT, least_loaded
 
 # A worker takes a session while its outstanding requests are below
@@ -62,11 +62,6 @@ class SessionPolicy(Policy):
 
     def __init__(self, params: SessionParams | None = None) -> None:
         self.params = params if params is not None else SessionParams()
-
-    @classmethod
-    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
-        # Deterministic: the seed has nothing to drive.
-        return cls(params_from(SessionParams, knobs, cls.name))
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
         if request.session_key is None:

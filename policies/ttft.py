@@ -53,11 +53,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Self
+from typing import ClassVar, NamedTuple
 
-from policies.base import Decision, Policy, RouteRequest, WorkerView, params_from
+from policies.base import Decision, Policy, RouteRequest, WorkerView
 
 DEFAULT_CACHE_WEIGHT = 1.0
 DEFAULT_EVICTION_WEIGHT = 0.0
@@ -102,10 +102,6 @@ class TtftPolicy(Policy):
     def __init__(self, params: TtftParams | None = None, seed: int | None = None) -> None:
         self.params = params if params is not None else TtftParams()
         self._rng = random.Random(seed)
-
-    @classmethod
-    def from_knobs(cls, knobs: Mapping[str, Any], seed: int | None = None) -> Self:
-        return cls(params_from(TtftParams, knobs, cls.name), seed)
 
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
         params = self.params

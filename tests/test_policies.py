@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import get_args
 
 import pytest
 
-from policies.base import REASONS, PolicyConfigError, RouteRequest, WorkerView
+from policies.base import REASONS, PolicyConfigError, Reason, RouteRequest, WorkerView
 from policies.cache_aware import CacheAwarePolicy
 from policies.least_load import LeastLoadPolicy
 from policies.power_of_two import PowerOfTwoPolicy
 from policies.random_choice import RandomPolicy
 from policies.registry import (
-    POLICY_PATHS,
     PolicyClass,
+    PolicyRegistry,
     build_policy,
     policy_class,
     policy_knobs,
@@ -66,19 +68,110 @@ def idle(*names: str) -> list[WorkerView]:
     return [worker(n) for n in names]
 
 
-def module_exists(name: str) -> bool:
-    return importlib.util.find_spec(POLICY_PATHS[name].partition(":")[0]) is not None
-
-
-AVAILABLE = [n for n in policy_names() if module_exists(n)]
+AVAILABLE = policy_names()
 WRITTEN_NAMES = {c.name for c in WRITTEN}
 
 # --- registry ------------------------------------------------------------------------
 
 
 def test_registry_has_the_written_policies() -> None:
-    assert set(policy_names()) >= WRITTEN_NAMES
-    assert set(AVAILABLE) >= WRITTEN_NAMES
+    assert set(policy_names()) >= WRITTEN_NAMES | {"ttft"}
+    for cls in WRITTEN:
+        assert policy_class(cls.name) is cls
+
+
+def test_reasons_are_the_reason_literal() -> None:
+    assert get_args(Reason) == REASONS
+    assert len(set(REASONS)) == len(REASONS)
+
+
+NEW_POLICY = """
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from policies.base import Decision, Policy, RouteRequest, WorkerView
+from policies.round_robin import RoundRobinPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class FastestParams:
+    spread: float = 0.5
+    mode: str = "fast"
+
+    def __post_init__(self) -> None:
+        if self.spread < 0:
+            raise ValueError(f"spread must be >= 0, got {self.spread}")
+
+
+class FastestPolicy(Policy):
+    name: ClassVar[str] = "fastest"
+    params_type: ClassVar[type[FastestParams]] = FastestParams
+
+    def __init__(self, params: FastestParams, *, seed: int | None = None) -> None:
+        self.params = params
+        self.seed = seed
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
+        return Decision(self._rng.choice(candidates).name, "random")
+
+
+class Imported(RoundRobinPolicy):
+    "Inherits round_robin's name: not a second round_robin."
+"""
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty package ``extra_policies`` on the path, forgotten after the test."""
+    root = tmp_path / "extra_policies"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield root
+    for name in [m for m in sys.modules if m.partition(".")[0] == "extra_policies"]:
+        del sys.modules[name]
+
+
+def test_a_new_policy_module_is_found_by_name_with_its_knobs(package: Path) -> None:
+    (package / "fastest.py").write_text(NEW_POLICY)
+    registry = PolicyRegistry("extra_policies")
+    assert registry.names() == ["fastest"]
+    assert registry.knobs("fastest") == {"spread": 0.5, "mode": "fast"}
+    policy = registry.build("fastest", {"spread": 2}, seed=9)
+    assert getattr(policy, "params", None) == registry.policy_class("fastest").params_type(2)
+    assert getattr(policy, "seed", None) == 9
+    assert policy.choose(request(), idle("a", "b")).reason == "random"
+    with pytest.raises(PolicyConfigError, match="no knob 'sprad'; knobs: mode, spread"):
+        registry.build("fastest", {"sprad": 1.0})
+    with pytest.raises(PolicyConfigError, match="spread must be a number, got 'wide'"):
+        registry.build("fastest", {"spread": "wide"})
+    with pytest.raises(PolicyConfigError, match="mode must be a string, got 3"):
+        registry.build("fastest", {"mode": 3})
+    with pytest.raises(PolicyConfigError, match="spread must be >= 0"):
+        registry.build("fastest", {"spread": -1})
+    with pytest.raises(
+        PolicyConfigError, match="unknown policy 'slowest'; known policies: fastest"
+    ):
+        registry.build("slowest")
+
+
+def test_a_policy_module_that_fails_to_import_is_named(package: Path) -> None:
+    (package / "fastest.py").write_text(NEW_POLICY)
+    (package / "broken.py").write_text("import no_such_module_for_kvrouter\n")
+    with pytest.raises(ImportError, match=r"policy module extra_policies\.broken failed"):
+        PolicyRegistry("extra_policies").names()
+
+
+def test_two_policies_with_one_name_are_an_error(package: Path) -> None:
+    (package / "fastest.py").write_text(NEW_POLICY)
+    (package / "faster.py").write_text(NEW_POLICY)
+    with pytest.raises(ImportError, match="'fastest' is defined twice"):
+        PolicyRegistry("extra_policies").names()
 
 
 @pytest.mark.parametrize("name", AVAILABLE)
