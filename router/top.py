@@ -14,7 +14,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.live import Live
@@ -158,14 +158,14 @@ def render(now: Snapshot, before: Snapshot | None) -> Group:
     return Group(workers, summary)
 
 
-async def _read(http: aiohttp.ClientSession, url: str) -> Snapshot:
-    async with http.get(url.rstrip("/") + "/metrics") as response:
-        response.raise_for_status()
-        return Snapshot.parse(await response.text())
+async def _read(http: httpx.AsyncClient, url: str) -> Snapshot:
+    response = await http.get(url.rstrip("/") + "/metrics")
+    response.raise_for_status()
+    return Snapshot.parse(response.text)
 
 
 async def watch(url: str, interval_s: float, once: bool, console: Console) -> None:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+    async with httpx.AsyncClient(timeout=5.0) as http:
         before = None
         now = await _read(http, url)
         if once:
@@ -189,7 +189,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         asyncio.run(watch(args.url, args.interval, args.once, Console()))
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         print(f"error: cannot read {args.url}/metrics: {exc}")
         return 1
     except KeyboardInterrupt:

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import socket
 
 import aiohttp
 import pytest
 from rich.console import Console
 
 from router.cli import main
-from router.top import Snapshot, quantile, render
+from router.top import Snapshot, quantile, register, render
 from tests.conftest import EngineFactory, router_config, serve_router
 from tests.router_client import chat_body, conversation, engines, post
 
@@ -72,3 +74,15 @@ def test_what_every_process_sees_of_a_worker_is_counted_once() -> None:
     console.print(render(snap, None))
     row = next(line for line in console.export_text().splitlines() if "w0" in line)
     assert "NO" in row and "7" in row and "1,000 / 50,000" in row, row
+
+
+def test_an_unreachable_router_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["top", f"http://127.0.0.1:{port}", "--once"])
+    assert args.func(args) == 1
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"error: cannot read http://127.0.0.1:{port}/metrics") and "\n" not in out
