@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -337,6 +338,40 @@ def _kind_args(kind: str, tmp_path: Path) -> list[str]:
         "burst": ["--groups", "2", "--group-size", "3"],
     }
     return sources.get(kind, ["--sessions", "6", "--rate", "2"])
+
+
+def _kind_parser(kind: str) -> argparse.ArgumentParser:
+    """The parser of ``bench gen KIND``."""
+
+    def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        return dict(action.choices)
+
+    return subparsers(subparsers(_gen_parser())["gen"])[kind]
+
+
+def _flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+# What cli.py adds: every kind's, and the generated kinds' population and arrivals.
+COMMON_FLAGS = {"-h", "--help", "-o", "--output", "--seed", "--api"}
+POPULATION_FLAGS = {"--sessions", "--rate", "--arrivals-from"}
+
+
+@pytest.mark.parametrize("kind", sorted(workloads_cli.GENERATORS))
+def test_each_kind_defines_its_flags_in_its_own_module(kind: str) -> None:
+    module = importlib.import_module(f"bench.workloads.{kind.replace('-', '_')}")
+    assert kind == module.KIND
+    generator = workloads_cli.GENERATORS[kind]
+    assert generator.add_arguments is module.add_arguments
+    assert generator.build is module.from_args
+    own = argparse.ArgumentParser(add_help=False)
+    module.add_arguments(own)
+    everything = _flags(_kind_parser(kind))
+    assert _flags(own) <= everything
+    added_by_cli = COMMON_FLAGS | (POPULATION_FLAGS if generator.synthetic else set())
+    assert everything - _flags(own) == added_by_cli - _flags(own)
 
 
 @pytest.mark.parametrize("kind", sorted(workloads_cli.GENERATORS))

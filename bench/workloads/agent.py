@@ -17,8 +17,10 @@ planned 33.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, replace
 
+from bench.workloads.flags import given, median, token_sizes
 from bench.workloads.sampling import (
     LogNormal,
     build_session,
@@ -102,3 +104,34 @@ def generate(params: AgentParams, seed: int) -> list[Turn]:
     for index, arrival in enumerate(arrivals):
         turns.extend(_session(params, seed, index, arrival))
     return turns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen agent``'s own flags (``--sessions`` and ``--rate`` are every
+    generated kind's, added by ``bench.workloads.cli``)."""
+    parser.add_argument("--turns-median", type=float, help="planned turns per session")
+    parser.add_argument("--system-prompts", type=token_sizes, help="token sizes, e.g. 2500,6000")
+    parser.add_argument("--tool-tokens-median", type=float, help="tokens per tool result")
+    parser.add_argument("--output-tokens-median", type=float)
+    parser.add_argument("--tool-time-median", type=float, help="seconds between turns")
+    parser.add_argument("--max-context-tokens", type=int, help="0: no limit")
+
+
+def params_from(args: argparse.Namespace) -> AgentParams:
+    """The defaults with the flags given on the command line."""
+    d = AgentParams()
+    return replace(
+        d,
+        sessions=given(args.sessions, d.sessions),
+        rate=given(args.rate, d.rate),
+        turns=median(d.turns, args.turns_median),
+        system_prompts=given(args.system_prompts, d.system_prompts),
+        tool_result=median(d.tool_result, args.tool_tokens_median),
+        output=median(d.output, args.output_tokens_median),
+        tool_time=median(d.tool_time, args.tool_time_median),
+        max_context_tokens=given(args.max_context_tokens, d.max_context_tokens),
+    )
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    return generate(params_from(args), args.seed)

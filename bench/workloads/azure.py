@@ -10,6 +10,7 @@ whose prompts are unique text (no cache reuse to find).
 
 from __future__ import annotations
 
+import argparse
 import csv
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,3 +94,16 @@ def single_turn_sessions(rows: Sequence[AzureRow]) -> list[Turn]:
         user = (TextBlock(f"{session}/t0", max(1, row.context_tokens)),)
         turns.append(Turn(session, 0, row.offset_s, 0.0, user, max(1, row.generated_tokens)))
     return turns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen azure``'s flags."""
+    parser.add_argument("--source", type=Path, required=True, help="an Azure LLM 2023 CSV")
+    parser.add_argument("--sessions", type=int, help="only the first N requests")
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    rows = read_rows(args.source)
+    if args.sessions is not None:
+        rows = rows[: args.sessions]
+    return single_turn_sessions(rows)

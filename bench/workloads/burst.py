@@ -24,8 +24,10 @@ Parameter sets: best-of-N is the default; for GRPO-style rollouts use ``--group-
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
+from bench.workloads.flags import given, median
 from bench.workloads.sampling import LogNormal, check_population, poisson_arrivals, session_rng
 from bench.workloads.trace import TextBlock, Turn
 
@@ -90,3 +92,34 @@ def generate(params: BurstParams, seed: int) -> list[Turn]:
     for index, arrival in enumerate(arrivals):
         turns.extend(_group(params, seed, index, arrival))
     return turns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen burst``'s flags: its ``--rate`` counts groups, not sessions."""
+    parser.add_argument("--groups", type=int, help="number of bursts")
+    parser.add_argument("--rate", type=float, help="group arrivals per second (Poisson)")
+    parser.add_argument("--group-size", type=int, help="requests per group (the N)")
+    parser.add_argument("--prompt-tokens-median", type=float, help="the prompt a group shares")
+    parser.add_argument("--near-fraction", type=float, help="groups whose members add a suffix")
+    parser.add_argument("--suffix-tokens-median", type=float)
+    parser.add_argument("--output-tokens-median", type=float)
+    parser.add_argument("--jitter-ms", type=float, help="spread of a group's start times")
+
+
+def params_from(args: argparse.Namespace) -> BurstParams:
+    """The defaults with the flags given on the command line."""
+    d = BurstParams()
+    return BurstParams(
+        groups=given(args.groups, d.groups),
+        rate=given(args.rate, d.rate),
+        group_size=given(args.group_size, d.group_size),
+        prompt=median(d.prompt, args.prompt_tokens_median),
+        near_fraction=given(args.near_fraction, d.near_fraction),
+        suffix=median(d.suffix, args.suffix_tokens_median),
+        output=median(d.output, args.output_tokens_median),
+        jitter_s=d.jitter_s if args.jitter_ms is None else args.jitter_ms / 1000,
+    )
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    return generate(params_from(args), args.seed)

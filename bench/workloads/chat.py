@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, replace
 
+from bench.workloads.flags import add_turn_range_arguments, given, median
 from bench.workloads.sampling import (
     LogNormal,
     build_session,
@@ -65,3 +67,27 @@ def generate(params: ChatParams, seed: int) -> list[Turn]:
     for index, arrival in enumerate(arrivals):
         turns.extend(_session(params, seed, index, arrival))
     return turns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen chat``'s own flags (``--sessions`` and ``--rate`` are every
+    generated kind's, added by ``bench.workloads.cli``)."""
+    add_turn_range_arguments(parser)
+
+
+def params_from(args: argparse.Namespace) -> ChatParams:
+    """The defaults with the flags given on the command line."""
+    d = ChatParams()
+    return replace(
+        d,
+        sessions=given(args.sessions, d.sessions),
+        rate=given(args.rate, d.rate),
+        min_turns=given(args.min_turns, d.min_turns),
+        max_turns=given(args.max_turns, d.max_turns),
+        user=median(d.user, args.user_tokens_median),
+        output=median(d.output, args.output_tokens_median),
+    )
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    return generate(params_from(args), args.seed)

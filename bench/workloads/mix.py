@@ -7,6 +7,7 @@ traces would, only retimed. Session ids start with their kind, so they never col
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -15,6 +16,7 @@ from types import MappingProxyType
 from typing import Final
 
 from bench.workloads import agent, chat, shared_prompt
+from bench.workloads.flags import given, named_weights
 from bench.workloads.sampling import (
     check_population,
     poisson_arrivals,
@@ -87,3 +89,24 @@ def generate(params: MixParams, seed: int) -> list[Turn]:
     for name, arrival in zip(kinds, arrivals, strict=True):
         turns.extend(shift_session(next(pending[name]), arrival))
     return turns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen mix``'s own flags (``--sessions`` and ``--rate`` are every
+    generated kind's, added by ``bench.workloads.cli``)."""
+    parser.add_argument("--weights", type=named_weights, help="e.g. agent=1,chat=2,shared-prompt=1")
+
+
+def params_from(args: argparse.Namespace) -> MixParams:
+    """The defaults with the flags given on the command line."""
+    d = MixParams()
+    return replace(
+        d,
+        sessions=given(args.sessions, d.sessions),
+        rate=given(args.rate, d.rate),
+        weights=given(args.weights, d.weights),
+    )
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    return generate(params_from(args), args.seed)

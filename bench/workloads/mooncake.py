@@ -43,6 +43,7 @@ than the original.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -241,3 +242,30 @@ def load(path: Path, params: MooncakeParams | None = None) -> list[Turn]:
     if params.max_rows is not None:
         rows = rows[: params.max_rows]
     return to_turns(rows, link_sessions(rows, params), params)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen mooncake``'s flags."""
+    parser.add_argument("--source", type=Path, required=True, help="a Mooncake .jsonl trace")
+    parser.add_argument("--max-rows", type=int, help="only the first rows (by timestamp)")
+    parser.add_argument("--min-shared-blocks", type=int, default=DEFAULT_MIN_SHARED_BLOCKS)
+    parser.add_argument("--min-user-tokens", type=int, default=DEFAULT_MIN_USER_TOKENS)
+    parser.add_argument(
+        "--output-in-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the next prompt contains the previous reply (true of conversation_trace)",
+    )
+
+
+def params_from(args: argparse.Namespace) -> MooncakeParams:
+    return MooncakeParams(
+        min_shared_blocks=args.min_shared_blocks,
+        min_user_tokens=args.min_user_tokens,
+        output_in_prompt=args.output_in_prompt,
+        max_rows=args.max_rows,
+    )
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    return load(args.source, params_from(args))

@@ -23,8 +23,10 @@ The defaults (24 users, 8 rounds, 1,000 + 8,000 tokens) correspond to
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, replace
 
+from bench.workloads.flags import given, median
 from bench.workloads.sampling import LogNormal, build_session, session_rng
 from bench.workloads.trace import TextBlock, Turn
 
@@ -90,3 +92,35 @@ def generate(params: QaParams, seed: int) -> list[Turn]:
     for index in range(params.users):
         turns.extend(_user(params, seed, index))
     return turns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen qa``'s flags: users join at a steady rate, so it has no
+    ``--sessions`` or ``--rate``."""
+    parser.add_argument("--users", type=int, help="one session per user")
+    parser.add_argument("--interarrival", type=float, help="seconds between users joining")
+    parser.add_argument("--rounds", type=int, help="questions per user")
+    parser.add_argument("--system-tokens", type=int, help="the system prompt all users share")
+    parser.add_argument("--history-tokens", type=int, help="each user's own context")
+    parser.add_argument("--question-tokens-median", type=float)
+    parser.add_argument("--output-tokens-median", type=float)
+    parser.add_argument("--think-time-median", type=float, help="seconds between rounds")
+
+
+def params_from(args: argparse.Namespace) -> QaParams:
+    """The defaults with the flags given on the command line."""
+    d = QaParams()
+    return QaParams(
+        users=given(args.users, d.users),
+        interarrival_s=given(args.interarrival, d.interarrival_s),
+        rounds=given(args.rounds, d.rounds),
+        system_tokens=given(args.system_tokens, d.system_tokens),
+        history_tokens=given(args.history_tokens, d.history_tokens),
+        question=median(d.question, args.question_tokens_median),
+        output=median(d.output, args.output_tokens_median),
+        think_time=median(d.think_time, args.think_time_median),
+    )
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    return generate(params_from(args), args.seed)

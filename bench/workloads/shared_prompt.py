@@ -7,9 +7,11 @@ conversation of 1-4 turns.
 
 from __future__ import annotations
 
+import argparse
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from bench.workloads.flags import add_turn_range_arguments, given, median, token_sizes
 from bench.workloads.sampling import (
     LogNormal,
     build_session,
@@ -83,3 +85,31 @@ def generate(params: SharedPromptParams, seed: int) -> list[Turn]:
     for index, arrival in enumerate(arrivals):
         turns.extend(_session(params, seed, index, arrival, weights))
     return turns
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``kvrouter bench gen shared-prompt``'s own flags (``--sessions`` and ``--rate`` are
+    every generated kind's, added by ``bench.workloads.cli``)."""
+    add_turn_range_arguments(parser)
+    parser.add_argument("--prompts", type=token_sizes, help="token sizes, most popular first")
+    parser.add_argument("--zipf", type=float, help="popularity exponent (0: uniform)")
+
+
+def params_from(args: argparse.Namespace) -> SharedPromptParams:
+    """The defaults with the flags given on the command line."""
+    d = SharedPromptParams()
+    return replace(
+        d,
+        sessions=given(args.sessions, d.sessions),
+        rate=given(args.rate, d.rate),
+        min_turns=given(args.min_turns, d.min_turns),
+        max_turns=given(args.max_turns, d.max_turns),
+        user=median(d.user, args.user_tokens_median),
+        output=median(d.output, args.output_tokens_median),
+        prompts=given(args.prompts, d.prompts),
+        zipf_exponent=given(args.zipf, d.zipf_exponent),
+    )
+
+
+def from_args(args: argparse.Namespace) -> list[Turn]:
+    return generate(params_from(args), args.seed)
