@@ -10,15 +10,41 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any
 
 from router import __version__
 
+# The router's own groups are imported below. Other packages add theirs through this entry
+# point group (the workbench adds bench, demo and sim: pyproject.toml), so the router never
+# imports them and runs without them: an install without the workbench lacks those commands.
+COMMANDS_GROUP = "kvrouter.commands"
 
-def build_parser() -> argparse.ArgumentParser:
-    from bench import cli as bench_cli
-    from bench import demo
-    from bench.sim import cli as sim_cli
+Register = Callable[["argparse._SubParsersAction[Any]"], None]
+
+
+def add_installed_commands(commands: argparse._SubParsersAction[Any]) -> dict[str, str]:
+    """Add the command groups other packages installed; return, by name, the groups left
+    out with the top-level module each lacks.
+
+    A group whose module, or a module it imports, is not installed (the workbench's files
+    or its ``[bench]`` extra) is absent, not an error: the router runs without it. Any
+    other error while importing or registering one is a bug, and is raised.
+    """
+    absent: dict[str, str] = {}
+    for point in sorted(entry_points(group=COMMANDS_GROUP), key=lambda p: p.name):
+        try:
+            register: Register = point.load()
+            register(commands)
+        except ModuleNotFoundError as exc:
+            absent[point.name] = (exc.name or point.module).partition(".")[0]
+    return absent
+
+
+def build_parser(*, installed: bool = True) -> argparse.ArgumentParser:
+    """The parser for every command; with ``installed=False``, the router's own commands
+    only (as in the router's image, which has no workbench)."""
     from router import capacity_cli, serve_cli, top
 
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
@@ -27,10 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve_cli.register(commands)
     top.register(commands)
-    sim_cli.register(commands)
     capacity_cli.register(commands)
-    bench_cli.register(commands)
-    demo.register(commands)
+    absent = add_installed_commands(commands) if installed else {}
+    if absent:
+        missing = ", ".join(sorted(set(absent.values())))
+        parser.epilog = (
+            f"Not installed here: {', '.join(absent)} (needs {missing}: "
+            "pip install 'kvrouter[bench]')."
+        )
     return parser
 
 

@@ -35,12 +35,24 @@ def test_compose_has_the_whole_picture() -> None:
         )
 
 
-def test_every_kvrouter_command_exists_in_the_image() -> None:
-    parser = build_parser()
-    ours = {n: s for n, s in compose()["services"].items() if s.get("image") == "kvrouter:local"}
-    assert len(ours) == 6
-    for name, service in ours.items():
-        args = parser.parse_args(service["command"])  # exits (fails the test) if unknown
+def test_every_kvrouter_command_exists_in_its_image() -> None:
+    # The router's image holds the router alone; the simulated engines run the workbench's.
+    parsers = {
+        ("kvrouter:local", "router"): build_parser(installed=False),
+        ("kvrouter-bench:local", "workbench"): build_parser(),
+    }
+    services = compose()["services"]
+    ours = {
+        name: (s["image"], s["build"]["target"])
+        for name, s in services.items()
+        if s.get("image", "").startswith("kvrouter")
+    }
+    assert (
+        sorted(ours.values())
+        == [("kvrouter-bench:local", "workbench")] * 4 + [("kvrouter:local", "router")] * 2
+    )
+    for name, image in ours.items():
+        args = parsers[image].parse_args(services[name]["command"])  # exits if unknown
         assert callable(args.func), name
 
 
@@ -64,12 +76,21 @@ def test_mounted_files_exist_and_are_valid(capsys: pytest.CaptureFixture[str]) -
 
 def test_the_dockerfile_is_slim_pinned_and_non_root() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    bases = re.findall(r"^FROM (\S+)", text, re.MULTILINE)
+    froms = re.findall(r"^FROM (\S+) AS (\S+)$", text, re.MULTILINE)
+    names = {name for _, name in froms}
+    bases = [base for base, _ in froms if base not in names]  # not built on an earlier stage
     assert bases and all(re.fullmatch(r"python:\d+\.\d+\.\d+-slim-\w+", b) for b in bases)
-    assert re.search(r"^USER 10001$", text, re.MULTILINE)
     assert "HEALTHCHECK" in text and 'ENTRYPOINT ["kvrouter"]' in text
     for source in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.MULTILINE):
         for path in source.split():
             assert (ROOT / path).exists(), path
+    stages = dict(re.findall(r"^FROM \S+ AS (\S+)\n(.*?)(?=^FROM |\Z)", text, re.M | re.S))
+    assert list(stages)[-1] == "router"  # the default target
+    assert all(re.search(r"^USER 10001$", stages[s], re.M) for s in ("router", "workbench"))
+    assert set(re.findall(r"--from=(\S+)", stages["router"])) == {"build"}
+    # The router's image: the router's runtime dependencies, no extras, no workbench.
+    assert "bench" not in stages["build"]
+    assert re.search(r"^RUN pip install .* \.$", stages["build"], re.M)
+    assert {"build-workbench", "workbench"} <= set(stages)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert "tests" in ignored and ".git" in ignored

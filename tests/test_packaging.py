@@ -1,0 +1,102 @@
+"""The seam between the router and its workbench, as installed: ``router/`` and
+``policies/`` never import ``bench``, their third-party imports are the runtime
+dependencies pyproject.toml declares (the workbench's are in the ``[bench]`` extra), and
+the workbench's commands reach ``kvrouter`` through the ``kvrouter.commands`` entry points.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator
+from importlib.metadata import entry_points, packages_distributions
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUTER_PACKAGES = ("router", "policies")
+BENCH_COMMANDS = {"bench", "demo", "sim"}
+
+
+def imported_modules(package: str) -> Iterator[tuple[Path, str]]:
+    """Every absolute import in the package's files, at module level or inside functions."""
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                yield from ((path, alias.name) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                yield path, node.module
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pyproject() -> dict[str, object]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_the_router_and_policies_never_import_the_workbench() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}: {module}"
+        for package in ROUTER_PACKAGES
+        for path, module in imported_modules(package)
+        if module.partition(".")[0] == "bench"
+    ]
+    assert found == []
+
+
+def test_the_routers_imports_are_its_declared_runtime_dependencies() -> None:
+    project = pyproject()["project"]
+    assert isinstance(project, dict)
+    declared = {
+        normalized(m.group())
+        for requirement in project["dependencies"]
+        if (m := re.match(r"[A-Za-z0-9._-]+", requirement))
+    }
+    distributions = packages_distributions()
+    ours = {"router", "policies"}
+    undeclared = set()
+    for package in ROUTER_PACKAGES:
+        for path, module in imported_modules(package):
+            top = module.partition(".")[0]
+            if top in sys.stdlib_module_names or top in ours:
+                continue
+            names = {normalized(d) for d in distributions.get(top, [top])}
+            if not names & declared:
+                undeclared.add(f"{path.relative_to(ROOT)}: {module} ({', '.join(sorted(names))})")
+    assert sorted(undeclared) == []
+
+
+def test_the_workbench_registers_its_commands_through_entry_points() -> None:
+    points = {p.name: p.value for p in entry_points(group="kvrouter.commands")}
+    assert set(points) == BENCH_COMMANDS and all(v.startswith("bench.") for v in points.values())
+    result = subprocess.run(
+        [sys.executable, "-m", "router.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    listed = set(re.findall(r"^ {4}(\S+)", result.stdout, re.MULTILINE))
+    assert {"serve", "top", "capacity"} | BENCH_COMMANDS <= listed
+    assert "Not installed here" not in result.stdout
+
+
+def test_the_router_runs_without_the_workbench() -> None:
+    # As in the router's image: the entry points are there, the bench package is not.
+    code = (
+        "import sys; sys.modules['bench'] = None\n"
+        "from router.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "parser.parse_args(['serve', '--config', 'router.yaml'])\n"
+        "parser.print_help()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    listed = set(re.findall(r"^ {4}(\S+)", result.stdout, re.MULTILINE))
+    assert "serve" in listed and not listed & BENCH_COMMANDS
+    assert "Not installed here: bench, demo, sim (needs bench" in " ".join(result.stdout.split())
