@@ -2,18 +2,23 @@
 ``policies/`` never import ``bench``, their third-party imports are the runtime
 dependencies pyproject.toml declares (the workbench's are in the ``[bench]`` extra), and
 the workbench's commands reach ``kvrouter`` through the ``kvrouter.commands`` entry points.
+And the README's test command, ``scripts/test.sh``, installs the Debian packages the tests
+need only when they are missing.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 from collections.abc import Iterator
 from importlib.metadata import entry_points, packages_distributions
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ROUTER_PACKAGES = ("router", "policies")
@@ -100,3 +105,60 @@ def test_the_router_runs_without_the_workbench() -> None:
     listed = set(re.findall(r"^ {4}(\S+)", result.stdout, re.MULTILINE))
     assert "serve" in listed and not listed & BENCH_COMMANDS
     assert "Not installed here: bench, demo, sim (needs bench" in " ".join(result.stdout.split())
+
+
+def stub(bin_dir: Path, name: str, body: str = "") -> None:
+    path = bin_dir / name
+    path.write_text(f'#!/bin/sh\necho "{name} $*" >> "$STUB_LOG"\n{body}\n')
+    path.chmod(0o755)
+
+
+APT = "env DEBIAN_FRONTEND=noninteractive apt-get"
+PIP_PYTEST = ["python3 -m pip install -e .[test]", "python3 -m pytest -q -x tests"]
+
+
+@pytest.mark.parametrize(
+    ("uid", "present", "expected"),
+    [
+        # sudo runs env, which runs apt-get: both log
+        (
+            1000,
+            (),
+            [
+                f"sudo {APT} update -qq",
+                "apt-get update -qq",
+                f"sudo {APT} install -y -qq redis-server prometheus",
+                "apt-get install -y -qq redis-server prometheus",
+                *PIP_PYTEST,
+            ],
+        ),
+        (
+            0,
+            ("redis-server", "redis-cli", "prometheus"),  # promtool missing
+            ["apt-get update -qq", "apt-get install -y -qq prometheus", *PIP_PYTEST],
+        ),
+        (0, ("redis-server", "redis-cli", "prometheus", "promtool"), PIP_PYTEST),
+    ],
+)
+def test_the_test_script_installs_what_is_missing(
+    tmp_path: Path, uid: int, present: tuple[str, ...], expected: list[str]
+) -> None:
+    # scripts/test.sh on a PATH of stubs: apt-get, sudo, id and python3 only log their
+    # arguments; the binaries in `present` are installed, the others missing.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("env", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or tool)
+    for name in ("apt-get", "python3", *present):
+        stub(bin_dir, name)
+    stub(bin_dir, "id", f"echo {uid}")
+    stub(bin_dir, "sudo", 'exec "$@"')
+    log = tmp_path / "log"
+    subprocess.run(
+        [shutil.which("bash") or "bash", str(ROOT / "scripts" / "test.sh"), "-x", "tests"],
+        env={"PATH": str(bin_dir), "STUB_LOG": str(log)},
+        timeout=60,
+        check=True,
+    )
+    logged = [line for line in log.read_text().splitlines() if not line.startswith("id ")]
+    assert logged == expected
