@@ -31,9 +31,10 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from bench.replay.client import stream_error
 from bench.replay.sse import iter_sse
 from bench.textgen import text_for
+from router.wire.headers import SESSION_HEADER, WORKER_HEADER
+from router.wire.streams import stream_error
 
 Ending = Literal["ok", "disconnected", "failed_after_first_byte", "failed_before_first_byte"]
 ENDINGS: tuple[Ending, ...] = (
@@ -42,8 +43,6 @@ ENDINGS: tuple[Ending, ...] = (
     "failed_after_first_byte",
     "failed_before_first_byte",
 )
-SESSION_HEADER = "X-Session-Id"
-WORKER_HEADER = "X-Kvrouter-Worker"
 MAX_TURNS = 16
 SYSTEM_PROMPT_TOKENS = (400, 800, 1500, 2500)  # one shared prompt per size
 USER_TOKENS = (40, 400)  # a turn's new text, uniform in this range

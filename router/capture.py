@@ -18,15 +18,11 @@ from typing import Any
 import orjson
 
 from router.prefix import ChainExtender, render_tool_calls
+from router.wire.streams import Usage, chat_usage, first_choice, stream_error
 
 MAX_LINE_BYTES = 1 << 20
 # The most of a reply's tool calls kept until the reply ends.
 MAX_TOOL_CALL_BYTES = 1 << 20
-
-
-def count(value: Any) -> int | None:
-    """A token count from a usage field: an int, else unknown."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class ReplyCapture:
@@ -112,10 +108,10 @@ class ReplyCapture:
         function = {"name": name, "arguments": arguments}
         self._tool_calls.append({"id": call_id, "type": "function", "function": function})
 
-    def _usage(self, prompt: Any, cached: Any, completion: Any) -> None:
-        self.prompt_tokens = count(prompt)
-        self.cached_tokens = count(cached)
-        self.completion_tokens = count(completion) or 0
+    def _take_usage(self, usage: Usage) -> None:
+        self.prompt_tokens = usage.prompt_tokens
+        self.cached_tokens = usage.cached_tokens
+        self.completion_tokens = usage.completion_tokens
 
     def _give_up(self) -> None:
         self.broken = True
@@ -131,11 +127,6 @@ class ReplyCapture:
         return self._extender.finish()
 
 
-def _details(usage: Mapping[str, Any], name: str, field: str) -> Any:
-    details = usage.get(name)
-    return details.get(field) if isinstance(details, dict) else None
-
-
 class ChatCapture(ReplyCapture):
     """A chat completion: ``choices[0].delta.content`` as it streams, ``message.content``
     whole; a reply with tool calls is not reconstructed."""
@@ -149,10 +140,8 @@ class ChatCapture(ReplyCapture):
         self._take(obj, "message")
 
     def _take(self, obj: dict[str, Any], part_name: str) -> None:
-        if "error" in obj:
-            self.errored = True
-        _openai_usage(self, obj)
-        choice = _first_choice(obj)
+        _take_chat_chunk(self, obj)
+        choice = first_choice(obj)
         if choice is None:
             return
         part = choice.get(part_name)
@@ -173,26 +162,16 @@ class CompletionCapture(ReplyCapture):
         self._whole(obj)
 
     def _whole(self, obj: dict[str, Any]) -> None:
-        if "error" in obj:
-            self.errored = True
-        _openai_usage(self, obj)
-        choice = _first_choice(obj)
+        _take_chat_chunk(self, obj)
+        choice = first_choice(obj)
         if choice is not None:
             self._text(choice.get("text"))
 
 
-def _openai_usage(capture: ReplyCapture, obj: Mapping[str, Any]) -> None:
+def _take_chat_chunk(capture: ReplyCapture, obj: Mapping[str, Any]) -> None:
+    """What chat and completions chunks share: an error, usage."""
+    if stream_error(obj) is not None:
+        capture.errored = True
     usage = obj.get("usage")
     if isinstance(usage, dict):
-        capture._usage(
-            usage.get("prompt_tokens"),
-            _details(usage, "prompt_tokens_details", "cached_tokens"),
-            usage.get("completion_tokens"),
-        )
-
-
-def _first_choice(obj: Mapping[str, Any]) -> dict[str, Any] | None:
-    choices = obj.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        return choices[0]
-    return None
+        capture._take_usage(chat_usage(usage))

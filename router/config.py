@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from router.errors import ConfigError
+from router.wire.headers import SESSION_HEADER
 
 DEFAULT_PORT = 8000
 DEFAULT_POLICY = "ttft"
@@ -418,7 +419,7 @@ class RouterConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
     clients: ClientConfig = field(default_factory=ClientConfig)
-    session_header: str = "X-Session-Id"
+    session_header: str = SESSION_HEADER
     session_body_fields: tuple[str, ...] = ("session_id", "user")
     seed: int | None = None
     admin_token: str = ""  # enables the admin API (router/admin.py) when set

@@ -26,7 +26,13 @@ from router.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from router.proxy import FORWARDED_HEADERS, HOP_BY_HOP, REQUEST_ID_HEADER, UPSTREAM_ERRORS
+from router.proxy import (
+    FORWARDED_HEADERS,
+    HOP_BY_HOP,
+    REQUEST_ID_HEADER,
+    UPSTREAM_ERRORS,
+    WORKER_HEADER,
+)
 from router.state import STATE_KEY, RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
 from router.workers import Lease, Worker
@@ -96,7 +102,7 @@ async def _relay(
         if name.lower() not in HOP_BY_HOP:
             response.headers.add(name.decode("latin-1"), value.decode("latin-1"))
     if state.config.worker_header:
-        response.headers["X-Kvrouter-Worker"] = worker.name
+        response.headers[WORKER_HEADER.decode()] = worker.name
     await response.prepare(http)
     try:
         while chunk := await upstream.read_chunk():

@@ -37,6 +37,7 @@ from router.response_owners import Owner
 from router.routing import Dispatch, EngineUsage
 from router.state import RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
+from router.wire import headers
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,8 @@ FORWARDED_HEADERS = frozenset(
         b"baggage",  # W3C trace context: vLLM's --otlp-traces-endpoint
     }
 )
-WORKER_HEADER = b"X-Kvrouter-Worker"
-REQUEST_ID_HEADER = b"X-Request-Id"
+WORKER_HEADER = headers.WORKER_HEADER.encode()
+REQUEST_ID_HEADER = headers.REQUEST_ID_HEADER.encode()
 _REQUEST_ID = REQUEST_ID_HEADER.lower()
 Headers = Sequence[tuple[bytes, bytes]]
 # Non-streaming responses are read whole before they are sent on; this bounds them.

@@ -11,7 +11,7 @@ import pytest
 
 from router.apis.anthropic_reply import MessagesCapture
 from router.apis.responses_reply import ResponsesCapture
-from router.capture import ReplyCapture
+from router.capture import ChatCapture, ReplyCapture
 from router.errors import BadRequest
 from router.parse import ClientRequest, Kind, parse_request
 from router.prefix import CHAT_REPLY_HEADER, ChainExtender
@@ -277,3 +277,15 @@ def test_a_tool_input_nested_too_deep_to_rebuild_stops_the_capture_not_the_strea
     )
     capture.feed_whole(b'{"type": "message", "content": [%s]}' % block)
     assert capture.broken and capture.reply_hashes() == []
+
+
+def test_an_sglang_error_chunk_leaves_a_chat_chain_alone() -> None:
+    """SGLang's in-stream error is ``{"object": "error", …}``, without an ``error`` key:
+    the router's capture and the replay's reader read it alike (router.wire.streams)."""
+    request = keyed("chat", {"model": "m", "messages": FIRST_MESSAGES})
+    capture = capture_for(request, ChatCapture)
+    capture.feed_stream(
+        b'data: {"choices": [{"delta": {"content": "' + b"x" * 100 + b'"}}]}\n\n'
+        b'data: {"object": "error", "message": "boom", "code": 500}\n\n'
+    )
+    assert capture.errored and capture.reply_hashes() == []

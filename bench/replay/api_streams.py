@@ -33,6 +33,19 @@ import orjson
 
 from bench.replay.api_bodies import Api
 from bench.replay.sse import SseEvent
+from router.wire.streams import (
+    RESPONSES_ENDED,
+    RESPONSES_FAILED,
+    RESPONSES_TEXT_DELTA,
+    Usage,
+    anthropic_text_delta,
+    anthropic_usage,
+    chat_usage,
+    first_choice,
+    merge_anthropic_usage,
+    responses_usage,
+    stream_error,
+)
 
 # Error bodies are only kept for the record; a page of HTML is not worth more.
 MAX_ERROR_CHARS = 300
@@ -53,23 +66,10 @@ class StreamOutcome:
     error: str | None = None
 
 
-def stream_error(chunk: Any) -> str | None:
-    """The message of an in-stream error chunk (vLLM, SGLang and Anthropic shapes), else
-    None."""
-    if not isinstance(chunk, dict):
-        return "malformed chunk"
-    error = chunk.get("error")
-    if error is not None:
-        message = error.get("message") if isinstance(error, dict) else error
-        return f"stream error: {message}"
-    if chunk.get("object") == "error":
-        return f"stream error: {chunk.get('message')}"
-    return None
-
-
-def _int(mapping: Any, key: str) -> int:
-    value = mapping.get(key) if isinstance(mapping, dict) else None
-    return int(value) if isinstance(value, int | float) else 0
+def _take_usage(outcome: StreamOutcome, usage: Usage) -> None:
+    outcome.prompt_tokens = usage.prompt_tokens
+    outcome.cached_tokens = usage.cached_tokens or 0
+    outcome.completion_tokens = usage.completion_tokens
 
 
 class StreamReader:
@@ -124,38 +124,33 @@ class ChatStream(StreamReader):
         chunk = self._load(event)
         if chunk is None:
             return True
-        for choice in chunk.get("choices") or ():
-            self._text((choice.get("delta") or {}).get("content"), elapsed)
+        choice = first_choice(chunk)
+        delta = choice.get("delta") if choice is not None else None
+        if isinstance(delta, dict):
+            self._text(delta.get("content"), elapsed)
         usage = chunk.get("usage")
         if isinstance(usage, dict):
-            outcome = self.outcome
-            outcome.prompt_tokens = _int(usage, "prompt_tokens")
-            outcome.completion_tokens = _int(usage, "completion_tokens")
-            outcome.cached_tokens = _int(usage.get("prompt_tokens_details"), "cached_tokens")
+            _take_usage(self.outcome, chat_usage(usage))
         return False
 
 
 class ResponsesStream(StreamReader):
     __slots__ = ()
     end_missing: ClassVar[str] = "stream ended before response.completed"
-    _ENDS = ("response.completed", "response.incomplete")
 
     def feed(self, event: SseEvent, elapsed: float) -> bool:
         chunk = self._load(event)
         if chunk is None:
             return True
         kind = chunk.get("type") or event.event
-        if kind == "response.output_text.delta":
+        if kind == RESPONSES_TEXT_DELTA:
             self._text(chunk.get("delta"), elapsed)
-        elif kind in self._ENDS:
+        elif kind in RESPONSES_ENDED:
             usage = (chunk.get("response") or {}).get("usage")
             if isinstance(usage, dict):
-                outcome = self.outcome
-                outcome.prompt_tokens = _int(usage, "input_tokens")
-                outcome.cached_tokens = _int(usage.get("input_tokens_details"), "cached_tokens")
-                outcome.completion_tokens = _int(usage, "output_tokens")
+                _take_usage(self.outcome, responses_usage(usage))
             return True
-        elif kind == "response.failed":
+        elif kind == RESPONSES_FAILED:
             error = (chunk.get("response") or {}).get("error")
             message = error.get("message") if isinstance(error, dict) else error
             self.outcome.error = f"response failed: {message}"[:MAX_ERROR_CHARS]
@@ -177,9 +172,7 @@ class MessagesStream(StreamReader):
             return True
         kind = chunk.get("type") or event.event
         if kind == "content_block_delta":
-            delta = chunk.get("delta") or {}
-            if delta.get("type") == "text_delta":
-                self._text(delta.get("text"), elapsed)
+            self._text(anthropic_text_delta(chunk), elapsed)
         elif kind == "message_start":
             self._take_usage((chunk.get("message") or {}).get("usage"))
         elif kind == "message_delta":
@@ -189,19 +182,8 @@ class MessagesStream(StreamReader):
         return False
 
     def _take_usage(self, usage: Any) -> None:
-        """Anthropic's final usage may carry only ``output_tokens``: a later usage
-        overrides the fields it has, the rest stand."""
-        if not isinstance(usage, dict):
-            return
-        self._usage.update((k, v) for k, v in usage.items() if v is not None)
-        got, outcome = self._usage, self.outcome
-        outcome.cached_tokens = _int(got, "cache_read_input_tokens")
-        outcome.prompt_tokens = (
-            _int(got, "input_tokens")
-            + outcome.cached_tokens
-            + _int(got, "cache_creation_input_tokens")
-        )
-        outcome.completion_tokens = _int(got, "output_tokens")
+        merge_anthropic_usage(self._usage, usage)
+        _take_usage(self.outcome, anthropic_usage(self._usage))
 
 
 READERS: dict[Api, type[StreamReader]] = {

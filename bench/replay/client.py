@@ -18,15 +18,13 @@ import orjson
 
 from bench.replay.api_bodies import BODIES, DEFAULT_API, PATHS, Api, ChatRequest
 from bench.replay.api_streams import MAX_ERROR_CHARS, READERS, StreamOutcome, StreamReader
-from bench.replay.api_streams import stream_error as stream_error  # bench.soak_traffic's
 from bench.replay.sse import iter_sse
 from router.clock import monotonic
+from router.wire.headers import SESSION_HEADER, WORKER_HEADER
 
-WORKER_HEADER = "x-kvrouter-worker"
 # How requests are spread over several router replicas.
 Assign = Literal["random", "round_robin"]
 ASSIGNS: tuple[Assign, ...] = ("random", "round_robin")
-SESSION_HEADER = "X-Session-Id"
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 

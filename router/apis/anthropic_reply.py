@@ -19,8 +19,8 @@ import orjson
 
 from router.capture import MAX_TOOL_CALL_BYTES, ReplyCapture
 from router.errors import RouterError
+from router.wire.streams import anthropic_text_delta, anthropic_usage, merge_anthropic_usage
 
-_PROMPT_PARTS = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -55,7 +55,7 @@ class MessagesCapture(ReplyCapture):
     def _event(self, obj: dict[str, Any]) -> None:
         kind = obj.get("type")
         if kind == "content_block_delta":
-            self._delta(obj.get("delta"))
+            self._delta(obj)
         elif kind == "content_block_start":
             block = obj.get("content_block")
             if isinstance(block, dict) and block.get("type") == "tool_use":
@@ -72,13 +72,15 @@ class MessagesCapture(ReplyCapture):
         elif kind == "error":
             self.errored = True
 
-    def _delta(self, delta: Any) -> None:
+    def _delta(self, event: dict[str, Any]) -> None:
+        text = anthropic_text_delta(event)
+        if text is not None:
+            self._text(text)
+            return
+        delta = event.get("delta")
         if not isinstance(delta, dict):
             return
-        kind = delta.get("type")
-        if kind == "text_delta":
-            self._text(delta.get("text"))
-        elif kind == "input_json_delta" and self._tool_use is not None:
+        if delta.get("type") == "input_json_delta" and self._tool_use is not None:
             part = delta.get("partial_json")
             if isinstance(part, str):
                 self._tool_input.append(part)
@@ -117,13 +119,6 @@ class MessagesCapture(ReplyCapture):
         self._read_usage(obj.get("usage"))
 
     def _read_usage(self, usage: Any) -> None:
-        if not isinstance(usage, dict):
-            return
-        seen = self._usage_seen
-        seen.update(usage)
-        read = seen.get("cache_read_input_tokens")
-        parts = (seen.get(k) for k in ("input_tokens", "cache_creation_input_tokens"))
-        prompt = sum(p for p in parts if isinstance(p, int)) + (
-            read if isinstance(read, int) else 0
-        )
-        self._usage(prompt if "input_tokens" in seen else None, read, seen.get("output_tokens"))
+        if isinstance(usage, dict):
+            merge_anthropic_usage(self._usage_seen, usage)
+            self._take_usage(anthropic_usage(self._usage_seen))

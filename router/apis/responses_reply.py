@@ -17,8 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 from router.capture import ReplyCapture
-
-_ENDED = ("response.completed", "response.incomplete")
+from router.wire.streams import (
+    RESPONSES_ENDED,
+    RESPONSES_FAILED,
+    RESPONSES_TEXT_DELTA,
+    responses_usage,
+    stream_error,
+)
 
 
 class ResponsesCapture(ReplyCapture):
@@ -30,7 +35,7 @@ class ResponsesCapture(ReplyCapture):
 
     def _event(self, obj: dict[str, Any]) -> None:
         kind = obj.get("type")
-        if kind == "response.output_text.delta":
+        if kind == RESPONSES_TEXT_DELTA:
             if not obj.get("content_index"):  # vLLM reads a message's first part only
                 self._text(obj.get("delta"))
         elif kind == "response.output_item.added":
@@ -41,11 +46,11 @@ class ResponsesCapture(ReplyCapture):
                 self._function_call(item)
         elif kind == "response.created":
             self._identify(obj.get("response"))
-        elif kind in _ENDED:
+        elif kind in RESPONSES_ENDED:
             response = obj.get("response")
             if isinstance(response, dict):
                 self._read_usage(response.get("usage"))
-        elif kind in ("response.failed", "error"):
+        elif kind in (RESPONSES_FAILED, "error") or stream_error(obj) is not None:
             self.errored = True
 
     def _item_added(self, item: Any) -> None:
@@ -80,6 +85,4 @@ class ResponsesCapture(ReplyCapture):
 
     def _read_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):
-            details = usage.get("input_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            self._usage(usage.get("input_tokens"), cached, usage.get("output_tokens"))
+            self._take_usage(responses_usage(usage))

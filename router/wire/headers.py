@@ -1,0 +1,11 @@
+"""The header names kvrouter adds to answers or reads from requests (case-insensitive on
+the wire; written here as they are sent)."""
+
+from __future__ import annotations
+
+# Which worker served the request (on with ``worker_header``): replays and tests read it.
+WORKER_HEADER = "X-Kvrouter-Worker"
+# The client's session key (``session_header``'s default).
+SESSION_HEADER = "X-Session-Id"
+# A request's id: the client's, passed on to the engine, or the router's own.
+REQUEST_ID_HEADER = "X-Request-Id"
