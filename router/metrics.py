@@ -19,33 +19,11 @@ from router.loop_metrics import EventLoopCollector, running_loop
 from router.metric_types import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from router.outcomes import CAUSES, OUTCOMES
 from router.parse import Kind
+from router.wire.buckets import VLLM_TTFT_BUCKETS
 from router.workers import Fleet
 
-# TTFT and latency buckets: vLLM's TTFT buckets, which span cached (ms) to cold (minutes).
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+# TTFT and latency buckets: vLLM's TTFT buckets.
+TTFT_BUCKETS = VLLM_TTFT_BUCKETS
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 

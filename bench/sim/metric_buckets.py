@@ -4,30 +4,8 @@
 
 from __future__ import annotations
 
-VLLM_TTFT_BUCKETS: tuple[float, ...] = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
+# vLLM's TTFT bounds are router/wire/buckets.py's: the router's histograms share them.
+
 # Shared by vllm:inter_token_latency_seconds and vllm:request_time_per_output_token_seconds.
 VLLM_TPOT_BUCKETS: tuple[float, ...] = (
     0.01,

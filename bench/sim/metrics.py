@@ -2,8 +2,7 @@
 
 Names, types, label names, bucket bounds and help texts are taken from the engines' own
 sources (vLLM V1 ``vllm/v1/metrics/loggers.py``, SGLang ``python/sglang/srt/metrics/
-collector.py``); /work/notes/metrics_sources.md says which versions and where the simulation
-departs from them.
+collector.py``); where the simulation departs from them, the metric's own comment says so.
 
 Each :class:`EngineMetrics` owns a private ``CollectorRegistry``, so any number of engines can
 share a process, and a simulated restart (:meth:`EngineMetrics.reset`) rebuilds the registry.
@@ -31,9 +30,9 @@ from bench.sim.metric_buckets import (
     SGLANG_TTFT_BUCKETS,
     VLLM_REQUEST_LATENCY_BUCKETS,
     VLLM_TPOT_BUCKETS,
-    VLLM_TTFT_BUCKETS,
     build_1_2_5_buckets,
 )
+from router.wire.buckets import VLLM_TTFT_BUCKETS
 
 Flavor = Literal["vllm", "sglang"]
 
