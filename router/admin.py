@@ -37,6 +37,7 @@ from router.config import WorkerConfig, build
 from router.errors import BadRequest, RouterError
 from router.parse import header_bytes
 from router.state import STATE_KEY, RouterState
+from router.wire.json import json_response
 from router.workers import Worker
 
 
@@ -67,10 +68,6 @@ def _authorized(handler: Handler) -> Handler:
         return await handler(request)
 
     return check
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 def _describe(state: RouterState, worker: Worker) -> dict[str, Any]:
@@ -114,7 +111,7 @@ async def _body(request: web.Request) -> dict[str, Any]:
 @_authorized
 async def list_workers(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
-    return _json(
+    return json_response(
         {
             "workers": [_describe(state, w) for w in state.router.fleet.all()],
             "policy": state.router.policies.current.describe(),
@@ -149,7 +146,7 @@ async def add_worker(request: web.Request) -> web.Response:
         raise BadRequest("kv_events: exact mode keys prompts by tokens; set prefix.tokenizer")
     worker = state.add_worker(config)
     await state.prober.probe_all()
-    return _json(_describe(state, worker), status=201)
+    return json_response(_describe(state, worker), status=201)
 
 
 @_authorized
@@ -157,7 +154,7 @@ async def remove_worker(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     worker = _worker(state, request.match_info["name"])
     state.membership.remove(worker.name)
-    return _json({"removed": worker.name})
+    return json_response({"removed": worker.name})
 
 
 @_authorized
@@ -165,7 +162,7 @@ async def drain(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     worker = _worker(state, request.match_info["name"])
     worker.draining = request.method == "POST"
-    return _json(_describe(state, worker))
+    return json_response(_describe(state, worker))
 
 
 @_authorized
@@ -179,14 +176,14 @@ async def migrate(request: web.Request) -> web.Response:
     if target is source:
         raise BadRequest("'to' must be another worker", param="to")
     moved = state.membership.migrate(source.name, target.name)
-    return _json(
+    return json_response(
         {"from": source.name, "to": target.name, "moved_tokens": moved * state.router.block_tokens}
     )
 
 
 @_authorized
 async def get_policy(request: web.Request) -> web.Response:
-    return _json(request.app[STATE_KEY].router.policies.current.describe())
+    return json_response(request.app[STATE_KEY].router.policies.current.describe())
 
 
 POLICY_FIELDS = ("knobs", "policy")
@@ -216,7 +213,7 @@ async def put_policy(request: web.Request) -> web.Response:
         active = await policies.change(name, knobs)
     except PolicyConfigError as exc:
         raise BadRequest(str(exc), param="knobs") from None
-    return _json(active.describe())
+    return json_response(active.describe())
 
 
 def add_routes(

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import cast
 
 import aiohttp
-import orjson
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
@@ -53,6 +52,7 @@ from router.tokens.engine import EngineTokens
 from router.tokens.keys import PromptKeys, TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
 from router.upstream import UpstreamPool
+from router.wire.json import json_response
 from router.workers import Fleet
 
 log = logging.getLogger(__name__)
@@ -62,10 +62,6 @@ CONFIG_KEY = web.AppKey("kvrouter_config", RouterConfig)
 FINAL_FLUSH_TIMEOUT_S = 2.0
 SYNC_STOP_TIMEOUT_S = 5.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _json(body: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
 @web.middleware
@@ -78,13 +74,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
         if exc.shape is None:
             exc.shape = error_body_for(request.path)
-        response = _json(exc.answer_body(), exc.status)
+        response = json_response(exc.answer_body(), exc.status)
         response.headers.update(exc.headers())
         if exc.closes_connection:
             response.force_close()
         return response
     except web.HTTPRequestEntityTooLarge:
-        return _json(PayloadTooLarge("request body too large").body(), 413)
+        return json_response(PayloadTooLarge("request body too large").body(), 413)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -94,7 +90,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         body = error.body()
         body["error"]["code"] = exc.status
         body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
-        response = _json(body, exc.status)
+        response = json_response(body, exc.status)
         if "Allow" in exc.headers:  # a 405 says which methods the path has
             response.headers["Allow"] = exc.headers["Allow"]
         return response
@@ -106,7 +102,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.exception("unexpected error serving %s %s", request.method, request.path)
         if STATE_KEY in request.app:
             request.app[STATE_KEY].metrics.rejected.labels("500").inc()
-        return _json(RouterError("internal error").body(), 500)
+        return json_response(RouterError("internal error").body(), 500)
 
 
 def build_state(
@@ -180,20 +176,20 @@ def _token_keys(
 
 
 async def health(request: web.Request) -> web.Response:
-    return _json({"status": "ok", "version": __version__})
+    return json_response({"status": "ok", "version": __version__})
 
 
 async def ready(request: web.Request) -> web.Response:
     fleet = request.app[STATE_KEY].router.fleet
     healthy = [w.name for w in fleet.all() if w.healthy]
-    return _json(
+    return json_response(
         {"ready": bool(healthy), "healthy_workers": healthy}, status=200 if healthy else 503
     )
 
 
 async def models(request: web.Request) -> web.Response:
     names = sorted(request.app[STATE_KEY].router.fleet.models())
-    return _json(
+    return json_response(
         {
             "object": "list",
             "data": [
@@ -389,7 +385,7 @@ async def expect_handler(request: web.Request) -> web.StreamResponse | None:
     expect = request.headers.get(hdrs.EXPECT, "")
     if expect.lower() != "100-continue":
         error = ExpectationFailed(f"unknown Expect {expect!r}: only 100-continue is understood")
-        return _json(error.body(), error.status)
+        return json_response(error.body(), error.status)
     if request.version == aiohttp.HttpVersion11:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the 100 is not the response: an error may follow
