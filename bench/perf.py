@@ -33,7 +33,8 @@ from router.capacity import gpu, load_model
 from router.config import DEFAULT_MAX_BODY_BYTES, RouterConfig, WorkerConfig
 from router.errors import BadRequest
 from router.index import LocalPrefixIndex
-from router.parse import Kind, parse_request
+from router.parse import parse_request
+from router.wire.kinds import Kind
 
 
 def _percentile(values: list[float], q: float) -> float:

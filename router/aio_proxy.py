@@ -12,9 +12,9 @@ from multidict import CIMultiDict
 
 from router.apis.kinds import APIS
 from router.errors import PayloadTooLarge, RouterError
-from router.parse import Kind
 from router.proxy import Headers, serve
 from router.state import STATE_KEY
+from router.wire.kinds import Kind
 
 
 class AiohttpReply:

@@ -60,10 +60,10 @@ from router.front_request import (
     authorized_by,
     undecodable,
 )
-from router.parse import Kind
 from router.proxy import serve
 from router.state import RouterState
 from router.wire import http1
+from router.wire.kinds import Kind
 
 if TYPE_CHECKING:
     from router.bridge import Bridge

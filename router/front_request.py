@@ -11,7 +11,7 @@ from aiohttp import compression_utils
 from router.apis.kinds import KIND_OF_PATH
 from router.auth import authorized
 from router.errors import RouterError, UnsupportedEncoding
-from router.parse import Kind
+from router.wire.kinds import Kind
 
 MAX_TARGET_BYTES = 8190
 MAX_FIELD_BYTES = 8190

@@ -18,8 +18,8 @@ from router.index import PREFIX_MODES, PrefixIndex
 from router.loop_metrics import EventLoopCollector, running_loop
 from router.metric_types import CounterChild, HistogramChild, LoopCounter, LoopHistogram
 from router.outcomes import CAUSES, OUTCOMES
-from router.parse import Kind
 from router.wire.buckets import VLLM_TTFT_BUCKETS
+from router.wire.kinds import Kind
 from router.workers import Fleet
 
 # TTFT and latency buckets: vLLM's TTFT buckets.

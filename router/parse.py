@@ -10,7 +10,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 import xxhash
@@ -19,10 +19,8 @@ from router.apis.views import OWN_SESSION, ChatView, messages_chat, responses_ch
 from router.config import RequestLimits
 from router.errors import BadRequest
 from router.prefix import PrefixKey, chain_seed, prefix_key, render_chat_history, render_prompt
+from router.wire.kinds import Kind
 
-# The client APIs the router keys and routes: a Responses or Messages request is keyed as
-# the chat request the engine runs it as (router.apis).
-Kind = Literal["chat", "completion", "responses", "messages"]
 CONVERTED: dict[Kind, Callable[[Mapping[str, Any]], ChatView]] = {
     "messages": messages_chat,
     "responses": responses_chat,

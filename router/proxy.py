@@ -31,13 +31,14 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.lifecycle import RequestLifecycle
-from router.parse import Kind, keyed_by_text, read_request
+from router.parse import keyed_by_text, read_request
 from router.prefix import ChainExtender
 from router.response_owners import Owner
 from router.routing import Dispatch, EngineUsage
 from router.state import RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
 from router.wire import headers
+from router.wire.kinds import Kind
 
 log = logging.getLogger(__name__)
 

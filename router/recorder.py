@@ -16,7 +16,7 @@ from router import request_log
 from router.clock import monotonic
 from router.learning import Learner
 from router.metrics import RouterMetrics
-from router.parse import Kind
+from router.wire.kinds import Kind
 from router.workers import Fleet
 
 if TYPE_CHECKING:

@@ -13,9 +13,10 @@ from router.apis.anthropic_reply import MessagesCapture
 from router.apis.responses_reply import ResponsesCapture
 from router.capture import ChatCapture, ReplyCapture
 from router.errors import BadRequest
-from router.parse import ClientRequest, Kind, parse_request
+from router.parse import ClientRequest, parse_request
 from router.prefix import CHAT_REPLY_HEADER, ChainExtender
 from router.response_owners import Owner, ResponseOwners
+from router.wire.kinds import Kind
 from router.workers import Fleet, Worker
 
 BLOCK_BYTES = 64

@@ -34,7 +34,8 @@ from bench.fuzz_inputs import (
 )
 from router.config import RequestLimits
 from router.errors import RouterError
-from router.parse import Kind, parse_request
+from router.parse import parse_request
+from router.wire.kinds import Kind
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 
 TARGET = Target(api_key="fuzz-key", admin_token="fuzz-admin", model=TEST_MODEL)

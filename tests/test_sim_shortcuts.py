@@ -17,10 +17,10 @@ import pytest
 from bench.sim.kv_cache import NO_HASH, BlockPool
 from bench.sim.openai_api import ChunkEvents, sse_event, stream_chunk
 from bench.sim.prefix_hashes import PrefixHashes
-from bench.sim.prompts import Kind
 from bench.sim.request import DRAW_AHEAD_TOKENS, SimRequest
 from bench.textgen import generated_text
 from router.wire.blocks import TOKEN_BYTES, token_block_hashes
+from router.wire.kinds import PromptKind
 from tests.conftest import TEST_MODEL, RunningEngine, engine_config
 from tests.sim_servers import FRONTS, serve_engine_on
 
@@ -200,7 +200,7 @@ def test_tokens_sampled_ahead_are_the_tokens_sampled_each_step(counts: list[int]
 @pytest.mark.parametrize("finish", [None, "length", "stop"])
 @pytest.mark.parametrize("model", ["m", "\x00", 'm\x00"odel\\'])
 def test_chunk_events_are_the_bytes_of_encoding_each_chunk(
-    kind: Kind, finish: str | None, model: str
+    kind: PromptKind, finish: str | None, model: str
 ) -> None:
     """Model names that hold the template's own marker must not confuse it."""
     rid = "chatcmpl-0123"

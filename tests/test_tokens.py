@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from bench.textgen import text_for
 from router.errors import BadRequest, ConfigError
-from router.parse import Kind, RequestBody, read_request
+from router.parse import RequestBody, read_request
 from router.tokens.conversation import (
     BILLING_HEADER,
     detect_content_format,
@@ -29,6 +29,7 @@ from router.tokens.conversation import (
 from router.tokens.incremental import IncrementalEncoder
 from router.tokens.keys import TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
+from router.wire.kinds import Kind
 from tests.token_model import DATA, build_model_dir
 
 TOOLS = [

@@ -40,12 +40,12 @@ from bench.sim.openai_api import (
     parse_request,
     usage,
 )
-from bench.sim.prompts import Kind
 from bench.sim.request import SimRequest
 from bench.sim.request_fields import ApiError
 from bench.sim.responses_endpoints import cancel_response, create_response, get_response
 from bench.sim.sse import stream_completion
 from bench.sim.tokenize import detokenize, render, tokenize
+from router.wire.kinds import PromptKind
 
 Endpoint = Callable[[Engine, Exchange], Awaitable[Reply | Stream]]
 
@@ -81,7 +81,7 @@ async def completions(engine: Engine, exchange: Exchange) -> Reply | Stream:
     return await _completion(engine, exchange, "completion")
 
 
-async def _completion(engine: Engine, exchange: Exchange, kind: Kind) -> Reply | Stream:
+async def _completion(engine: Engine, exchange: Exchange, kind: PromptKind) -> Reply | Stream:
     try:
         raise_injected_fault(engine)
         parsed = await parse_request(
@@ -147,7 +147,7 @@ async def render_completion(engine: Engine, exchange: Exchange) -> Reply:
     return await _render(engine, exchange, "completion")
 
 
-async def _render(engine: Engine, exchange: Exchange, kind: Kind) -> Reply:
+async def _render(engine: Engine, exchange: Exchange, kind: PromptKind) -> Reply:
     """vLLM's render endpoints: the request validated and tokenized exactly as its
     completion would be, answered as a ``GenerateRequest`` (for completions a list of
     one), with nothing submitted to the engine."""

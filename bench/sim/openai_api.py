@@ -9,13 +9,14 @@ from typing import Any
 
 import orjson
 
-from bench.sim.prompts import STAND_IN, Kind, Prompts, encode_prompt
+from bench.sim.prompts import STAND_IN, Prompts, encode_prompt
 from bench.sim.request_fields import ApiError, field, request_body, requested_model
+from router.wire.kinds import PromptKind
 
 
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
-    kind: Kind
+    kind: PromptKind
     model: str
     prompt: bytes
     max_tokens: int
@@ -33,7 +34,7 @@ class ParsedRequest:
 
 
 async def parse_request(
-    kind: Kind, body: Any, served_model: str, max_model_len: int, prompts: Prompts = STAND_IN
+    kind: PromptKind, body: Any, served_model: str, max_model_len: int, prompts: Prompts = STAND_IN
 ) -> ParsedRequest:
     """A completion request checked as vLLM checks it, its prompt encoded by ``prompts``."""
     body = request_body(body)
@@ -73,7 +74,7 @@ async def parse_request(
     )
 
 
-def new_id(kind: Kind) -> str:
+def new_id(kind: PromptKind) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
@@ -87,7 +88,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def stream_chunk(
-    kind: Kind,
+    kind: PromptKind,
     rid: str,
     model: str,
     created: int,
@@ -136,7 +137,7 @@ class ChunkEvents:
 
     __slots__ = ("_created", "_frames", "_kind", "_model", "_rid")
 
-    def __init__(self, kind: Kind, rid: str, model: str, created: int) -> None:
+    def __init__(self, kind: PromptKind, rid: str, model: str, created: int) -> None:
         self._kind, self._rid, self._model, self._created = kind, rid, model, created
         self._frames: dict[str | None, tuple[bytes, bytes]] = {}
 
@@ -153,7 +154,7 @@ class ChunkEvents:
 
 
 def usage_chunk(
-    kind: Kind, rid: str, model: str, created: int, usage_body: dict[str, Any]
+    kind: PromptKind, rid: str, model: str, created: int, usage_body: dict[str, Any]
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -166,7 +167,7 @@ def usage_chunk(
 
 
 def full_response(
-    kind: Kind,
+    kind: PromptKind,
     rid: str,
     model: str,
     created: int,

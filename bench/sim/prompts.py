@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from bench.sim.request_fields import ApiError, field
 from bench.tokenizer import IM_END, encode_piece, encode_token_ids, render_chat
 from router.wire.blocks import TOKEN_BYTES
+from router.wire.kinds import PromptKind
 
-Kind = Literal["chat", "completion"]
 _PAD = 0xFF  # the filler a stand-in template piece is padded with; UTF-8 never produces it
 STAND_IN_VOCAB = 2**32  # every 4-byte stand-in token is an id
 # The end marker of a message, dropped from the last one by ``continue_final_message``.
@@ -184,7 +184,7 @@ def completion_input(body: Mapping[str, Any], allow_token_ids: bool = True) -> s
 
 
 async def encode_prompt(
-    prompts: Prompts, kind: Kind, body: Mapping[str, Any], tokenize: bool = False
+    prompts: Prompts, kind: PromptKind, body: Mapping[str, Any], tokenize: bool = False
 ) -> bytes:
     """The request's prompt in ``prompts``' tokens. A completion's text gets the
     tokenizer's special tokens unless ``add_special_tokens`` is false (vLLM's default for

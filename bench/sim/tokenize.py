@@ -32,9 +32,10 @@ import struct
 from typing import Any
 
 from bench.sim.openai_api import ParsedRequest, new_id
-from bench.sim.prompts import Kind, Prompts, check_vocab, encode_prompt
+from bench.sim.prompts import Prompts, check_vocab, encode_prompt
 from bench.sim.request_fields import ApiError, field, request_body, requested_model
 from router.wire.blocks import TOKEN_BYTES
+from router.wire.kinds import PromptKind
 
 
 def token_ids(encoded: bytes) -> list[int]:
@@ -51,7 +52,7 @@ async def tokenize(
     requested_model(body, served_model)
     if "prompt" not in body and "messages" not in body:
         raise ApiError(400, "either 'prompt' (a completion) or 'messages' (a chat) is required")
-    kind: Kind = "completion" if "prompt" in body else "chat"
+    kind: PromptKind = "completion" if "prompt" in body else "chat"
     encoded = await encode_prompt(prompts, kind, body, tokenize=True)
     ids = token_ids(encoded)
     strs = None
@@ -75,7 +76,7 @@ async def detokenize(body: Any, served_model: str, prompts: Prompts) -> dict[str
     return {"prompt": await prompts.decode(tokens)}
 
 
-def render(kind: Kind, parsed: ParsedRequest, model: str | None) -> dict[str, Any]:
+def render(kind: PromptKind, parsed: ParsedRequest, model: str | None) -> dict[str, Any]:
     """The ``GenerateRequest`` vLLM's render endpoint answers for a request that passed
     ``parse_request``; ``model`` is the one the request named. ``sampling_params``
     carries the fields the simulator models."""

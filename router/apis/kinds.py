@@ -15,8 +15,8 @@ from router.apis.anthropic_reply import error_body as anthropic_error_body
 from router.apis.responses_reply import ResponsesCapture
 from router.capture import ChatCapture, CompletionCapture, ReplyCapture
 from router.errors import RouterError, UpstreamError
-from router.parse import Kind
 from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER
+from router.wire.kinds import Kind
 
 ErrorBody = Callable[[RouterError], dict[str, Any]]
 # What the client reads when its worker fails mid-stream (the details go to the log; a
