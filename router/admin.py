@@ -34,27 +34,11 @@ from policies.base import PolicyConfigError
 from policies.registry import policy_class
 from router.auth import authorized, bearers
 from router.config import WorkerConfig, build
-from router.errors import BadRequest, RouterError
+from router.errors import BadRequest, Conflict, NotFound, Unauthenticated
 from router.parse import header_bytes
 from router.state import STATE_KEY, RouterState
 from router.wire.json import json_response
 from router.workers import Worker
-
-
-class Unauthorized(RouterError):
-    status = 401
-    error_type = "authentication_error"
-
-
-class NotFound(RouterError):
-    status = 404
-    error_type = "invalid_request_error"
-
-
-class Conflict(RouterError):
-    status = 409
-    error_type = "invalid_request_error"
-
 
 Handler = Callable[[web.Request], Awaitable[web.Response]]
 
@@ -64,7 +48,7 @@ def _authorized(handler: Handler) -> Handler:
         token = request.app[STATE_KEY].config.admin_token
         given = header_bytes(request.headers.get("Authorization", ""))
         if not authorized(given, bearers([token])):
-            raise Unauthorized("missing or wrong admin bearer token")
+            raise Unauthenticated("missing or wrong admin bearer token")
         return await handler(request)
 
     return check

@@ -13,29 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import Callable
-from typing import ClassVar
 
-from router.errors import RouterError
-
-
-class TooManyRequests(RouterError):
-    status: ClassVar[int] = 429
-    error_type: ClassVar[str] = "rate_limit_error"
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    def headers(self) -> dict[str, str]:
-        return {"Retry-After": retry_after_header(self.retry_after_s)}
-
-
-class Overloaded(TooManyRequests):
-    status: ClassVar[int] = 503
-    error_type: ClassVar[str] = "server_error"
-
+from router.errors import Overloaded, TooManyRequests
 
 # Waiters look again at least this often (engine-reported load changes without notice).
 RECHECK_S = 0.05
@@ -84,7 +64,3 @@ class Admission:
         """A request finished somewhere: waiters look again now."""
         if self.waiting:
             self._changed.set()
-
-
-def retry_after_header(seconds: float) -> str:
-    return str(max(1, math.ceil(seconds)))

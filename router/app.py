@@ -21,7 +21,7 @@ from router.admin import add_routes
 from router.admission import Admission
 from router.aio_proxy import handler_for
 from router.apis.kinds import APIS, error_body_for
-from router.auth import Unauthenticated, authorized, bearers
+from router.auth import authorized, bearers
 from router.config import ENGINE_TOKENIZER, RouterConfig
 from router.errors import (
     BadRequest,
@@ -29,6 +29,7 @@ from router.errors import (
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
+    Unauthenticated,
 )
 from router.front_request import authorized_by
 from router.health import HealthProber

@@ -10,14 +10,6 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 
-from router.errors import RouterError
-
-
-class Unauthenticated(RouterError):
-    status = 401
-    error_type = "authentication_error"
-    code = "invalid_api_key"
-
 
 def bearers(secrets: Iterable[str]) -> tuple[bytes, ...]:
     """What an ``Authorization`` header carrying one of ``secrets`` is, as bytes."""

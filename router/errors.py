@@ -6,7 +6,15 @@
     │   ├── RequestTimeout           408 invalid_request_error (the body came too slowly)
     │   ├── UnsupportedEncoding      415 invalid_request_error (a Content-Encoding not decoded)
     │   └── ExpectationFailed        417 invalid_request_error (an Expect other than 100-continue)
-    ├── ModelNotFound                404 invalid_request_error (code model_not_found)
+    ├── Unauthenticated              401 authentication_error (a client's API key, an
+    │                                    operator's metrics or admin token)
+    ├── NotFound                     404 invalid_request_error (an admin API name)
+    │   ├── ModelNotFound            404 (code model_not_found)
+    │   └── ResponseNotFound         404 (a stored response nobody holds; vLLM's words)
+    ├── Conflict                     409 invalid_request_error
+    ├── RetryLater                   (carries Retry-After)
+    │   ├── TooManyRequests          429 rate_limit_error (the admission queue is full)
+    │   └── Overloaded               503 server_error (no room within the queue's wait)
     ├── NoEligibleWorker             503 server_error
     ├── SharedStateUnavailable       503 server_error (a fleet-wide change could not be made)
     └── UpstreamError                502 server_error
@@ -20,6 +28,7 @@ its answer: ``status``, ``body()``, ``headers()``, and a closed connection where
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -81,10 +90,56 @@ class ExpectationFailed(BadRequest):
     status = 417
 
 
-class ModelNotFound(RouterError):
+class Unauthenticated(RouterError):
+    status = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(RouterError):
     status = 404
     error_type = "invalid_request_error"
+
+
+class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class ResponseNotFound(NotFound):
+    """vLLM's answer for a response id it does not hold (``_make_not_found_error``)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.", param="response_id")
+
+
+class Conflict(RouterError):
+    status = 409
+    error_type = "invalid_request_error"
+
+
+class RetryLater(RouterError):
+    """A refusal the client may retry: ``Retry-After`` says when."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": retry_after_header(self.retry_after_s)}
+
+
+def retry_after_header(seconds: float) -> str:
+    """``Retry-After`` in whole seconds, at least 1 (RFC 9110 allows no fraction)."""
+    return str(max(1, math.ceil(seconds)))
+
+
+class TooManyRequests(RetryLater):
+    status = 429
+    error_type = "rate_limit_error"
+
+
+class Overloaded(RetryLater):
+    status = 503
 
 
 class NoEligibleWorker(RouterError):

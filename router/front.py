@@ -39,13 +39,13 @@ import orjson
 from aiohttp.tcp_helpers import tcp_keepalive
 
 from router.apis.kinds import APIS
-from router.auth import Unauthenticated
 from router.errors import (
     BadRequest,
     ExpectationFailed,
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
+    Unauthenticated,
 )
 from router.front_request import (
     DECODED_CODINGS,

@@ -16,20 +16,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.errors import RouterError
+from router.errors import ResponseNotFound
 from router.workers import Fleet, Worker
 
 DEFAULT_MAX_RESPONSES = 100_000
-
-
-class ResponseNotFound(RouterError):
-    """vLLM's answer for a response id it does not hold (``_make_not_found_error``)."""
-
-    status = 404
-    error_type = "invalid_request_error"
-
-    def __init__(self, response_id: str) -> None:
-        super().__init__(f"Response with id '{response_id}' not found.", param="response_id")
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,3 +34,27 @@ def test_mypy_strict_is_clean() -> None:
 def test_ruff_format_is_clean() -> None:
     result = run("ruff", "format", "--check", ".")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_router_error_is_defined_in_router_errors() -> None:
+    """One exception tree, in one module: no class elsewhere in router/ derives from
+    one of its errors."""
+    import ast
+
+    from router import errors
+
+    names = {
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, errors.RouterError)
+    }
+    stray = []
+    for path in (ROOT / "router").rglob("*.py"):
+        if path.name == "errors.py" and path.parent.name == "router":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if bases & names:
+                    stray.append(f"{path.relative_to(ROOT)}: {node.name}")
+    assert stray == []
