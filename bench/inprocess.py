@@ -118,7 +118,7 @@ async def inprocess_router(command: Sequence[str], port: int) -> AsyncIterator[s
     """``kvrouter serve`` as given by ``command``, in this process on ``port``; yields
     its URL."""
     from router.app import create_app
-    from router.config import load_config
+    from router.config_loader import load_config
     from router.serve_cli import flag_overrides
     from router.server import RouterRunner
 

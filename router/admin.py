@@ -33,7 +33,8 @@ from aiohttp import web
 from policies.base import PolicyConfigError
 from policies.registry import policy_class
 from router.auth import authorized, bearers
-from router.config import WorkerConfig, build
+from router.config import WorkerConfig
+from router.config_loader import build
 from router.errors import BadRequest, Conflict, NotFound, Unauthenticated
 from router.parse import header_bytes
 from router.state import STATE_KEY, RouterState

@@ -1,24 +1,16 @@
-"""Typed, frozen router configuration: one set of objects for the YAML file, the
-``KVROUTER_*`` environment variables and the command-line flags.
-
-Precedence: defaults < file < environment < flags. Every value is checked once, when the
-config is built; an error names the field (``upstream.connect_timeout_s: must be > 0``).
+"""The router's configuration schema: typed, frozen dataclasses with their defaults, each
+checking its own values when built; an error names the field
+(``upstream.connect_timeout_s: must be > 0``). Loading it from a file, the environment
+and flags, and checking the policy, is ``router.config_loader``'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import types
-import typing
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
+from router.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, DEFAULT_MAX_COOLDOWN_S
 from router.errors import ConfigError
 from router.wire.headers import SESSION_HEADER
 
@@ -213,9 +205,9 @@ class HealthConfig:
     stale_after_s: float = 10.0
     # Circuit breaker (router/breaker.py): consecutive upstream failures that open it,
     # and how long it stays open before one trial request (doubling up to the max).
-    failure_threshold: int = 5
-    cooldown_s: float = 2.0
-    max_cooldown_s: float = 60.0
+    failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
+    cooldown_s: float = DEFAULT_COOLDOWN_S
+    max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S
 
     def __post_init__(self) -> None:
         if min(self.interval_s, self.timeout_s, self.scrape_interval_s) <= 0:
@@ -450,168 +442,8 @@ class RouterConfig:
             raise ConfigError(
                 "kv_events: exact mode keys prompts by the engine's tokens; set prefix.tokenizer"
             )
-        from policies.base import PolicyConfigError
-        from policies.registry import build_policy
-
-        try:
-            build_policy(self.policy, self.policy_knobs)
-        except PolicyConfigError as exc:
-            raise ConfigError(f"policy: {exc}") from exc
 
     @property
     def subscribes_kv_events(self) -> bool:
         """Some worker's KV events are to be read (exact mode)."""
         return bool(self.kv_events.endpoint) or any(w.kv_events for w in self.workers)
-
-
-# -- building from mappings --------------------------------------------------------------
-
-
-def _convert(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None:
-            return None
-        return _convert(value, options[0], where)
-    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping")
-        return build(hint, value, where)
-    if origin is tuple:
-        item = typing.get_args(hint)[0]
-        if isinstance(value, str):
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{where}: expected a list")
-        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping")
-        return dict(value)
-    if hint is bool:
-        if isinstance(value, str) and value.lower() in (
-            "1",
-            "true",
-            "yes",
-            "on",
-            "0",
-            "false",
-            "no",
-            "off",
-        ):
-            return value.lower() in ("1", "true", "yes", "on")
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false")
-        return value
-    if hint in (int, float):
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number")
-        try:
-            converted = hint(value)
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"{where}: expected {'an integer' if hint is int else 'a number'}"
-            ) from None
-        if hint is int and isinstance(value, float) and value != converted:
-            raise ConfigError(f"{where}: expected an integer")
-        return converted
-    if hint is str:
-        if not isinstance(value, str | int | float) or isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a string")
-        return str(value)
-    return value
-
-
-def build(cls: type[Any], values: Mapping[str, Any], where: str = "") -> Any:
-    """Build dataclass ``cls`` from a mapping, checking names and types."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    prefix = f"{where}." if where else ""
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown setting; known: {', '.join(sorted(names))}"
-        )
-    kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in values.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError as exc:
-        message = str(exc)
-        raise ConfigError(message if message.startswith(prefix) else f"{prefix}{message}") from None
-    except TypeError as exc:
-        raise ConfigError(f"{where or 'config'}: {exc}") from None
-
-
-def _worker_entry(value: Any) -> Any:
-    return {"url": value} if isinstance(value, str) else value
-
-
-def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep-merge ``overrides`` into a copy of ``base`` (lists are replaced)."""
-    merged = dict(base)
-    for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = merge(dict(merged[key]), value)
-        else:
-            merged[key] = value
-    return merged
-
-
-ENV_PREFIX = "KVROUTER_"
-
-
-def _knob_value(text: str) -> Any:
-    """Knobs are untyped here (each policy types its own): read them as YAML, as the
-    --policy-knob flag does, so "0.5" is a number; the policy names a bad one."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """``KVROUTER_PORT=9000`` -> ``{"port": "9000"}``; ``KVROUTER_UPSTREAM__MAX_ATTEMPTS``
-    -> ``{"upstream": {"max_attempts": ...}}``; ``KVROUTER_WORKERS`` is comma-separated."""
-    environ = os.environ if environ is None else environ
-    result: dict[str, Any] = {}
-    for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == "KVROUTER_CONFIG":
-            continue
-        path = key[len(ENV_PREFIX) :].lower().split("__")
-        node = result
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = _knob_value(value) if path[0] == "policy_knobs" else value
-    return result
-
-
-def load_file(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as exc:
-        raise ConfigError(f"{path}: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    return data
-
-
-def load_config(
-    path: Path | None = None,
-    flags: Mapping[str, Any] | None = None,
-    environ: Mapping[str, str] | None = None,
-) -> RouterConfig:
-    values: dict[str, Any] = load_file(path) if path else {}
-    values = merge(values, env_overrides(environ))
-    values = merge(values, flags or {})
-    if "workers" in values:
-        workers = values["workers"]
-        if isinstance(workers, str):
-            workers = [w for w in workers.split(",") if w]
-        if not isinstance(workers, list | tuple):
-            raise ConfigError("workers: expected a list")
-        values["workers"] = [_worker_entry(w) for w in workers]
-    config: RouterConfig = build(RouterConfig, values)
-    return config

@@ -35,7 +35,8 @@ import dns.exception
 import dns.resolver
 import yaml
 
-from router.config import DiscoveryConfig, WorkerConfig, build
+from router.config import DiscoveryConfig, WorkerConfig
+from router.config_loader import build
 from router.errors import ConfigError
 from router.kubernetes import EndpointSliceSource
 from router.state import RouterState

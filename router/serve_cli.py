@@ -19,7 +19,8 @@ import yaml
 from aiohttp import web
 
 from policies.registry import policy_names
-from router.config import RouterConfig, load_config
+from router.config import RouterConfig
+from router.config_loader import load_config
 from router.errors import ConfigError
 from router.processes.slot import ProcessSlot, read_config
 

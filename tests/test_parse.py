@@ -20,8 +20,8 @@ from router.config import (
     DEFAULT_MAX_SESSION_KEY_BYTES,
     RequestLimits,
     RouterConfig,
-    load_config,
 )
+from router.config_loader import load_config
 from router.errors import BadRequest, ConfigError
 from router.parse import DEFAULT_LIMITS, ClientRequest, parse_request
 from router.prefix import render_prompt

@@ -32,7 +32,8 @@ from bench.demo import stop_process
 from bench.proc_cpu import descendants
 from bench.textgen import text_for
 from bench.throughput import ThroughputConfig, run_rounds, targets
-from router.config import RouterConfig, StateConfig, WorkerConfig, load_config
+from router.config import RouterConfig, StateConfig, WorkerConfig
+from router.config_loader import load_config
 from router.errors import ConfigError
 from router.index import LocalPrefixIndex
 from router.learning import PrefillRate

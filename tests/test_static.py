@@ -58,3 +58,19 @@ def test_every_router_error_is_defined_in_router_errors() -> None:
                 if bases & names:
                     stray.append(f"{path.relative_to(ROOT)}: {node.name}")
     assert stray == []
+
+
+def test_the_config_schema_knows_no_policies() -> None:
+    """router/config.py is the schema; checking the policy is the loader's."""
+    import ast
+
+    tree = ast.parse((ROOT / "router" / "config.py").read_text())
+    imported = {
+        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    } | {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    assert not {m for m in imported if m.split(".")[0] == "policies"}

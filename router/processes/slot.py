@@ -15,7 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.config import RouterConfig, load_config
+from router.config import RouterConfig
+from router.config_loader import load_config
 
 CONFIG_FILE = "config.json"
 STORE_SOCKET = "state.sock"

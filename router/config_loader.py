@@ -1,0 +1,182 @@
+"""Loading the router's configuration (``router.config`` is its schema): a YAML file,
+then ``KVROUTER_*`` environment variables, then command-line flags, merged in that order
+and built into the schema's dataclasses with every name and type checked (``build``, also
+what discovery and the admin API build a worker's config with); and the policy and its
+knobs checked against the policies that exist, which the schema does not know of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from policies.base import PolicyConfigError
+from policies.registry import build_policy
+from router.config import RouterConfig
+from router.errors import ConfigError
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, options[0], where)
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        return build(hint, value, where)
+    if origin is tuple:
+        item = typing.get_args(hint)[0]
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{where}: expected a list")
+        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        return dict(value)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+            "0",
+            "false",
+            "no",
+            "off",
+        ):
+            return value.lower() in ("1", "true", "yes", "on")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false")
+        return value
+    if hint in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number")
+        try:
+            converted = hint(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{where}: expected {'an integer' if hint is int else 'a number'}"
+            ) from None
+        if hint is int and isinstance(value, float) and value != converted:
+            raise ConfigError(f"{where}: expected an integer")
+        return converted
+    if hint is str:
+        if not isinstance(value, str | int | float) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string")
+        return str(value)
+    return value
+
+
+def build(cls: type[Any], values: Mapping[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, checking names and types."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ConfigError(
+            f"{prefix}{unknown[0]}: unknown setting; known: {', '.join(sorted(names))}"
+        )
+    kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        message = str(exc)
+        raise ConfigError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+    except TypeError as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def _worker_entry(value: Any) -> Any:
+    return {"url": value} if isinstance(value, str) else value
+
+
+def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``overrides`` into a copy of ``base`` (lists are replaced)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(dict(merged[key]), value)
+        else:
+            merged[key] = value
+    return merged
+
+
+ENV_PREFIX = "KVROUTER_"
+
+
+def _knob_value(text: str) -> Any:
+    """Knobs are untyped here (each policy types its own): read them as YAML, as the
+    --policy-knob flag does, so "0.5" is a number; the policy names a bad one."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``KVROUTER_PORT=9000`` -> ``{"port": "9000"}``; ``KVROUTER_UPSTREAM__MAX_ATTEMPTS``
+    -> ``{"upstream": {"max_attempts": ...}}``; ``KVROUTER_WORKERS`` is comma-separated."""
+    environ = os.environ if environ is None else environ
+    result: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == "KVROUTER_CONFIG":
+            continue
+        path = key[len(ENV_PREFIX) :].lower().split("__")
+        node = result
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _knob_value(value) if path[0] == "policy_knobs" else value
+    return result
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data
+
+
+def load_config(
+    path: Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> RouterConfig:
+    values: dict[str, Any] = load_file(path) if path else {}
+    values = merge(values, env_overrides(environ))
+    values = merge(values, flags or {})
+    if "workers" in values:
+        workers = values["workers"]
+        if isinstance(workers, str):
+            workers = [w for w in workers.split(",") if w]
+        if not isinstance(workers, list | tuple):
+            raise ConfigError("workers: expected a list")
+        values["workers"] = [_worker_entry(w) for w in workers]
+    config: RouterConfig = build(RouterConfig, values)
+    check_policy(config)
+    return config
+
+
+def check_policy(config: RouterConfig) -> None:
+    """The configured policy exists and takes the configured knobs."""
+    try:
+        build_policy(config.policy, config.policy_knobs)
+    except PolicyConfigError as exc:
+        raise ConfigError(f"policy: {exc}") from exc
