@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from router.index import PREFIX_MODES, PrefixIndex
 from router.loop_metrics import EventLoopCollector, running_loop
 from router.metric_types import CounterChild, HistogramChild, LoopCounter, LoopHistogram
-from router.outcomes import CAUSES, OUTCOMES
+from router.outcomes import CAUSES, TURN_OUTCOMES
 from router.wire.buckets import VLLM_TTFT_BUCKETS
 from router.wire.kinds import Kind
 from router.workers import Fleet
@@ -292,7 +292,7 @@ class RouterMetrics:
             self.api_engine_cached_tokens.labels(api)
             self.api_usage_prompt_tokens.labels(api)
             self.api_requests.labels(api, "success")
-        for outcome in OUTCOMES:
+        for outcome in TURN_OUTCOMES:
             self.turns.labels(outcome)
         for cause in CAUSES:
             self.lost_turns.labels(cause)

@@ -20,18 +20,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
-Outcome = Literal["first_turn", "hit", "partial", "miss"]
+# What happened to a turn's prefix (a request's own end is policies.base.Outcome).
+TurnOutcome = Literal["first_turn", "hit", "partial", "miss"]
 Cause = Literal["worker_failed", "routed_elsewhere", "evicted", "router_state_lost", "unknown"]
-OUTCOMES: tuple[Outcome, ...] = ("first_turn", "hit", "partial", "miss")
-CAUSES: tuple[Cause, ...] = (
-    "worker_failed",
-    "routed_elsewhere",
-    "evicted",
-    "router_state_lost",
-    "unknown",
-)
+TURN_OUTCOMES: tuple[TurnOutcome, ...] = get_args(TurnOutcome)
+CAUSES: tuple[Cause, ...] = get_args(Cause)
 
 HIT_SHARE = 0.9
 MISS_SHARE = 0.1
@@ -47,7 +42,7 @@ class SessionMemory:
 
 @dataclass(frozen=True, slots=True)
 class TurnReport:
-    outcome: Outcome
+    outcome: TurnOutcome
     cause: Cause | None  # set when outcome is partial or miss
     lost_tokens: int
 
@@ -70,7 +65,7 @@ def classify(
         expected = min(prompt_tokens, previous.history_tokens)
     if expected <= 0 or cached_tokens >= HIT_SHARE * expected:
         return TurnReport("hit", None, 0)
-    outcome: Outcome = "partial" if cached_tokens >= MISS_SHARE * expected else "miss"
+    outcome: TurnOutcome = "partial" if cached_tokens >= MISS_SHARE * expected else "miss"
     lost = max(0, expected - cached_tokens)
     if previous is None:
         return TurnReport(outcome, "unknown", lost)
