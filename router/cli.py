@@ -45,7 +45,7 @@ def add_installed_commands(commands: argparse._SubParsersAction[Any]) -> dict[st
 def build_parser(*, installed: bool = True) -> argparse.ArgumentParser:
     """The parser for every command; with ``installed=False``, the router's own commands
     only (as in the router's image, which has no workbench)."""
-    from router import capacity_cli, serve_cli, top
+    from router import admin_cli, capacity_cli, serve_cli, top
 
     parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvrouter {__version__}")
@@ -54,6 +54,7 @@ def build_parser(*, installed: bool = True) -> argparse.ArgumentParser:
     serve_cli.register(commands)
     top.register(commands)
     capacity_cli.register(commands)
+    admin_cli.register(commands)
     absent = add_installed_commands(commands) if installed else {}
     if absent:
         missing = ", ".join(sorted(set(absent.values())))

@@ -86,7 +86,7 @@ def test_the_workbench_registers_its_commands_through_entry_points() -> None:
         check=True,
     )
     listed = set(re.findall(r"^ {4}(\S+)", result.stdout, re.MULTILINE))
-    assert {"serve", "top", "capacity"} | BENCH_COMMANDS <= listed
+    assert {"serve", "top", "capacity", "admin"} | BENCH_COMMANDS <= listed
     assert "Not installed here" not in result.stdout
 
 
