@@ -129,28 +129,68 @@ class ReplyCapture:
 
 class ChatCapture(ReplyCapture):
     """A chat completion: ``choices[0].delta.content`` as it streams, ``message.content``
-    whole; a reply with tool calls is not reconstructed."""
+    whole; tool calls as the next turn's assistant message carries them (``id``,
+    ``type``, ``function.name``, ``function.arguments``), streamed ones put together from
+    their deltas by ``index``."""
 
-    __slots__ = ()
+    __slots__ = ("_streamed_calls",)
+
+    def __init__(self, extender: ChainExtender | None) -> None:
+        super().__init__(extender)
+        self._streamed_calls: dict[int, list[Any]] = {}  # index -> [id, name, arguments]
 
     def _event(self, obj: dict[str, Any]) -> None:
-        self._take(obj, "delta")
-
-    def _whole(self, obj: dict[str, Any]) -> None:
-        self._take(obj, "message")
-
-    def _take(self, obj: dict[str, Any], part_name: str) -> None:
-        _take_chat_chunk(self, obj)
-        choice = first_choice(obj)
-        if choice is None:
-            return
-        part = choice.get(part_name)
-        if not isinstance(part, dict):
-            return
-        if part.get("tool_calls"):
-            self._give_up()
+        part = self._part(obj, "delta")
+        if part is None:
             return
         self._text(part.get("content"))
+        calls = part.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                self._call_delta(call)
+
+    def _call_delta(self, call: Any) -> None:
+        if not isinstance(call, dict) or not isinstance(call.get("index"), int):
+            self._give_up()
+            return
+        entry = self._streamed_calls.setdefault(call["index"], [None, None, ""])
+        if call.get("id") is not None:
+            entry[0] = call["id"]
+        function = call.get("function")
+        if isinstance(function, dict):
+            if function.get("name") is not None:
+                entry[1] = function["name"]
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                entry[2] += arguments
+                self._tool_bytes += len(arguments)
+                if self._tool_bytes > MAX_TOOL_CALL_BYTES:
+                    self._give_up()
+
+    def _whole(self, obj: dict[str, Any]) -> None:
+        part = self._part(obj, "message")
+        if part is None:
+            return
+        self._text(part.get("content"))
+        calls = part.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                self._give_up()
+                return
+            self._tool_call(call.get("id"), function.get("name"), function.get("arguments"))
+
+    def _part(self, obj: dict[str, Any], name: str) -> dict[str, Any] | None:
+        _take_chat_chunk(self, obj)
+        choice = first_choice(obj)
+        part = choice.get(name) if choice is not None else None
+        return part if isinstance(part, dict) else None
+
+    def reply_hashes(self) -> list[int]:
+        calls, self._streamed_calls = self._streamed_calls, {}
+        for _, (call_id, name, arguments) in sorted(calls.items()):
+            self._tool_call(call_id, name, arguments)
+        return super().reply_hashes()
 
 
 class CompletionCapture(ReplyCapture):

@@ -290,3 +290,50 @@ def test_an_sglang_error_chunk_leaves_a_chat_chain_alone() -> None:
         b'data: {"object": "error", "message": "boom", "code": 500}\n\n'
     )
     assert capture.errored and capture.reply_hashes() == []
+
+
+# -- Chat Completions with tool calls ---------------------------------------------------
+
+CHAT_CALL = {"id": "chatcmpl-tool-1", "type": "function"}
+
+
+def chat_next_turn(content: str | None) -> dict[str, Any]:
+    call = {**CHAT_CALL, "function": {"name": "read_file", "arguments": ARGUMENTS}}
+    return {
+        "model": "m",
+        "messages": [
+            *FIRST_MESSAGES,
+            {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "print(1)"},
+        ],
+    }
+
+
+def test_a_streamed_chat_reply_with_tool_calls_extends_the_chain_as_the_next_turn_sends_it() -> (
+    None
+):
+    first = keyed("chat", {"model": "m", "messages": FIRST_MESSAGES})
+    capture = capture_for(first, ChatCapture)
+    head = {"index": 0, **CHAT_CALL, "function": {"name": "read_file", "arguments": ""}}
+    deltas = [
+        {"content": REPLY_TEXT},
+        {"tool_calls": [head]},
+        *(
+            {"tool_calls": [{"index": 0, "function": {"arguments": part}}]}
+            for part in (ARGUMENTS[:9], ARGUMENTS[9:])
+        ),
+    ]
+    capture.feed_stream(
+        b"".join(b"data: %s\n\n" % orjson.dumps({"choices": [{"delta": d}]}) for d in deltas)
+        + b"data: [DONE]\n\n"
+    )
+    assert_extends(first, capture.reply_hashes(), keyed("chat", chat_next_turn(REPLY_TEXT)))
+
+
+def test_a_whole_chat_reply_of_tool_calls_alone_extends_the_chain() -> None:
+    first = keyed("chat", {"model": "m", "messages": FIRST_MESSAGES})
+    capture = capture_for(first, ChatCapture)
+    call = {**CHAT_CALL, "function": {"name": "read_file", "arguments": ARGUMENTS}}
+    message = {"role": "assistant", "content": None, "tool_calls": [call]}
+    capture.feed_whole(orjson.dumps({"choices": [{"message": message}]}))
+    assert_extends(first, capture.reply_hashes(), keyed("chat", chat_next_turn(None)))
