@@ -15,6 +15,7 @@ from policies.base import Decision, Outcome, RouteRequest, WorkerView
 from policies.registry import policy_names
 from policies.round_robin import RoundRobinPolicy
 from router.config import RouterConfig
+from router.config_loader import load_config
 from router.errors import ConfigError
 from router.index import LocalPrefixIndex
 from router.metrics import RouterMetrics
@@ -119,7 +120,7 @@ async def test_bad_changes_are_refused_and_change_nothing(engine_factory: Engine
         message = body["error"]["message"]
         assert message.endswith("known policies: " + ", ".join(policy_names()))
         with pytest.raises(ConfigError) as from_config:  # the config file's own words
-            RouterConfig(policy="nope")
+            load_config(flags={"policy": "nope"}, environ={})
         assert str(from_config.value) == f"policy: {message}"
 
         for change, param, words in (
