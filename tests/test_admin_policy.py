@@ -137,7 +137,9 @@ async def test_bad_changes_are_refused_and_change_nothing(engine_factory: Engine
             assert status == 400, change
             assert body["error"]["param"] == param and words in body["error"]["message"], body
         with pytest.raises(ConfigError) as from_config:
-            RouterConfig(policy="ttft", policy_knobs={"cache_weight": "heavy"})
+            load_config(
+                flags={"policy": "ttft", "policy_knobs": {"cache_weight": "heavy"}}, environ={}
+            )
         assert str(from_config.value) == (
             "policy: policy 'ttft': cache_weight must be a number, got 'heavy'"
         )
