@@ -160,6 +160,9 @@ async def migrate(request: web.Request) -> web.Response:
     target = _worker(state, target_name)
     if target is source:
         raise BadRequest("'to' must be another worker", param="to")
+    # The restore started a new process on the target: its restart is seen now, so the
+    # purge it calls for comes before the migrated entries, not after them.
+    await state.prober.refresh(target)
     moved = state.membership.migrate(source.name, target.name)
     return json_response(
         {"from": source.name, "to": target.name, "moved_tokens": moved * state.router.block_tokens}

@@ -208,6 +208,10 @@ class HealthProber:
     async def _scrape(self, worker: Worker) -> None:
         await self._isolated(worker, "scrape", self._read_metrics)
 
+    async def refresh(self, worker: Worker) -> None:
+        """Read ``worker``'s /metrics now (a restart it shows is acted on now)."""
+        await self._scrape(worker)
+
     async def _get(self, url: str) -> tuple[int, bytes]:
         """Status and body; the body as bytes, since a worker's encoding is not ours to trust."""
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_s)

@@ -44,10 +44,12 @@ class Membership:
 
     def migrate(self, source: str, target: str) -> int:
         """``source``'s KV state now lives on ``target`` (checkpointed and restored): its
-        index entries move there, so sessions' next turns hit on ``target``. Returns the
-        number of blocks moved."""
+        index entries move there, below what ``target`` holds already and within its
+        capacity, and its sessions are remembered there, so their next turns hit on
+        ``target`` and are judged against it. Returns the number of blocks moved."""
         moved = self._index.migrate(source, target)
         self._learner.calibrator.reset(source)
+        self._learner.sessions.migrate(source, target, self.fleet.workers[target].epoch)
         return moved
 
     def worker_restarted(self, worker: Worker) -> None:

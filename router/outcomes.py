@@ -98,5 +98,15 @@ class SessionTracker:
         while len(self._sessions) > self._max:
             self._sessions.popitem(last=False)
 
+    def migrate(self, source: str, target: str, target_epoch: int) -> int:
+        """Sessions remembered on ``source`` are on ``target`` now (its state was restored
+        there): their next turns are judged against it. Returns how many moved."""
+        moved = 0
+        for key, memory in self._sessions.items():  # values replaced, the order kept
+            if memory.worker == source:
+                self._sessions[key] = SessionMemory(target, target_epoch, memory.history_tokens)
+                moved += 1
+        return moved
+
     def __len__(self) -> int:
         return len(self._sessions)

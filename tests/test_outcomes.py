@@ -111,3 +111,17 @@ async def test_outcomes_and_causes_end_to_end(engine_factory: EngineFactory) -> 
             )
             == 1
         )
+
+
+def test_sessions_migrated_with_their_workers_state_are_judged_on_the_new_worker() -> None:
+    tracker = SessionTracker()
+    tracker.remember("s1", SessionMemory("a", 0, 1000))
+    tracker.remember("s2", SessionMemory("b", 0, 1000))
+    assert tracker.migrate("a", "c", 3) == 1
+    moved = tracker.get("s1")
+    assert moved == SessionMemory("c", 3, 1000) and tracker.get("s2") == SessionMemory("b", 0, 1000)
+    epochs = {"a": 0, "b": 0, "c": 3}
+    # The restored cache serves the next turn: a hit, no lost prefix.
+    assert classify(moved, "c", epochs, 1200, 1000, 1000, 1000).cause is None
+    # Had it lost some there, it was lost on c, not by routing away from a.
+    assert classify(moved, "c", epochs, 1200, 500, 1000, 1000).cause == "evicted"
