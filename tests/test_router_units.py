@@ -413,3 +413,18 @@ def test_the_served_router_collects_young_garbage_less_often() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*saved)
+
+
+def test_migrating_onto_a_worker_that_holds_entries_merges_them_within_its_capacity() -> None:
+    index = LocalPrefixIndex()
+    index.add_worker("dead", 100)
+    index.add_worker("restored", 6)
+    index.touch("dead", [1, 2, 3, 4, 5])  # a session's chain, as the dead worker held it
+    index.touch("restored", [10, 11, 12])  # computed on the target since it came up
+    assert index.migrate("dead", "restored") == 5
+    # The target's own entries are the newest; of the migrated ones, the oldest (a chain
+    # is touched tail first) go to keep it within capacity: the head stays.
+    assert index.oldest_first("restored") == [3, 2, 1, 12, 11, 10]
+    assert index.match("restored", [1, 2, 3, 4, 5]) == 3
+    assert index.match("restored", [10, 11, 12]) == 3
+    assert index.oldest_first("dead") == []
