@@ -15,6 +15,12 @@ from router.capacity import (
     plan,
     preset_names,
 )
+from router.interruption import (
+    DEFAULT_PREFILL_MFU,
+    DEFAULT_RESTORE_GBPS,
+    InterruptionCost,
+    interruption,
+)
 
 DEFAULT_CONTEXT = 100_000
 VLLM_DEFAULT_UTILIZATION = 0.9
@@ -55,6 +61,24 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         help="fraction of GPU memory the engine may use (vLLM's "
         "--gpu-memory-utilization); the all-of-HBM ceiling is printed too",
     )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="engines in the fleet, each of --gpus GPUs (for the failure figures)",
+    )
+    parser.add_argument(
+        "--prefill-mfu",
+        type=float,
+        default=DEFAULT_PREFILL_MFU,
+        help="fraction of peak dense BF16 FLOP/s a re-prefill sustains",
+    )
+    parser.add_argument(
+        "--restore-gbps",
+        type=float,
+        default=DEFAULT_RESTORE_GBPS,
+        help="GB/s each GPU reads a KV checkpoint back at (default: PCIe Gen5 x16, effective)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -70,6 +94,16 @@ def run(args: argparse.Namespace) -> int:
         weights = int(args.weights_gb * GB) if args.weights_gb is not None else None
         ceiling = plan(model, spec, args.gpus, 1.0, kv_bytes, weights)
         usable = plan(model, spec, args.gpus, args.utilization, kv_bytes, weights)
+        cost = interruption(
+            usable,
+            model,
+            spec,
+            args.gpus,
+            args.workers,
+            args.context,
+            args.prefill_mfu,
+            args.restore_gbps,
+        )
     except CapacityError as exc:
         print(f"error: {exc}")
         return 2
@@ -108,4 +142,52 @@ def run(args: argparse.Namespace) -> int:
         print(f"{label:28}{a:>16}{b:>16}")
     if ceiling.resident_tokens == 0:
         print("\nthe weights alone do not fit: add GPUs or quantize")
+        return 0
+    print()
+    _print_interruption(cost, args)
     return 0
+
+
+def _seconds(s: float) -> str:
+    if s >= 3600:
+        return f"{s:,.0f} s ({s / 3600:.1f} h)"
+    if s >= 100:
+        return f"{s:,.0f} s"
+    return f"{s:.1f} s"
+
+
+def _print_interruption(cost: InterruptionCost, args: argparse.Namespace) -> None:
+    """The "If a worker fails" section: one worker's full cache lost, two ways back."""
+    spec = gpu(args.gpu)
+    print(
+        f"If a worker fails (1 of {args.workers}, each {args.gpus} x {spec.name}, "
+        f"its cache full at {args.utilization:.2f})"
+    )
+    print(
+        f"{'tokens at risk':28}{cost.tokens_at_risk:,} ({cost.share_of_fleet:.1%} of the "
+        f"fleet's {cost.fleet_tokens:,})"
+    )
+    print(
+        f"{'re-prefill rate':28}{cost.prefill_tokens_per_s:,.0f} tokens/s a worker "
+        f"({args.context:,}-token prefills; attention"
+    )
+    print(
+        f"{'':28}is {cost.attention_share:.0%} of the FLOPs), at MFU {args.prefill_mfu:.2f} "
+        f"of {args.gpus} x {spec.dense_bf16_flops / 1e12:,.0f} TFLOP/s BF16"
+    )
+    print("without a checkpoint        re-prefill every token at risk")
+    print(f"{'  on one worker':28}{_seconds(cost.rebuild_seconds)}")
+    fleet = cost.fleet_rebuild_seconds
+    survivors = args.workers - 1
+    spread = _seconds(fleet) if fleet is not None else "no survivors: the sessions wait"
+    print(f"{f'  across {survivors} survivors':28}{spread}")
+    print("with a checkpoint           re-prefill 0 s; restore the cache")
+    print(f"{'  checkpoint':28}{cost.checkpoint_bytes:,} bytes ({_gb(cost.checkpoint_bytes)})")
+    print(
+        f"{'  restore':28}{_seconds(cost.restore_seconds)} at {args.restore_gbps:g} GB/s "
+        f"x {args.gpus} GPU{'s' if args.gpus > 1 else ''}"
+    )
+    print(
+        f"{'':28}KV only: the weights ({_gb(cost.weight_bytes)}) reload too, "
+        f"{_seconds(cost.weights_reload_seconds)} at the same rate"
+    )

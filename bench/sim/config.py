@@ -9,6 +9,7 @@ from bench.sim.kv_events import KVEventsConfig
 from bench.sim.sglang_kv_events import SglangKVEventsConfig
 from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.capacity import GpuSpec, ModelShape
+from router.interruption import DEFAULT_PREFILL_MFU
 
 Flavor = Literal["vllm", "sglang"]
 
@@ -23,8 +24,9 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_TIME_SCALE = 1.0
-# Fraction of peak dense FLOP/s a prefill achieves (model FLOPs utilisation).
-DEFAULT_PREFILL_EFFICIENCY = 0.5
+# Fraction of peak dense FLOP/s a prefill achieves (model FLOPs utilisation): the
+# capacity planner's re-prefill figures assume the same.
+DEFAULT_PREFILL_EFFICIENCY = DEFAULT_PREFILL_MFU
 # Fraction of peak HBM bandwidth a decode step achieves.
 DEFAULT_DECODE_EFFICIENCY = 0.7
 # Fixed per-step cost: scheduling, sampling, kernel launches (seconds, simulated).
