@@ -15,11 +15,13 @@ front-end answers 500 if nothing was sent yet, else ends the connection mid-stre
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
+from bench.sim import checkpoint as checkpoints
 from bench.sim.anthropic_endpoints import count_tokens, messages
 from bench.sim.engine import Engine
 from bench.sim.exchange import (
@@ -258,6 +260,48 @@ async def restart(engine: Engine, exchange: Exchange) -> Reply:
     )
 
 
+async def _checkpoint_path(exchange: Exchange) -> str:
+    body = await read_json(exchange)
+    path = body.get("path") if isinstance(body, dict) else None
+    if not isinstance(path, str) or not path:
+        raise ApiError(400, 'expected a JSON object {"path": "<file>"}')
+    return path
+
+
+async def checkpoint(engine: Engine, exchange: Exchange) -> Reply:
+    """Write the engine's cache to ``{"path": ...}`` (``bench/sim/checkpoint.py``);
+    answers the path, the bytes and the blocks written."""
+    try:
+        path = await _checkpoint_path(exchange)
+        taken = checkpoints.take(engine)
+        size = await asyncio.to_thread(checkpoints.write, path, taken)
+    except ApiError as exc:
+        return error_reply(exc)
+    except checkpoints.CheckpointError as exc:
+        return error_reply(ApiError(400, str(exc)))
+    return json_reply(checkpoints.summary(path, taken, size))
+
+
+async def restore_checkpoint(engine: Engine, exchange: Exchange) -> Reply:
+    """Replace the cache with the checkpoint at ``{"path": ...}``, as a new process
+    restored from it (a new start time, KV events anew). 409 while requests run or for
+    another engine's checkpoint, 400 for a file that is not a checkpoint."""
+    try:
+        path = await _checkpoint_path(exchange)
+        restored = await asyncio.to_thread(checkpoints.read, path)
+        await checkpoints.restore(engine, restored)
+    except ApiError as exc:
+        return error_reply(exc)
+    except (checkpoints.CheckpointMismatch, checkpoints.EngineBusy) as exc:
+        return error_reply(ApiError(409, str(exc)))
+    except checkpoints.CheckpointError as exc:
+        return error_reply(ApiError(400, str(exc)))
+    answer = checkpoints.summary(path, restored, 0)
+    del answer["bytes"]
+    answer["process_start_time_seconds"] = engine.start_time
+    return json_reply(answer)
+
+
 async def reset_prefix_cache(engine: Engine, exchange: Exchange) -> Reply:
     """vLLM's ``POST /reset_prefix_cache`` (served by vLLM with
     ``VLLM_SERVER_DEV_MODE=1``): the cache forgotten, announced as ``AllBlocksCleared``;
@@ -282,6 +326,8 @@ _COMMON: dict[tuple[str, str], Endpoint] = {
     ("GET", "/sim/faults"): get_faults,
     ("POST", "/sim/faults"): set_faults,
     ("POST", "/sim/restart"): restart,
+    ("POST", "/sim/checkpoint"): checkpoint,
+    ("POST", "/sim/restore"): restore_checkpoint,
     ("GET", "/sim/requests"): get_requests,
 }
 _FLAVORED: dict[str, dict[tuple[str, str], Endpoint]] = {

@@ -140,6 +140,7 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         tokenizer=args.tokenizer,
         responses_store=args.enable_responses_store,
         responses_store_max=args.responses_store_max,
+        restore=getattr(args, "restore", None),
     )
 
 
@@ -195,6 +196,13 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     engine = sub.add_parser("engine", help="one simulated engine on one port")
     engine.add_argument("--port", type=int, default=8000)
     engine.add_argument("--engine-id", default="0", help="the 'engine' metric label")
+    engine.add_argument(
+        "--restore",
+        default=None,
+        metavar="FILE",
+        help="start from a checkpoint (POST /sim/checkpoint) taken against the same model, "
+        "block size, capacity and hashing, as a process restored from a GPU checkpoint",
+    )
     add_engine_arguments(engine)
     engine.set_defaults(func=run_engine)
     fleet = sub.add_parser("fleet", help="N simulated engines, each in its own process and port")
@@ -230,10 +238,22 @@ def _checked_config(args: argparse.Namespace, engine_id: str = "0") -> EngineCon
         config = engine_config(args, engine_id)
         if config.tokenizer is not None:
             ModelTokenizer.from_dir(config.tokenizer)
+        if config.restore is not None:
+            check_restore(config)
     except (CapacityError, ConfigError, ValueError) as exc:
         print(f"error: {exc}")
         return None
     return config
+
+
+def check_restore(config: EngineConfig) -> None:
+    """Raise ``CheckpointError`` if ``config.restore`` is not a checkpoint of the engine
+    ``config`` builds (read once more when the engine starts)."""
+    from bench.sim import checkpoint
+    from bench.sim.engine import Engine
+
+    assert config.restore is not None
+    checkpoint.check(Engine(config), checkpoint.read(config.restore))
 
 
 def run_engine(args: argparse.Namespace) -> int:

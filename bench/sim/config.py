@@ -77,6 +77,9 @@ class EngineConfig:
     # responses_store_max of them, the oldest forgotten first (vLLM's store is unbounded).
     responses_store: bool = False
     responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX
+    # A checkpoint file (``bench/sim/checkpoint.py``) the engine starts from, as a
+    # process restored from a GPU checkpoint; None: an empty cache.
+    restore: str | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [

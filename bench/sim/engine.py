@@ -13,9 +13,11 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import xxhash
 
+from bench.sim import checkpoint as checkpoints
 from bench.sim.config import EngineConfig
 from bench.sim.faults import Faults
 from bench.sim.kv_cache import BlockPool
@@ -117,6 +119,9 @@ class Engine:
         self._rng = random.Random(config.seed)
         self._wake = asyncio.Event()
         self._counter = 0
+        # Prompt tokens looked up in the prefix cache and found there, since start.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
         # Earliest simulated time a request arrived or left since the last schedule.
         self._changed_at = math.inf
         # Where the last step ended, in simulated time.
@@ -141,6 +146,29 @@ class Engine:
             "prefix_caching_hash_algo": config.prefix_caching_hash_algo,
             "sliding_window": "None",
         }
+
+    # -- checkpoints (bench/sim/checkpoint.py) ----------------------------------------
+
+    @property
+    def requests_submitted(self) -> int:
+        return self._counter
+
+    def rng_state(self) -> tuple[Any, ...]:
+        """The state of the generator that seeds unseeded requests."""
+        return self._rng.getstate()
+
+    def restore_counters(
+        self, prefix_queries: int, prefix_hits: int, submitted: int, rng_state: Any
+    ) -> None:
+        """Continue a checkpoint's counters: the prefix-cache totals (in /metrics too),
+        the request ids and the reply-length draws."""
+        self.prefix_queries, self.prefix_hits = prefix_queries, prefix_hits
+        if prefix_queries:
+            self.metrics.record_prefix_query(prefix_queries, prefix_hits)
+        self._counter = submitted
+        if rng_state is not None:
+            self._rng.setstate(rng_state)
+        self.record_gauges()
 
     # -- requests ---------------------------------------------------------------------
 
@@ -209,6 +237,7 @@ class Engine:
         self.responses.clear()  # nor its stored responses (vLLM keeps them in memory)
         self.start_time = time.time()
         self.metrics.reset(self.start_time)
+        self.prefix_queries = self.prefix_hits = 0
         for request in dropped:
             request.updated.set()
         self._changed(self.clock.now())
@@ -272,6 +301,8 @@ class Engine:
             plan = scheduler.schedule()
             for queried, hit in plan.prefix_queries:
                 self.metrics.record_prefix_query(queried, hit)
+                self.prefix_queries += queried
+                self.prefix_hits += hit
             for _ in plan.preempted:
                 self.metrics.record_preemption()
             now = self.clock.now()
@@ -403,8 +434,9 @@ class Engine:
 
 @contextlib.asynccontextmanager
 async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
-    """An engine with its loop running, its tokenizer loaded and its KV events published
-    as ``config`` says; the loop is cancelled and the rest closed on exit."""
+    """An engine with its loop running, its tokenizer loaded, its KV events published
+    and its cache restored (``config.restore``, raising ``CheckpointError``) as
+    ``config`` says; the loop is cancelled and the rest closed on exit."""
     engine = Engine(config)
     async with contextlib.AsyncExitStack() as stack:
         if config.tokenizer is not None:
@@ -416,6 +448,10 @@ async def running_engine(config: EngineConfig) -> AsyncIterator[Engine]:
             stream = KVEventStream(config.kv_events)
             stack.push_async_callback(stream.close)
             engine.publish_kv_events(stream)
+        if config.restore is not None:
+            checkpoint = await asyncio.to_thread(checkpoints.read, config.restore)
+            checkpoints.apply(engine, checkpoint)
+            log.info("restored %d cached blocks from %s", checkpoint.cached_blocks, config.restore)
         task = asyncio.create_task(engine.run(), name=f"sim-engine-{config.engine_id}")
         try:
             yield engine

@@ -181,6 +181,38 @@ class BlockPool:
         entry, mask = self._entry, self._id_mask
         self._queue = deque(e for e in self._queue if entry[e & mask] == e)
 
+    def eviction_order(self, held: Sequence[Sequence[int]]) -> list[int]:
+        """Every block's hash (``NO_HASH`` if empty), in the order the blocks would be
+        handed out once the requests holding ``held`` (each one's blocks, in the order it
+        would release them) let go of them: the free queue, then each list released as
+        ``release`` does. ``held`` must account for every pin (a checkpoint's view: a
+        restored engine runs nothing, so its running requests' blocks are free there)."""
+        ref = list(self._ref)
+        order = self.free_blocks()
+        for blocks in held:
+            released: list[int] = []
+            for b in reversed(blocks):
+                ref[b] -= 1
+                if not ref[b]:
+                    released.append(b)
+            order += released
+        if len(order) != self.num_blocks:
+            raise ValueError("the blocks held do not account for every pinned block")
+        return [self._hash[b] for b in order]
+
+    def load(self, hashes: Sequence[int]) -> None:
+        """Start over with every block free, block ``i`` holding ``hashes[i]`` (``NO_HASH``:
+        empty) and handed out ``i``-th: the inverse of ``eviction_order``. Only valid
+        with no request running."""
+        if len(hashes) != self.num_blocks:
+            raise ValueError(f"{len(hashes)} block hashes for a pool of {self.num_blocks}")
+        cached = {h: b for b, h in enumerate(hashes) if h != NO_HASH}
+        if len(cached) != self.num_blocks - hashes.count(NO_HASH):
+            raise ValueError("a block hash is held by two blocks")
+        self.reset()
+        self._hash = list(hashes)
+        self._cached = cached
+
     def reset(self) -> None:
         """Forget everything (an engine restart). Only valid with no request running."""
         on_evict = self.on_evict

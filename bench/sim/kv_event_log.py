@@ -7,6 +7,11 @@ on a reset; the scheduler publishes what a step produced when the step ends. The
 keys blocks by the simulator's own chained hashes (``bench/block_hash.py``); the events
 carry vLLM's (``bench/sim/vllm_hash.py``), computed only for blocks first cached here and
 remembered while they stay cached.
+
+A checkpoint (``bench/sim/checkpoint.py``) carries each cached block as a
+:class:`StoredBlock`: its vLLM hash, its parent's and its tokens, what a ``BlockStored``
+needs. A restored engine announces its cache as a new process that found it would:
+``AllBlocksCleared``, then one ``BlockStored`` per block, parents before children.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
+
+import msgspec
 
 from bench.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from bench.sim.request import SimRequest
@@ -39,6 +46,17 @@ def fresh_runs(first: int, fresh: Sequence[bool]) -> Iterator[tuple[int, int]]:
             start = None
 
 
+class StoredBlock(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """A cached block as its ``BlockStored`` told it: vLLM's hash, the parent's (None
+    for a first block), the block's tokens (as the prompt's bytes) and the cache salt
+    of a first block."""
+
+    name: bytes
+    parent: bytes | None
+    tokens: bytes
+    cache_salt: str | None = None
+
+
 class BatchSink(Protocol):
     def publish(self, batch: KVEventBatch) -> None: ...
 
@@ -51,6 +69,8 @@ class EventLog(Protocol):
     def removed(self, pool_hash: int) -> None: ...
     def cleared(self) -> None: ...
     def flush(self) -> None: ...
+    def described(self, pool_hash: int) -> StoredBlock | None: ...
+    def restored(self, blocks: Sequence[tuple[int, StoredBlock | None]]) -> None: ...
 
 
 class EngineEvents:
@@ -62,6 +82,7 @@ class EngineEvents:
         self.block_tokens = block_tokens
         self.int_hashes = int_hashes
         self._names: dict[int, bytes] = {}  # a cached block's pool hash -> its vLLM hash
+        self._stored: dict[int, StoredBlock] = {}  # and what its BlockStored told
         self._pending: list[Any] = []
 
     def stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None:
@@ -74,6 +95,7 @@ class EngineEvents:
 
     def removed(self, pool_hash: int) -> None:
         name = self._names.pop(pool_hash, None)
+        self._stored.pop(pool_hash, None)
         if name is not None:
             self._pending.append(
                 BlockRemoved(block_hashes=[self._external(name)], medium=MEDIUM, group_idx=GROUP)
@@ -81,7 +103,39 @@ class EngineEvents:
 
     def cleared(self) -> None:
         self._names.clear()
+        self._stored.clear()
         self._pending.append(AllBlocksCleared())
+
+    def described(self, pool_hash: int) -> StoredBlock | None:
+        """What the cached block ``pool_hash`` was announced as (None: never announced)."""
+        return self._stored.get(pool_hash)
+
+    def restored(self, blocks: Sequence[tuple[int, StoredBlock | None]]) -> None:
+        """The pool was loaded from a checkpoint: ``AllBlocksCleared``, then a
+        ``BlockStored`` for each (pool hash, block) described, in the order given
+        (parents first), published at once. Blocks not described stay unannounced."""
+        self.cleared()
+        for pool_hash, block in blocks:
+            if block is None:
+                continue
+            self._names[pool_hash] = block.name
+            self._stored[pool_hash] = block
+            self._pending.append(
+                BlockStored(
+                    block_hashes=[self._external(block.name)],
+                    parent_block_hash=(
+                        self._external(block.parent) if block.parent is not None else None
+                    ),
+                    token_ids=token_ids(block.tokens),
+                    block_size=self.block_tokens,
+                    lora_id=None,
+                    medium=MEDIUM,
+                    lora_name=None,
+                    extra_keys=[event_extra_keys(block_extra_keys(0, block.cache_salt))],
+                    group_idx=GROUP,
+                )
+            )
+        self.flush()
 
     def flush(self) -> None:
         """Publish what the step produced (vLLM: ``Scheduler.update_from_output``)."""
@@ -90,8 +144,16 @@ class EngineEvents:
             self._pending = []
 
     def _store_run(self, request: SimRequest, names: list[bytes], start: int, end: int) -> None:
+        step = self.block_tokens * TOKEN_BYTES
         for i in range(start, end):
-            self._names[request.hashes[i]] = names[i]
+            pool_hash = request.hashes[i]
+            self._names[pool_hash] = names[i]
+            self._stored[pool_hash] = StoredBlock(
+                names[i],
+                names[i - 1] if i else None,
+                self._block_bytes(request, i * step, (i + 1) * step),
+                request.cache_salt if i == 0 else None,
+            )
         self._pending.append(
             BlockStored(
                 block_hashes=[self._external(names[i]) for i in range(start, end)],
@@ -125,8 +187,12 @@ class EngineEvents:
 
     def _token_ids(self, request: SimRequest, start: int, end: int) -> list[int]:
         step = self.block_tokens * TOKEN_BYTES
-        prompt, lo, hi = request.prompt, start * step, end * step
-        return token_ids(prompt[lo:hi] if hi <= len(prompt) else request.tokens[lo:hi])
+        return token_ids(self._block_bytes(request, start * step, end * step))
+
+    @staticmethod
+    def _block_bytes(request: SimRequest, lo: int, hi: int) -> bytes:
+        prompt = request.prompt
+        return prompt[lo:hi] if hi <= len(prompt) else request.tokens[lo:hi]
 
     def _external(self, name: bytes) -> bytes | int:
         return external_hash(name, self.int_hashes)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
-from bench.sim.kv_event_log import fresh_runs
+from bench.sim.kv_event_log import StoredBlock, fresh_runs
 from bench.sim.request import SimRequest
 from bench.sim.sglang_kv_events import (
     AllBlocksCleared,
@@ -73,6 +73,15 @@ class SglangEngineEvents:
     def cleared(self) -> None:
         self._names.clear()
         self._pending.append(AllBlocksCleared())
+
+    def described(self, pool_hash: int) -> StoredBlock | None:
+        """Nothing: a restored SGLang-flavoured engine announces only ``AllBlocksCleared``
+        (its pages' tokens are not kept; see ``bench/sim/checkpoint.py``)."""
+        return None
+
+    def restored(self, blocks: Sequence[tuple[int, StoredBlock | None]]) -> None:
+        self.cleared()
+        self.flush()
 
     def flush(self) -> None:
         """Publish what the step produced (SGLang: ``publish_kv_events``, whose batch
