@@ -12,6 +12,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         apis_bench,
         dashboards,
         engine_cpu,
+        failure,
         fuzz,
         kill,
         matrix,
@@ -46,3 +47,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     tokenize_cost.register(sub)
     agreement.register(sub)
     apis_bench.register(sub)
+    failure.register(sub)
