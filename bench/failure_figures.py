@@ -20,6 +20,7 @@ have been).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -113,14 +114,15 @@ def reprefilled_tokens(
 
 
 def hit_rate_buckets(
-    records: Sequence[RequestRecord], width: float
+    records: Sequence[RequestRecord], width: float, origin: float = 0.0
 ) -> list[tuple[float, float | None]]:
-    """(bucket start, hit rate) for every ``width``-second bucket from 0 to the last
-    request's start; None where no request succeeded."""
+    """(bucket start, hit rate) for ``width``-second buckets, one starting at
+    ``origin`` (e.g. the kill), that cover 0 to the last request's start; None where
+    no request succeeded."""
     if not records:
         return []
     end = max(r.start for r in records)
-    count = int(end // width) + 1
-    return [
-        (i * width, hit_rate_between(records, i * width, (i + 1) * width)) for i in range(count)
-    ]
+    first = origin % width - (width if origin % width else 0.0)
+    count = math.floor((end - first) / width) + 1
+    starts = [first + i * width for i in range(count)]
+    return [(t, hit_rate_between(records, t, t + width)) for t in starts]

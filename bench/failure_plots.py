@@ -23,11 +23,12 @@ def plot_hit_rate(round_: Round, path: Path, width: float = HIT_BUCKET_S) -> Pat
     figure = Figure(figsize=(8, 4.5), layout="tight")
     axes = figure.add_subplot()
     for scenario, result in round_.results.items():
-        points = [(t + width / 2, rate) for t, rate in hit_rate_buckets(result.records, width)]
+        buckets = hit_rate_buckets(result.records, width, round_.figures[scenario].at)
+        points = [(t + width / 2, rate) for t, rate in buckets]
         kept = [(t, rate) for t, rate in points if rate is not None]
         axes.plot([t for t, _ in kept], [r for _, r in kept], marker=".", label=scenario)
     _mark_kill(axes, round_)
-    axes.set_xlabel(f"time (simulated seconds; {width:g} s buckets by request start)")
+    axes.set_xlabel(f"time (simulated seconds; {width:g} s buckets from the kill)")
     axes.set_ylabel("fleet hit rate (cached / prompt tokens)")
     axes.set_ylim(0, 1.02)
     axes.grid(True, alpha=0.3)

@@ -123,34 +123,34 @@ class Row:
 
 
 ROWS: tuple[Row, ...] = (
-    Row("affected", "affected sessions (last turn on w0)", lambda f: f.affected, _count),
+    Row("affected", "affected sessions", lambda f: f.affected, _count),
     Row(
         "reprefilled",
-        "re-prefilled tokens, affected sessions after the kill, beyond none",
+        "re-prefilled tokens vs none",
         lambda f: f.reprefilled,
         _count,
     ),
     Row(
         "prefilled_after",
-        "prefilled tokens, affected sessions after the kill",
+        "prefilled tokens after the kill",
         lambda f: f.prefilled_after,
         _count,
     ),
     Row(
         "next_ttft_p50",
-        f"TTFT p50, affected sessions' next {NEXT_TURNS} turns",
+        f"TTFT p50, next {NEXT_TURNS} turns",
         lambda f: f.next_ttft_p50,
         _secs,
     ),
     Row(
         "next_ttft_p99",
-        f"TTFT p99, affected sessions' next {NEXT_TURNS} turns",
+        f"TTFT p99, next {NEXT_TURNS} turns",
         lambda f: f.next_ttft_p99,
         _secs,
     ),
     Row(
         "hit_rate_after",
-        f"fleet hit rate, {WINDOW_S:g} s after the kill",
+        f"fleet hit rate, {WINDOW_S:g} s after",
         lambda f: f.hit_rate_after,
         _pct,
     ),
@@ -158,7 +158,7 @@ ROWS: tuple[Row, ...] = (
     Row("errors", "requests failed", lambda f: f.errors, _count),
     Row(
         "replacement_serving",
-        "kill to replacement serving (restore: migrated)",
+        "kill to replacement serving",
         lambda f: f.replacement_serving,
         _secs,
     ),
@@ -197,9 +197,12 @@ def print_table(console: Console, rounds: Sequence[Round], scenarios: Sequence[s
     console.print(failure_table(rounds, scenarios))
     console.print(
         f"median (min-max) over {len(rounds)} round(s), scenarios interleaved within each; "
-        "times are simulated seconds. Affected: sessions whose last request before the "
-        "kill went to w0 (in 'none': before the time of the kill). Re-prefilled: their "
-        "prefill (prompt - cached) from the kill on, less the same turns' in 'none'.",
+        "times are simulated seconds. Affected sessions: those whose last request before "
+        "the kill went to w0 (in 'none': before the time of the kill); the prefilled "
+        "tokens (prompt - cached) and next turns are theirs from the kill on; "
+        "re-prefilled: their prefill less the same turns' in 'none'. Fleet hit rate: "
+        "cached / prompt tokens of every request. Replacement serving: healthy (cold), "
+        "migrated (restore).",
         highlight=False,
     )
 

@@ -109,6 +109,9 @@ def test_hit_rate_over_a_window_weights_tokens_of_successful_requests() -> None:
     assert [t for t, _ in buckets] == [0.0, 100.0, 200.0]
     assert buckets[0][1] == 0.0
     assert buckets[2][1] is None  # c3 failed
+    aligned = hit_rate_buckets(RECORDS, 60.0, origin=KILL)
+    assert [t for t, _ in aligned] == [-20.0, 40.0, 100.0, 160.0]
+    assert aligned[2][1] == hit_rate_between(RECORDS, KILL, KILL + 60)
 
 
 def test_reprefilled_tokens_are_the_excess_over_the_same_turns_without_a_failure() -> None:
