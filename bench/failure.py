@@ -145,8 +145,11 @@ class Injection:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             if scenario == "restore":
                 await self._until(cfg.kill_at - cfg.checkpoint_before)
-                await self._post(http, f"{self._engines[0].url}/sim/checkpoint", path=self._path)
+                taken = await self._post(
+                    http, f"{self._engines[0].url}/sim/checkpoint", path=self._path
+                )
                 self.events.checkpoint = self._now()
+                self.events.checkpoint_blocks = int(taken["cached_blocks"])
             await self._until(cfg.kill_at)
             self._engines[0].kill()
             self.events.kill = self._now()

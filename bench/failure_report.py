@@ -36,6 +36,7 @@ class Events:
     """When the injection did what, in simulated seconds since the replay started."""
 
     checkpoint: float | None = None
+    checkpoint_blocks: int | None = None  # the engine's answer: cached blocks written
     kill: float | None = None
     replacement_started: float | None = None
     replacement_healthy: float | None = None
