@@ -327,10 +327,11 @@ def _score_round(
 ) -> Round:
     baseline = runs["none"][0].records if "none" in runs else None
     figures: dict[str, RunFigures] = {}
-    for scenario, (result, events) in runs.items():
+    for scenario in config.scenarios:  # in the configured order, not the round's
+        result, events = runs[scenario]
         at = config.kill_at if events.kill is None else events.kill
         figures[scenario] = figures_of(result, events, worker_name(w0), at, baseline)
-    return Round(figures, {s: r for s, (r, _) in runs.items()})
+    return Round(figures, {s: runs[s][0] for s in config.scenarios})
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
