@@ -129,6 +129,7 @@ class Injection:
         self._headers = {"Authorization": f"Bearer {admin_token}"}
         self._checkpoint = checkpoint
         self._extra: list[EngineProcess] = []
+        self._taken_at: float | None = None  # the checkpoint's wall-clock time
         self.events = Events()
         self._t0 = monotonic()
 
@@ -150,6 +151,7 @@ class Injection:
                 )
                 self.events.checkpoint = self._now()
                 self.events.checkpoint_blocks = int(taken["cached_blocks"])
+                self._taken_at = float(taken["taken_at"])
             await self._until(cfg.kill_at)
             self._engines[0].kill()
             self.events.kill = self._now()
@@ -190,7 +192,12 @@ class Injection:
         admin = f"{self._router}/admin/workers"
         source = worker_name(self._engines[0])
         await self._post(http, admin, url=restored.url, name=RESTORED_NAME)
-        moved = await self._post(http, f"{admin}/{source}/migrate", to=RESTORED_NAME)
+        moved = await self._post(
+            http,
+            f"{admin}/{source}/migrate",
+            to=RESTORED_NAME,
+            checkpoint_taken_at=self._taken_at,
+        )
         self.events.migrated = self._now()
         self.events.moved_tokens = int(moved["moved_tokens"])
         async with http.delete(f"{admin}/{source}", headers=self._headers) as response:
@@ -198,7 +205,7 @@ class Injection:
         self.events.removed = self._now()
 
     async def _post(
-        self, http: aiohttp.ClientSession, endpoint: str, **body: str
+        self, http: aiohttp.ClientSession, endpoint: str, **body: str | float | None
     ) -> dict[str, Any]:
         async with http.post(endpoint, json=body, headers=self._headers) as response:
             await _raise_for_status(response)

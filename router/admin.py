@@ -8,7 +8,8 @@ Off unless an admin token is configured (``admin_token`` / ``--admin-token`` /
     DELETE /admin/workers/{name}
     POST   /admin/workers/{name}/drain        no new requests; in-flight ones finish
     DELETE /admin/workers/{name}/drain        back in rotation
-    POST   /admin/workers/{name}/migrate      {"to": "other"}: its KV state was restored on
+    POST   /admin/workers/{name}/migrate      {"to": "other", "checkpoint_taken_at"?: t}:
+                                              its KV state (as at t) was restored on
                                               another worker; its index entries move there
     GET    /admin/policy                      {"policy", "knobs" (all, defaults included),
                                               "version"}
@@ -154,7 +155,16 @@ async def drain(request: web.Request) -> web.Response:
 async def migrate(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     source = _worker(state, request.match_info["name"])
-    target_name = (await _body(request)).get("to")
+    body = await _body(request)
+    target_name = body.get("to")
+    taken_at = body.get("checkpoint_taken_at")
+    if taken_at is not None and (
+        not isinstance(taken_at, int | float) or isinstance(taken_at, bool)
+    ):
+        raise BadRequest(
+            "'checkpoint_taken_at' must be the checkpoint's time, in seconds since the epoch",
+            param="checkpoint_taken_at",
+        )
     if not isinstance(target_name, str):
         raise BadRequest("'to' must name the worker the state was restored on", param="to")
     target = _worker(state, target_name)
@@ -163,7 +173,7 @@ async def migrate(request: web.Request) -> web.Response:
     # The restore started a new process on the target: its restart is seen now, so the
     # purge it calls for comes before the migrated entries, not after them.
     await state.prober.refresh(target)
-    moved = state.membership.migrate(source.name, target.name)
+    moved = state.membership.migrate(source.name, target.name, taken_at)
     return json_response(
         {"from": source.name, "to": target.name, "moved_tokens": moved * state.router.block_tokens}
     )

@@ -4,7 +4,8 @@
     kvrouter admin add URL [--name N] [--kv-tokens K]
     kvrouter admin remove NAME
     kvrouter admin drain NAME / undrain NAME
-    kvrouter admin migrate NAME --to OTHER   NAME's KV state was restored on OTHER
+    kvrouter admin migrate NAME --to OTHER [--taken-at T]   NAME's KV state (as at T)
+                                             was restored on OTHER
     kvrouter admin policy                    the policy, its knobs and version
     kvrouter admin policy set [NAME] [--knob k=v ...]
 
@@ -97,7 +98,10 @@ def _undrain(http: httpx.Client, args: argparse.Namespace) -> Any:
 
 
 def _migrate(http: httpx.Client, args: argparse.Namespace) -> Any:
-    return _call(http, "POST", _worker_path(args.name, "/migrate"), {"to": args.to})
+    body: dict[str, Any] = {"to": args.to}
+    if args.taken_at is not None:
+        body["checkpoint_taken_at"] = args.taken_at
+    return _call(http, "POST", _worker_path(args.name, "/migrate"), body)
 
 
 def _policy(http: httpx.Client, args: argparse.Namespace) -> Any:
@@ -249,6 +253,12 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     migrate = leaf(sub, "migrate", _migrate, _moved, "NAME's KV state was restored on --to")
     migrate.add_argument("name", metavar="NAME")
     migrate.add_argument("--to", required=True, metavar="OTHER")
+    migrate.add_argument(
+        "--taken-at",
+        type=float,
+        metavar="UNIX_S",
+        help="when the checkpoint was taken: only what NAME held by then moves",
+    )
 
     policy = leaf(sub, "policy", _policy, _policy_text, "show the policy; 'policy set' changes it")
     policy_sub = policy.add_subparsers(dest="policy_command", metavar="set")

@@ -24,6 +24,7 @@ arrives. Every other worker is *approximate*: the modelled LRU above.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
@@ -51,8 +52,9 @@ class PrefixIndex(Protocol):
         restart from several replicas then count once)."""
         ...
 
-    def migrate(self, source: str, target: str) -> int:
-        """Move everything ``source`` holds to ``target``; returns the blocks moved."""
+    def migrate(self, source: str, target: str, taken_at: float | None = None) -> int:
+        """Move what ``source`` holds to ``target`` (with ``taken_at``, a checkpoint's
+        wall-clock time: only what was touched by then); returns the blocks moved."""
         ...
 
     def match(self, worker: str, hashes: Sequence[int]) -> int:
@@ -88,6 +90,10 @@ class PrefixIndex(Protocol):
         ...
 
 
+# Touch times (a module attribute, so tests can set the clock).
+wall_clock = time.time
+
+
 class Residency:
     """One worker's modelled KV cache: an LRU of block hashes with a fixed capacity."""
 
@@ -97,7 +103,10 @@ class Residency:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        # Each entry's value: when it was added (wall clock, as a checkpoint's time is).
+        # Held since, it was held at any time after: a migration from a checkpoint moves
+        # only what was added by the checkpoint's time.
+        self._lru: OrderedDict[int, float] = OrderedDict()
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -113,12 +122,13 @@ class Residency:
     def touch(self, hashes: Sequence[int]) -> list[int]:
         lru = self._lru
         added: list[int] = []
+        now = wall_clock()
         # Only the newest capacity_blocks hashes can stay resident anyway.
         for h in reversed(hashes[: self.capacity_blocks]):
             if h in lru:
                 lru.move_to_end(h)
             else:
-                lru[h] = None
+                lru[h] = now
                 added.append(h)
         overflow = len(lru) - self.capacity_blocks
         for _ in range(max(0, overflow)):
@@ -133,15 +143,20 @@ class Residency:
     def oldest_first(self) -> list[int]:
         return list(self._lru)
 
+    def touched_before(self, when: float) -> list[int]:
+        """Entries added at or before ``when`` (held since, so held then), oldest first."""
+        return [h for h, added in self._lru.items() if added <= when]
+
     def restore(self, oldest_first: Iterable[int]) -> None:
-        """Add entries from a snapshot, oldest first, below what is already held."""
+        """Add entries from a snapshot, oldest first, below what is already held (as
+        added long ago: when is not known)."""
         lru = self._lru
         existing = list(lru.items())
         lru.clear()
         for h in oldest_first:
-            lru[h] = None
-        for h, _ in existing:
-            lru[h] = None
+            lru[h] = 0.0
+        for h, touched in existing:
+            lru[h] = touched
             lru.move_to_end(h)
         while len(lru) > self.capacity_blocks:
             lru.popitem(last=False)
@@ -169,6 +184,8 @@ class WorkerResidency(Protocol):
     def forget(self, hashes: Iterable[int]) -> None: ...
 
     def oldest_first(self) -> list[int]: ...
+
+    def touched_before(self, when: float) -> list[int]: ...
 
     def restore(self, oldest_first: Iterable[int]) -> None: ...
 
@@ -259,8 +276,8 @@ class LocalPrefixIndex:
         residency = self._workers.get(worker)
         return residency.orphans if isinstance(residency, ExactResidency) else 0
 
-    def migrate(self, source: str, target: str) -> int:
-        held = self.oldest_first(source)
+    def migrate(self, source: str, target: str, taken_at: float | None = None) -> int:
+        held = self.held_at(source, taken_at)
         if target in self._workers:
             self._workers[target].restore(held)
         self.purge(source)
@@ -322,6 +339,14 @@ class LocalPrefixIndex:
     def oldest_first(self, worker: str) -> list[int]:
         residency = self._workers.get(worker)
         return residency.oldest_first() if residency is not None else []
+
+    def held_at(self, worker: str, when: float | None = None) -> list[int]:
+        """What the worker held at wall-clock ``when`` (None: now), oldest first, as far
+        as the index can tell: the entries it has held since then."""
+        residency = self._workers.get(worker)
+        if residency is None:
+            return []
+        return residency.oldest_first() if when is None else residency.touched_before(when)
 
     def restore(self, worker: str, oldest_first: Iterable[int]) -> None:
         residency = self._workers.get(worker)

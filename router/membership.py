@@ -42,12 +42,14 @@ class Membership:
         self._index.remove_worker(name)
         self._learner.forget(name)
 
-    def migrate(self, source: str, target: str) -> int:
+    def migrate(self, source: str, target: str, taken_at: float | None = None) -> int:
         """``source``'s KV state now lives on ``target`` (checkpointed and restored): its
         index entries move there, below what ``target`` holds already and within its
         capacity, and its sessions are remembered there, so their next turns hit on
-        ``target`` and are judged against it. Returns the number of blocks moved."""
-        moved = self._index.migrate(source, target)
+        ``target`` and are judged against it. Returns the number of blocks moved. With
+        ``taken_at`` (the checkpoint's wall-clock time), only what the source held by
+        then moves: what it computed after, the restored engine lacks."""
+        moved = self._index.migrate(source, target, taken_at)
         self._learner.calibrator.reset(source)
         self._learner.sessions.migrate(source, target, self.fleet.workers[target].epoch)
         return moved

@@ -148,3 +148,50 @@ async def test_migrating_onto_a_worker_restored_in_place_survives_its_restart_be
         )
     assert after.worker == target and after.cached > 0
     assert predicted > 0
+
+
+async def predicted_after_a_late_checkpoint(
+    engine_factory: EngineFactory, tmp_path: Path, with_time: bool
+) -> tuple[float, int]:
+    """A session takes a turn after its worker's checkpoint; the worker fails and the
+    checkpoint is restored and migrated to. Returns what the router predicted cached on
+    the restored worker for the session's next turn, and what the engine reported."""
+    checkpoint = tmp_path / "late.ckpt"
+    async with (
+        engine_factory(engine_id="0") as e0,
+        serve_router(router_config([e0], admin_token=TOKEN, policy="ttft")) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        history = conversation("late", 400, 80)
+        await turn(http, router, history, "late")
+        taken = await call(http, "POST", f"{e0.url}/sim/checkpoint", {"path": str(checkpoint)})
+        history[-1]["content"] = text_for("late-long", 400)  # a long tool result
+        await turn(http, router, history, "late")  # computed after the checkpoint
+        async with engine_factory(engine_id="9", restore=str(checkpoint)) as restored:
+            await call(
+                http, "POST", f"{router.url}/admin/workers", {"url": restored.url, "name": "r"}
+            )
+            body: dict[str, Any] = {"to": "r"}
+            if with_time:
+                body["checkpoint_taken_at"] = taken["taken_at"]
+            await call(http, "POST", f"{router.url}/admin/workers/w0/migrate", body)
+            await call(http, "DELETE", f"{router.url}/admin/workers/w0")
+            after = await turn(http, router, history, "late")
+            predicted = await metric(
+                http, router, "kvrouter_predicted_cached_tokens_total", worker="r"
+            )
+    assert after.worker == "r"
+    return predicted, after.cached
+
+
+async def test_migrating_with_the_checkpoints_time_promises_only_what_it_holds(
+    engine_factory: EngineFactory, tmp_path: Path
+) -> None:
+    """To within one of the router's text blocks (64 tokens by its estimate)."""
+    text_block = 64
+    predicted, cached = await predicted_after_a_late_checkpoint(engine_factory, tmp_path, True)
+    assert 0 < predicted <= cached + text_block
+    # Without the time, everything the worker computed after the checkpoint is promised.
+    late, cached_again = await predicted_after_a_late_checkpoint(engine_factory, tmp_path, False)
+    assert cached_again == cached
+    assert late > cached + 4 * text_block

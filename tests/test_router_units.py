@@ -428,3 +428,20 @@ def test_migrating_onto_a_worker_that_holds_entries_merges_them_within_its_capac
     assert index.match("restored", [1, 2, 3, 4, 5]) == 3
     assert index.match("restored", [10, 11, 12]) == 3
     assert index.oldest_first("dead") == []
+
+
+def test_what_a_worker_held_at_a_checkpoint_is_what_it_has_held_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = iter([100.0, 200.0, 300.0, 400.0])
+    monkeypatch.setattr("router.index.wall_clock", lambda: next(clock))
+    index = LocalPrefixIndex()
+    index.add_worker("w", 2)
+    index.touch("w", [1, 2])  # at 100
+    index.touch("w", [1])  # at 200: touched again, held since 100
+    index.touch("w", [3])  # at 300: evicts 2
+    index.touch("w", [2])  # at 400: back, evicting 1; not held since 100
+    assert index.oldest_first("w") == [3, 2]
+    assert index.held_at("w", 150.0) == []
+    assert index.held_at("w", 350.0) == [3]
+    assert index.held_at("w") == [3, 2]

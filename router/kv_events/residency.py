@@ -318,6 +318,11 @@ class ExactResidency:
         announced = self._recency if self.forecast_queue_evictions else self._held
         return [*self._inherited, *announced]
 
+    def touched_before(self, when: float) -> list[int]:
+        """All of it: the engine's announcements carry no times (a restored engine
+        announces what it holds)."""
+        return self.oldest_first()
+
     def restore(self, oldest_first: Iterable[int]) -> None:
         """Entries from a snapshot or a migration: inherited, below what is there."""
         existing = list(self._inherited)

@@ -56,9 +56,10 @@ class SharedPrefixIndex:
         self.local.purge(worker)
         self.outbox.append(IndexEvent("purge", worker, (), started_at))
 
-    def migrate(self, source: str, target: str) -> int:
-        held = self.local.oldest_first(source)
-        moved = self.local.migrate(source, target)
+    def migrate(self, source: str, target: str, taken_at: float | None = None) -> int:
+        local = self.local
+        held = local.held_at(source, taken_at)
+        moved = local.migrate(source, target, taken_at)
         # Oldest first as separate touches would make each the newest in turn; one event
         # with the newest first (the order a prefix is touched in) keeps the LRU order.
         if held:
