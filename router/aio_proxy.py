@@ -10,8 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from multidict import CIMultiDict
 
-from router.apis.kinds import APIS
-from router.errors import PayloadTooLarge, RouterError
+from router.errors import PayloadTooLarge
 from router.proxy import Headers, serve
 from router.state import STATE_KEY
 from router.wire.kinds import Kind
@@ -67,10 +66,6 @@ async def _handle(http: web.Request, kind: Kind) -> web.StreamResponse:
     state = http.app[STATE_KEY]
     raw = await _read_body(http, state.config.max_body_bytes)
     reply = AiohttpReply(http)
-    try:
-        await serve(state, kind, raw, http.raw_headers, reply)
-    except RouterError as exc:
-        exc.shape = APIS[kind].error_body
-        raise
+    await serve(state, kind, raw, http.raw_headers, reply)
     assert reply.response is not None, "serve answers or raises"
     return reply.response

@@ -212,7 +212,7 @@ def read_request(
         fields=body,
         stream=stream,
         session_key=session_key,
-        seed=_seed(body),
+        seed=_seed(body, model),
         messages=_check_messages(body.get("messages"), limits) if chat else None,
         prompt=None if chat else _prompt(body.get("prompt")),
     )
@@ -232,11 +232,11 @@ def _stream(body: Mapping[str, Any]) -> bool:
     return bool(stream)
 
 
-def _seed(body: Mapping[str, Any]) -> int:
+def _seed(body: Mapping[str, Any], model: str) -> int:
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", param="cache_salt")
-    return chain_seed(_model(body), salt)
+    return chain_seed(model, salt)
 
 
 def _converted(
@@ -254,14 +254,15 @@ def _converted(
         chat.own_session, None, OWN_SESSION, max_bytes
     )
     messages = chat.fields["messages"]
+    model = _model(chat.fields)
     return RequestBody(
         kind=kind,
-        model=_model(chat.fields),
+        model=model,
         raw=raw,
         fields=body,
         stream=_stream(body),
         session_key=session_key,
-        seed=_seed(chat.fields),
+        seed=_seed(chat.fields, model),
         messages=_check_messages(messages, limits) if messages else (),
         prompt=None,
         chat_fields=chat.fields,

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import orjson
 from aiohttp import web
 
-from router.apis.anthropic_reply import error_body as anthropic_error_body
 from router.errors import (
     ModelNotFound,
     NoEligibleWorker,
@@ -150,19 +148,6 @@ async def forward(
     raise failure
 
 
-def shaped(handler: Handler, error_body: Callable[[RouterError], dict[str, Any]]) -> Handler:
-    """``handler`` with its errors in another API's shape."""
-
-    async def run(http: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(http)
-        except RouterError as exc:
-            exc.shape = error_body
-            raise
-
-    return run
-
-
 async def by_load(http: web.Request) -> web.StreamResponse:
     state = http.app[STATE_KEY]
     raw = await http.read()
@@ -185,7 +170,7 @@ async def stored_response(http: web.Request) -> web.StreamResponse:
 
 
 ROUTES: tuple[tuple[str, str, Handler], ...] = (
-    ("POST", "/v1/messages/count_tokens", shaped(by_load, anthropic_error_body)),
+    ("POST", "/v1/messages/count_tokens", by_load),
     ("POST", "/v1/embeddings", by_load),
     ("POST", "/tokenize", by_load),
     ("POST", "/detokenize", by_load),
