@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from bench.workloads.flags import add_turn_range_arguments, given, median
+from bench.workloads.flags import add_turn_range_arguments, turn_range_values
 from bench.workloads.sampling import (
     LogNormal,
     build_session,
@@ -80,12 +80,7 @@ def params_from(args: argparse.Namespace) -> ChatParams:
     d = ChatParams()
     return replace(
         d,
-        sessions=given(args.sessions, d.sessions),
-        rate=given(args.rate, d.rate),
-        min_turns=given(args.min_turns, d.min_turns),
-        max_turns=given(args.max_turns, d.max_turns),
-        user=median(d.user, args.user_tokens_median),
-        output=median(d.output, args.output_tokens_median),
+        **turn_range_values(args, d),
     )
 
 

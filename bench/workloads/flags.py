@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from bench.workloads.sampling import LogNormal
 
@@ -56,9 +56,22 @@ def median(dist: LogNormal, median: float | None) -> LogNormal:
 
 
 def add_turn_range_arguments(parser: argparse.ArgumentParser) -> None:
-    """Sessions of a few turns (chat, shared-prompt); read back by the caller's
-    ``params_from``."""
+    """Sessions of a few turns (chat, shared-prompt); read back by
+    ``turn_range_values``."""
     parser.add_argument("--min-turns", type=int)
     parser.add_argument("--max-turns", type=int)
     parser.add_argument("--user-tokens-median", type=float)
     parser.add_argument("--output-tokens-median", type=float)
+
+
+def turn_range_values(args: argparse.Namespace, defaults: Any) -> dict[str, Any]:
+    """The fields the generated kinds of a few turns share (``--sessions``, ``--rate`` and
+    ``add_turn_range_arguments``'), over ``defaults`` (their params)."""
+    return {
+        "sessions": given(args.sessions, defaults.sessions),
+        "rate": given(args.rate, defaults.rate),
+        "min_turns": given(args.min_turns, defaults.min_turns),
+        "max_turns": given(args.max_turns, defaults.max_turns),
+        "user": median(defaults.user, args.user_tokens_median),
+        "output": median(defaults.output, args.output_tokens_median),
+    }

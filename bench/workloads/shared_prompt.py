@@ -11,7 +11,7 @@ import argparse
 import random
 from dataclasses import dataclass, replace
 
-from bench.workloads.flags import add_turn_range_arguments, given, median, token_sizes
+from bench.workloads.flags import add_turn_range_arguments, given, token_sizes, turn_range_values
 from bench.workloads.sampling import (
     LogNormal,
     build_session,
@@ -100,12 +100,7 @@ def params_from(args: argparse.Namespace) -> SharedPromptParams:
     d = SharedPromptParams()
     return replace(
         d,
-        sessions=given(args.sessions, d.sessions),
-        rate=given(args.rate, d.rate),
-        min_turns=given(args.min_turns, d.min_turns),
-        max_turns=given(args.max_turns, d.max_turns),
-        user=median(d.user, args.user_tokens_median),
-        output=median(d.output, args.output_tokens_median),
+        **turn_range_values(args, d),
         prompts=given(args.prompts, d.prompts),
         zipf_exponent=given(args.zipf, d.zipf_exponent),
     )
