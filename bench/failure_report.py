@@ -22,7 +22,7 @@ from bench.failure_figures import (
     turns_after,
 )
 from bench.replay.result import RequestRecord, RunResult, summarize
-from bench.replay.rounds import Spread
+from bench.replay.rounds import Spread, pct, secs
 
 if TYPE_CHECKING:
     from bench.failure import FailureConfig
@@ -103,14 +103,6 @@ class Round:
     results: Mapping[str, RunResult]
 
 
-def _pct(v: float) -> str:
-    return f"{v:.1%}"
-
-
-def _secs(v: float) -> str:
-    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
-
-
 def _count(v: float) -> str:
     return f"{v:,.0f}"
 
@@ -141,27 +133,27 @@ ROWS: tuple[Row, ...] = (
         "next_ttft_p50",
         f"TTFT p50, next {NEXT_TURNS} turns",
         lambda f: f.next_ttft_p50,
-        _secs,
+        secs,
     ),
     Row(
         "next_ttft_p99",
         f"TTFT p99, next {NEXT_TURNS} turns",
         lambda f: f.next_ttft_p99,
-        _secs,
+        secs,
     ),
     Row(
         "hit_rate_after",
         f"fleet hit rate, {WINDOW_S:g} s after",
         lambda f: f.hit_rate_after,
-        _pct,
+        pct,
     ),
-    Row("hit_rate", "fleet hit rate, whole run", lambda f: f.hit_rate, _pct),
+    Row("hit_rate", "fleet hit rate, whole run", lambda f: f.hit_rate, pct),
     Row("errors", "requests failed", lambda f: f.errors, _count),
     Row(
         "replacement_serving",
         "kill to replacement serving",
         lambda f: f.replacement_serving,
-        _secs,
+        secs,
     ),
 )
 

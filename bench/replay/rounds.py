@@ -67,11 +67,11 @@ class Spread:
         return {"median": self.median, "min": self.low, "max": self.high}
 
 
-def _pct(value: float) -> str:
+def pct(value: float) -> str:
     return f"{value:.1%}"
 
 
-def _secs(value: float) -> str:
+def secs(value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
@@ -89,25 +89,25 @@ class Figure:
 
 
 FIGURES: tuple[Figure, ...] = (
-    Figure("hit_rate", "hit rate", lambda r: r.summary.hit_rate, _pct, True),
-    Figure("of_reference", "hit / capacity reference", lambda r: r.of_reference, _pct, True),
-    Figure("reference_hit_rate", "capacity reference", lambda r: r.reference_hit_rate, _pct, True),
+    Figure("hit_rate", "hit rate", lambda r: r.summary.hit_rate, pct, True),
+    Figure("of_reference", "hit / capacity reference", lambda r: r.of_reference, pct, True),
+    Figure("reference_hit_rate", "capacity reference", lambda r: r.reference_hit_rate, pct, True),
     Figure(
         "oracle_hit_rate",
         "oracle (unlimited cache)",
         lambda r: r.summary.oracle_hit_rate,
-        _pct,
+        pct,
         True,
     ),
-    Figure("missed_share", "later turns missed", lambda r: r.summary.missed_share, _pct, False),
-    Figure("ttft_p50", "TTFT p50", lambda r: r.summary.ttft_p50, _secs, False),
-    Figure("ttft_p90", "TTFT p90", lambda r: r.summary.ttft_p90, _secs, False),
-    Figure("ttft_p99", "TTFT p99", lambda r: r.summary.ttft_p99, _secs, False),
+    Figure("missed_share", "later turns missed", lambda r: r.summary.missed_share, pct, False),
+    Figure("ttft_p50", "TTFT p50", lambda r: r.summary.ttft_p50, secs, False),
+    Figure("ttft_p90", "TTFT p90", lambda r: r.summary.ttft_p90, secs, False),
+    Figure("ttft_p99", "TTFT p99", lambda r: r.summary.ttft_p99, secs, False),
     Figure(
         "missed_ttft_p99",
         "TTFT p99, missed turns",
         lambda r: r.summary.missed_ttft_p99,
-        _secs,
+        secs,
         False,
     ),
     Figure("requests_per_s", "requests/s", lambda r: r.summary.requests_per_s, _rate, True),
@@ -137,35 +137,35 @@ FIGURES: tuple[Figure, ...] = (
         "agreement",
         "later turns predicted within a block",
         lambda r: r.extras.get("agreement"),
-        _pct,
+        pct,
         True,
     ),
     Figure(
         "agreement_at_arrival",
         "… within a block of what the engine held at arrival",
         lambda r: r.extras.get("agreement_at_arrival"),
-        _pct,
+        pct,
         True,
     ),
     Figure(
         "evicted_while_queued",
         "turns evicted from while queued (engine)",
         lambda r: r.extras.get("evicted_while_queued"),
-        _pct,
+        pct,
         False,
     ),
     Figure(
         "over_predicted",
         "later turns over-predicted",
         lambda r: r.extras.get("over_predicted"),
-        _pct,
+        pct,
         False,
     ),
     Figure(
         "under_predicted",
         "later turns under-predicted",
         lambda r: r.extras.get("under_predicted"),
-        _pct,
+        pct,
         False,
     ),
     Figure(
@@ -207,7 +207,7 @@ FIGURES: tuple[Figure, ...] = (
         "redis_timeouts",
         "Redis round trips past the bound",
         lambda r: r.extras.get("redis_timeouts"),
-        _pct,
+        pct,
         False,
     ),
     Figure(
