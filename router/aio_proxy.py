@@ -41,6 +41,10 @@ class AiohttpReply:
         assert self.response is not None
         await self.response.write_eof(last)
 
+    def client_gone(self) -> bool:
+        transport = self._http.transport
+        return transport is None or transport.is_closing()
+
 
 def _decoded(headers: Headers) -> CIMultiDict[str]:
     return CIMultiDict((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers)

@@ -18,11 +18,12 @@ from typing import Any
 import orjson
 
 from router.prefix import ChainExtender, render_tool_calls
-from router.wire.streams import Usage, chat_usage, first_choice, stream_error
+from router.wire.streams import CHAT_DONE, Usage, chat_usage, first_choice, stream_error
 
 MAX_LINE_BYTES = 1 << 20
 # The most of a reply's tool calls kept until the reply ends.
 MAX_TOOL_CALL_BYTES = 1 << 20
+_CHAT_DONE = CHAT_DONE.encode()
 
 
 class ReplyCapture:
@@ -34,6 +35,7 @@ class ReplyCapture:
         "broken",
         "cached_tokens",
         "completion_tokens",
+        "ended",
         "errored",
         "prompt_tokens",
         "response_id",
@@ -45,6 +47,8 @@ class ReplyCapture:
         self._tool_calls: list[dict[str, Any]] = []
         self._tool_bytes = 0
         self.errored = False  # the stream carried an error event
+        # The stream's terminal event has been read: the engine has sent everything.
+        self.ended = False
         self.broken = False  # capture gave up; the reply is incomplete
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # None: the engine did not say
@@ -65,7 +69,9 @@ class ReplyCapture:
         for line in lines:
             if line.startswith(b"data:"):
                 payload = line[5:].strip()
-                if payload and payload != b"[DONE]":
+                if payload == _CHAT_DONE:
+                    self.ended = True
+                elif payload:
                     obj = self._parse(payload)
                     if obj is not None:
                         self._event(obj)

@@ -374,11 +374,16 @@ class FrontConnection(asyncio.Protocol):
             self._drained = self._loop.create_future()
             await self._drained
 
-    def write(self, data: bytes) -> None:
+    @property
+    def closed(self) -> bool:
         transport = self._transport
-        if transport is None or transport.is_closing():
+        return transport is None or transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        if self.closed:
             raise ConnectionResetError("the client went away")
-        transport.write(data)
+        assert self._transport is not None
+        self._transport.write(data)
 
     # -- timers -------------------------------------------------------------------------
 
@@ -478,3 +483,6 @@ class _Reply:
         tail = http1.chunk(last) + http1.LAST_CHUNK if last else http1.LAST_CHUNK
         self._connection.write(head + tail)
         self.ended = True
+
+    def client_gone(self) -> bool:
+        return self._connection.closed

@@ -114,6 +114,10 @@ class Reply(Protocol):
 
     async def end(self, last: bytes = b"") -> None: ...
 
+    def client_gone(self) -> bool:
+        """The client's connection is known to be closed: a write would raise."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class _ClientHeaders:
@@ -269,6 +273,7 @@ async def _attempt(
     )
     unanswered = dispatch.worker.unanswered
     shared = state.shared_path
+    settlement = _Settlement(state, lifecycle, dispatch, capture)
     try:
         async with first_byte:
             unanswered.add(first_byte)
@@ -286,10 +291,10 @@ async def _attempt(
                     )
                 if request.stream and upstream.status == 200:
                     outcome = await _relay_stream(
-                        client, dispatch, upstream, capture, first_byte, state
+                        client, dispatch, upstream, capture, first_byte, settlement
                     )
                 else:
-                    outcome = await _relay_whole(client, dispatch, upstream, capture, state)
+                    outcome = await _relay_whole(client, dispatch, upstream, capture, settlement)
                 sent = True
             finally:
                 upstream.release()
@@ -315,24 +320,65 @@ async def _attempt(
         if prefilled is not None:
             prefilled.cancel()
         if sent:
-            _finished(lifecycle, dispatch, capture, outcome)
+            settlement.finish(outcome)
         else:
-            lifecycle.failed(dispatch, outcome)
-        if shared is not None and outcome != "success":  # refused, failed, abandoned
+            settlement.fail(outcome)
+        # refused, failed, abandoned
+        if shared is not None and settlement.outcome != "success":
             shared.withdraw(dispatch.worker.name, dispatch.route.block_hashes)
 
 
-def _finished(
-    lifecycle: RequestLifecycle, dispatch: Dispatch, capture: ReplyCapture, outcome: Outcome
-) -> None:
-    prompt, cached = capture.prompt_tokens, capture.cached_tokens
-    usage = (
-        EngineUsage(prompt, cached, capture.completion_tokens)
-        if prompt is not None and cached is not None
-        else None
-    )
-    reply = capture.reply_hashes() if outcome == "success" else []
-    lifecycle.finished(dispatch, outcome, reply, usage, prompt)
+class _Settlement:
+    """How one attempt ends, settled exactly once, by whichever comes first: ``complete``
+    when the engine's whole reply is in hand (a stream's terminal event, a whole body),
+    before the client can have it; ``finish`` when the client saw bytes and the attempt
+    ended some other way (or after ``complete``: then it changes nothing); ``fail`` when
+    the client saw none."""
+
+    __slots__ = ("_capture", "_dispatch", "_lifecycle", "_state", "outcome")
+
+    def __init__(
+        self,
+        state: RouterState,
+        lifecycle: RequestLifecycle,
+        dispatch: Dispatch,
+        capture: ReplyCapture,
+    ) -> None:
+        self._state = state
+        self._lifecycle = lifecycle
+        self._dispatch = dispatch
+        self._capture = capture
+        self.outcome: Outcome | None = None  # None: not settled yet
+
+    async def complete(self, outcome: Outcome) -> None:
+        """The engine has sent everything. What a successful reply leaves on its worker
+        is recorded (Redis, then the index and learning) before its end reaches the
+        client, so a next turn sent the moment the client has it finds it, on this
+        replica or another; a client that then leaves has still been served."""
+        if self.outcome is not None:
+            return
+        if outcome == "success":
+            await _record(self._state, self._dispatch, self._capture)
+        self.finish(outcome)
+
+    def finish(self, outcome: Outcome) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        capture = self._capture
+        prompt, cached = capture.prompt_tokens, capture.cached_tokens
+        usage = (
+            EngineUsage(prompt, cached, capture.completion_tokens)
+            if prompt is not None and cached is not None
+            else None
+        )
+        reply = capture.reply_hashes() if outcome == "success" else []
+        self._lifecycle.finished(self._dispatch, outcome, reply, usage, prompt)
+
+    def fail(self, outcome: Outcome) -> None:
+        if self.outcome is None:
+            self.outcome = outcome
+            self._lifecycle.failed(self._dispatch, outcome)
 
 
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
@@ -374,8 +420,11 @@ async def _relay_stream(
     upstream: UpstreamResponse,
     capture: ReplyCapture,
     first_byte: asyncio.Timeout,
-    state: RouterState,
+    settlement: _Settlement,
 ) -> Outcome:
+    """Passes the stream on whole event by whole event. Once the engine's terminal event
+    is in hand the attempt is settled before that event goes on (``_Settlement.complete``);
+    the body's end may follow in a later chunk, by when the client may have closed."""
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
     dispatch.worker.unanswered.discard(first_byte)
@@ -384,28 +433,38 @@ async def _relay_stream(
     await reply.start(upstream.status, client.response_headers(upstream, dispatch.worker.name))
     events = WholeEvents()
     chunk = first
-    outcome: Outcome = "success"
+    client_left = False
     while True:
         capture.feed_stream(chunk)
         whole = events.cut(chunk)
-        if upstream.ended:  # what came last came with the end: one write
-            if not capture.errored:
-                await _record(state, dispatch, capture)
-            await reply.end(whole + events.rest())
-            break
-        if whole:
-            await reply.write(whole)  # a client that went away raises here
+        if (capture.ended or upstream.ended) and settlement.outcome is None:
+            if reply.client_gone():  # it left before the end was passed on
+                raise ConnectionResetError("the client went away")
+            await settlement.complete("upstream_error" if capture.errored else "success")
+        try:
+            if upstream.ended:  # what came last came with the end: one write
+                if not client_left:
+                    await reply.end(whole + events.rest())
+                break
+            if whole and not client_left:
+                await reply.write(whole)  # a client that went away raises here
+        except ConnectionResetError:
+            if settlement.outcome is None:
+                raise
+            client_left = True  # it has the terminal event: read the engine's end still
         try:
             chunk = await upstream.read_chunk()
         except UPSTREAM_ERRORS as exc:
-            outcome = "timeout" if isinstance(exc, TimeoutError) else "upstream_error"
+            if settlement.outcome is not None:
+                break  # everything was sent; only the body's end went missing
             log.warning(
                 "request %s: worker %s failed mid-stream: %r", request_id, dispatch.worker.name, exc
             )
             # The half event it sent is dropped: the client reads only whole events.
             await reply.end(APIS[dispatch.request.kind].mid_stream_error)
-            break
-    return "upstream_error" if capture.errored else outcome
+            return "timeout" if isinstance(exc, TimeoutError) else "upstream_error"
+    assert settlement.outcome is not None
+    return settlement.outcome
 
 
 async def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture) -> None:
@@ -463,15 +522,16 @@ async def _relay_whole(
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
-    state: RouterState,
+    settlement: _Settlement,
 ) -> Outcome:
     body = await _read_whole(dispatch, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
     dispatch.first_byte(observe=False, computed=upstream.status < 400)
+    outcome: Outcome = "success" if upstream.status < 400 else "rejected"
     if upstream.status == 200:
         capture.feed_whole(body)
-        await _record(state, dispatch, capture)
+    await settlement.complete(outcome)
     await client.reply.whole(
         upstream.status, client.response_headers(upstream, dispatch.worker.name), body
     )
-    return "success" if upstream.status < 400 else "rejected"
+    return outcome

@@ -34,6 +34,8 @@ import orjson
 from bench.replay.api_bodies import Api
 from bench.replay.sse import SseEvent
 from router.wire.streams import (
+    ANTHROPIC_ENDED,
+    CHAT_DONE,
     RESPONSES_ENDED,
     RESPONSES_FAILED,
     RESPONSES_TEXT_DELTA,
@@ -116,10 +118,10 @@ class StreamReader:
 
 class ChatStream(StreamReader):
     __slots__ = ()
-    end_missing: ClassVar[str] = "stream ended before [DONE]"
+    end_missing: ClassVar[str] = f"stream ended before {CHAT_DONE}"
 
     def feed(self, event: SseEvent, elapsed: float) -> bool:
-        if event.data.strip() == "[DONE]":
+        if event.data.strip() == CHAT_DONE:
             return True
         chunk = self._load(event)
         if chunk is None:
@@ -160,7 +162,7 @@ class ResponsesStream(StreamReader):
 
 class MessagesStream(StreamReader):
     __slots__ = ("_usage",)
-    end_missing: ClassVar[str] = "stream ended before message_stop"
+    end_missing: ClassVar[str] = f"stream ended before {ANTHROPIC_ENDED}"
 
     def __init__(self, outcome: StreamOutcome) -> None:
         super().__init__(outcome)
@@ -177,7 +179,7 @@ class MessagesStream(StreamReader):
             self._take_usage((chunk.get("message") or {}).get("usage"))
         elif kind == "message_delta":
             self._take_usage(chunk.get("usage"))
-        elif kind == "message_stop":
+        elif kind == ANTHROPIC_ENDED:
             return True
         return False
 

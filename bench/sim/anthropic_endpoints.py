@@ -37,7 +37,7 @@ async def messages(engine: Engine, exchange: Exchange) -> Reply | Stream:
     try:
         if parsed.stream:
             events = anthropic_api.MessageEvents(rid, parsed.model, engine.block_tokens)
-            return await stream_events(exchange, events, sim)
+            return await stream_events(exchange, events, sim, engine.faults)
         await finished(sim)
         return json_reply(anthropic_api.message_body(rid, parsed.model, sim, engine.block_tokens))
     finally:

@@ -98,7 +98,7 @@ async def _completion(engine: Engine, exchange: Exchange, kind: PromptKind) -> R
     sim = submit(engine, parsed, exchange)
     try:
         if parsed.stream:
-            return await stream_completion(exchange, parsed, sim)
+            return await stream_completion(exchange, parsed, sim, engine.faults)
         return await _respond_whole(parsed, sim)
     finally:
         engine.abort(sim)  # no-op when it finished; frees blocks when the client left

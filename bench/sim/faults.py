@@ -5,6 +5,9 @@
   ones get no tokens until the stall is lifted. ``/health`` stalls too.
 * ``fail_health``: ``/health`` answers 503 while completions still work.
 * ``fail_metrics``: ``/metrics`` answers 503 (a scrape that breaks; the load is unknown).
+* ``hold_stream_end``: a stream sends its terminal event and holds the end of its body
+  until the fault is lifted. vLLM's uvicorn writes the body's end after the last event, on
+  its own; a client may close in between, and this makes that gap as long as a test needs.
 
 A restart with an empty cache is ``Engine.restart``; it is exposed beside these at
 ``POST /sim/restart``. ``GET /sim/requests`` lists the engine's last requests with the
@@ -28,6 +31,7 @@ class FaultState:
     stall: bool = False
     fail_health: bool = False
     fail_metrics: bool = False
+    hold_stream_end: bool = False
 
 
 class Faults:
@@ -35,6 +39,8 @@ class Faults:
         self.state = FaultState()
         self._running = asyncio.Event()
         self._running.set()
+        self._stream_end = asyncio.Event()
+        self._stream_end.set()
 
     def update(self, changes: dict[str, Any]) -> FaultState:
         """Apply a partial update; unknown keys or wrong types raise ``ValueError``."""
@@ -48,10 +54,14 @@ class Faults:
             raise ValueError("fail_status must be an HTTP error status (400-599)")
         for key, value in changes.items():
             setattr(self.state, key, value)
-        if self.state.stall:
-            self._running.clear()
-        else:
-            self._running.set()
+        for flag, event in (
+            (not self.state.stall, self._running),
+            (not self.state.hold_stream_end, self._stream_end),
+        ):
+            if flag:
+                event.set()
+            else:
+                event.clear()
         return self.state
 
     def as_dict(self) -> dict[str, Any]:
@@ -59,3 +69,6 @@ class Faults:
 
     async def wait_unstalled(self) -> None:
         await self._running.wait()
+
+    async def stream_end_released(self) -> None:
+        await self._stream_end.wait()

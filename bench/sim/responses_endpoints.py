@@ -67,7 +67,7 @@ async def create_response(engine: Engine, exchange: Exchange) -> Reply | Stream:
     try:
         if request.stream:
             events = ResponseEvents(head, engine.block_tokens)
-            result: Reply | Stream = await stream_events(exchange, events, sim)
+            result: Reply | Stream = await stream_events(exchange, events, sim, engine.faults)
             final = events.final
         else:
             await finished(sim)

@@ -7,6 +7,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from bench.sim.faults import Faults
 from bench.sim.openai_api import (
     ChunkEvents,
     ParsedRequest,
@@ -72,14 +73,20 @@ class StreamEvents:
         return b"".join(events)
 
 
-async def stream_completion(exchange: Exchange, parsed: ParsedRequest, sim: SimRequest) -> Stream:
+async def stream_completion(
+    exchange: Exchange, parsed: ParsedRequest, sim: SimRequest, faults: Faults
+) -> Stream:
     """Answer a ``"stream": true`` completion (``stream_events``)."""
-    return await stream_events(exchange, StreamEvents(parsed), sim)
+    return await stream_events(exchange, StreamEvents(parsed), sim, faults)
 
 
-async def stream_events(exchange: Exchange, events: Events, sim: SimRequest) -> Stream:
+async def stream_events(
+    exchange: Exchange, events: Events, sim: SimRequest, faults: Faults
+) -> Stream:
     """Answer with a stream: the head, then ``events`` as the engine publishes tokens,
-    then the last of them; ``ConnectionResetError`` if it is dropped."""
+    then the last of them, then the end of the body in a write of its own, as vLLM's
+    uvicorn sends it (held while the ``hold_stream_end`` fault is on);
+    ``ConnectionResetError`` if it is dropped."""
     response = await exchange.stream(STREAM_HEADERS)
     # Where the front-end can write without awaiting, the engine's publish schedules a
     # callback that writes what is due, instead of waking this task for every chunk
@@ -120,5 +127,8 @@ async def stream_events(exchange: Exchange, events: Events, sim: SimRequest) -> 
             break
         if data:
             await response.write(data)
-    await response.end(data)
+    if data:
+        await response.write(data)
+    await faults.stream_end_released()
+    await response.end(b"")
     return response

@@ -19,7 +19,12 @@ import orjson
 
 from router.capture import MAX_TOOL_CALL_BYTES, ReplyCapture
 from router.errors import RouterError
-from router.wire.streams import anthropic_text_delta, anthropic_usage, merge_anthropic_usage
+from router.wire.streams import (
+    ANTHROPIC_ENDED,
+    anthropic_text_delta,
+    anthropic_usage,
+    merge_anthropic_usage,
+)
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -69,6 +74,8 @@ class MessagesCapture(ReplyCapture):
                 self._read_usage(message.get("usage"))
         elif kind == "message_delta":
             self._read_usage(obj.get("usage"))
+        elif kind == ANTHROPIC_ENDED:
+            self.ended = True
         elif kind == "error":
             self.errored = True
 

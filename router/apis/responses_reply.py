@@ -47,11 +47,14 @@ class ResponsesCapture(ReplyCapture):
         elif kind == "response.created":
             self._identify(obj.get("response"))
         elif kind in RESPONSES_ENDED:
+            self.ended = True
             response = obj.get("response")
             if isinstance(response, dict):
                 self._read_usage(response.get("usage"))
         elif kind in (RESPONSES_FAILED, "error") or stream_error(obj) is not None:
             self.errored = True
+            if kind == RESPONSES_FAILED:
+                self.ended = True
 
     def _item_added(self, item: Any) -> None:
         if isinstance(item, dict) and item.get("type") == "message":

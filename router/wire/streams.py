@@ -20,6 +20,11 @@ replay's stream readers (``bench.replay.api_streams``) both read replies through
 
 An error inside a stream is a chunk with an ``error`` (OpenAI's and Anthropic's shapes)
 or SGLang's ``{"object": "error", "message": …}``.
+
+A stream's terminal event (``[DONE]``, ``message_stop``, ``response.completed``,
+``response.incomplete``, ``response.failed``) is the last thing its engine sends; the end
+of the HTTP body may come in a later write (vLLM's uvicorn sends each event, and then the
+body's end, on its own), and a client may close as soon as it has the terminal event.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from typing import Any
 RESPONSES_TEXT_DELTA = "response.output_text.delta"
 RESPONSES_ENDED = ("response.completed", "response.incomplete")
 RESPONSES_FAILED = "response.failed"
+CHAT_DONE = "[DONE]"
+ANTHROPIC_ENDED = "message_stop"
 ANTHROPIC_PROMPT_PARTS = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
