@@ -5,6 +5,8 @@
 # The tests start their own redis-server (and Sentinel and Cluster nodes) and a real
 # Prometheus (with promtool) on free ports: their Debian packages are installed when a
 # binary is missing (with sudo when not root). APT_GET overrides the apt-get command.
+# Real vLLM engines (tests/vllm_engines.py) run from scripts/install-vllm.sh's environment
+# (INSTALL_VLLM overrides the script).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,4 +25,6 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 python3 -m pip install -e '.[test]'
+# The real-engine tests' vLLM (CPU build) in an environment of its own, kept between runs.
+"${INSTALL_VLLM:-scripts/install-vllm.sh}" >/dev/null
 python3 -m pytest -q "$@"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import socket
@@ -21,6 +22,7 @@ from router.app import create_app as create_router_app
 from router.capacity import gpu, load_model
 from router.config import HealthConfig, RouterConfig, WorkerConfig
 from router.server import RouterRunner
+from tests.vllm_engines import VllmEngine, install_vllm, start_engines, write_model
 
 TEST_MODEL = "sim-model"
 # Fast enough for CI, slow enough that the roofline still orders events.
@@ -188,3 +190,22 @@ def redis_url(redis_server: RedisServer) -> str:
         redis_server.start()
     redis_server.flush()
     return redis_server.url
+
+
+# -- real vLLM engines ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngine]]:
+    """Two real vLLM engines (CPU build, tiny Qwen3, real tokenizer) for the whole test
+    session: installed on first use, started together, stopped at the end."""
+    venv = install_vllm()
+    model = write_model(tmp_path_factory.mktemp("tiny-qwen3"))
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    engines = [VllmEngine(venv, model, logs, f"v{i}") for i in range(2)]
+    asyncio.run(start_engines(engines))
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop()
