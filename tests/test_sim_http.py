@@ -285,7 +285,7 @@ async def test_the_front_ends_answer_alike() -> None:
     assert got["aiohttp"]["metrics"].startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"text/event-stream" in got["httptools"]["chat, stream of one token"]
     assert b"event: message_stop" in got["httptools"]["messages, stream"]
-    assert b'"type":"api_error"' in got["aiohttp"]["failing messages"]
+    assert b'"type":"InternalServerError"' in got["aiohttp"]["failing messages"]
     listed = orjson.loads(got["httptools"]["requests"].partition(b"\r\n\r\n")[2])["requests"]
     assert [r["request_id"] for r in listed].count("r-7") == 1  # the first header of two
     assert got["aiohttp"]["requests after restart"].endswith(b'\r\n\r\n{"requests":[]}')

@@ -56,6 +56,9 @@ async def chat_prompt_tokens(sim: RunningEngine, body: dict[str, Any]) -> int:
     return tokens
 
 
+CACHE_KEYS = ("cache_creation_input_tokens", "cache_read_input_tokens")
+
+
 def prompt_total(usage: anthropic.types.Usage) -> int:
     return (
         usage.input_tokens
@@ -166,8 +169,7 @@ async def test_stream_events_are_vllms(sim: RunningEngine) -> None:
     ]
     assert [d["type"] for d in data] == names
     start = data[0]["message"]
-    assert start["content"] == [] and start["usage"]["output_tokens"] == 0
-    assert start["stop_reason"] is None and "stop_sequence" in start
+    assert start["content"] == [] and start["stop_reason"] is None and "stop_sequence" in start
     assert data[1] == {
         "type": "content_block_start",
         "content_block": {"type": "text", "text": ""},
@@ -176,8 +178,11 @@ async def test_stream_events_are_vllms(sim: RunningEngine) -> None:
     text = "".join(d["delta"]["text"] for d in data[2 : 2 + deltas])
     assert len(text) == 8 * 4
     assert data[-2]["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
-    assert data[-2]["usage"]["output_tokens"] == 8
-    assert data[-2]["usage"]["input_tokens"] == start["usage"]["input_tokens"]
+    end_usage = data[-2]["usage"]
+    assert end_usage["output_tokens"] == 8
+    # message_start has the first chat chunk's usage: the whole prompt, no cache split.
+    prompt = sum(end_usage[key] for key in ("input_tokens", *CACHE_KEYS))
+    assert start["usage"] == {"input_tokens": prompt, "output_tokens": 0}
 
 
 async def test_a_second_turn_reads_the_first_from_the_cache(
@@ -317,6 +322,7 @@ async def test_a_missing_max_tokens_is_an_openai_shaped_400(sim: RunningEngine) 
 async def test_an_unknown_model_is_an_anthropic_shaped_404(
     client: anthropic.AsyncAnthropic,
 ) -> None:
+    """vLLM 0.32 keeps its own error type (``NotFoundError``) in Anthropic's shape."""
     with pytest.raises(anthropic.NotFoundError) as created:
         await client.messages.create(
             model="no-such-model", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
@@ -327,10 +333,20 @@ async def test_an_unknown_model_is_an_anthropic_shaped_404(
         )
     for raised in (created.value, counted.value):
         assert raised.status_code == 404
-        assert raised.body == {
-            "type": "error",
-            "error": {
-                "type": "not_found_error",
-                "message": "The model `no-such-model` does not exist.",
-            },
-        }
+        assert isinstance(raised.body, dict) and list(raised.body) == ["type", "error"]
+        assert raised.body["type"] == "error"
+        error = raised.body["error"]
+        assert list(error) == ["type", "message"] and error["type"] == "NotFoundError"
+        assert error["message"].startswith("The model `no-such-model` does not exist.")
+
+
+async def test_asking_past_the_context_is_a_bad_request_error(sim: RunningEngine) -> None:
+    body = {
+        "model": TEST_MODEL,
+        "max_tokens": sim.engine.max_model_len + 1,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    status, raw = await post(f"{sim.url}/v1/messages", body)
+    assert status == 400
+    error = orjson.loads(raw)
+    assert error["type"] == "error" and error["error"]["type"] == "BadRequestError"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -10,8 +11,13 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.sim.config import Flavor
+from bench.sim.engine import Engine, running_engine
 from bench.sim.metric_buckets import build_1_2_5_buckets
 from bench.sim.metrics import EngineMetrics, observe, observe_many
+from bench.sim.request import SimRequest
+from bench.textgen import text_for
+from bench.tokenizer import encode_piece
+from tests.conftest import TEST_MODEL, engine_config
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CACHE_CONFIG = {
@@ -94,10 +100,43 @@ def test_vllm_families_have_vllm_names_types_and_labels() -> None:
         "vllm:request_decode_time_seconds": "histogram",
         "vllm:cache_config_info": "gauge",
         "process_start_time_seconds": "gauge",
+        # Added with vLLM 0.32's set.
+        "vllm:estimated_flops_per_gpu": "counter",
+        "vllm:estimated_read_bytes_per_gpu": "counter",
+        "vllm:estimated_write_bytes_per_gpu": "counter",
+        "vllm:num_requests_waiting_by_reason": "gauge",
+        "vllm:engine_sleep_state": "gauge",
+        "vllm:external_prefix_cache_queries": "counter",
+        "vllm:external_prefix_cache_hits": "counter",
+        "vllm:mm_cache_queries": "counter",
+        "vllm:mm_cache_hits": "counter",
+        "vllm:prompt_tokens_by_source": "counter",
+        "vllm:prompt_tokens_cached": "counter",
+        "vllm:prompt_tokens_cached_by_source": "counter",
+        "vllm:admission_rejections": "counter",
+        "vllm:iteration_tokens_total": "histogram",
+        "vllm:request_max_num_generation_tokens": "histogram",
+        "vllm:request_params_n": "histogram",
+        "vllm:request_params_max_tokens": "histogram",
+        "vllm:request_num_preemptions": "histogram",
+        "vllm:request_prefill_kv_computed_tokens": "histogram",
     }
     for name, kind in expected.items():
         assert families[name].type == kind, name
     assert not [name for name in families if name.startswith("sglang:")]
+    extra_label = {
+        "vllm:num_requests_waiting_by_reason": "reason",
+        "vllm:engine_sleep_state": "sleep_state",
+        "vllm:prompt_tokens_by_source_total": "source",
+        "vllm:prompt_tokens_cached_by_source_total": "source",
+    }
+    for sample_name, label in extra_label.items():
+        family = families[sample_name.removesuffix("_total")]
+        assert _label_names(family, sample_name) == {"model_name", "engine", label}
+    # The frontend's counter: no engine label.
+    assert _label_names(
+        families["vllm:admission_rejections"], "vllm:admission_rejections_total"
+    ) == {"model_name", "reason"}
     assert _label_names(families["vllm:num_requests_running"], "vllm:num_requests_running") == {
         "model_name",
         "engine",
@@ -200,8 +239,23 @@ def test_vllm_bucket_bounds_match_vllm() -> None:
     ):
         assert _bucket_bounds(families[f"vllm:{name}"]) == latency, name
     tokens = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, math.inf]
-    assert _bucket_bounds(families["vllm:request_prompt_tokens"]) == tokens
-    assert _bucket_bounds(families["vllm:request_generation_tokens"]) == tokens
+    for name in (
+        "request_prompt_tokens",
+        "request_generation_tokens",
+        "request_max_num_generation_tokens",
+        "request_params_max_tokens",
+        "request_prefill_kv_computed_tokens",
+    ):
+        assert _bucket_bounds(families[f"vllm:{name}"]) == tokens, name
+    assert _bucket_bounds(families["vllm:iteration_tokens_total"]) == [
+        *(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+        math.inf,
+    ]
+    assert _bucket_bounds(families["vllm:request_params_n"]) == [1, 2, 5, 10, 20, math.inf]
+    assert _bucket_bounds(families["vllm:request_num_preemptions"]) == [
+        *(1, 2, 3, 4, 5, 10, 20),
+        math.inf,
+    ]
 
 
 def test_build_1_2_5_buckets_matches_vllm_docstring() -> None:
@@ -209,12 +263,58 @@ def test_build_1_2_5_buckets_matches_vllm_docstring() -> None:
     assert build_1_2_5_buckets(4096) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
 
 
-def test_vllm_cache_config_info_labels_are_the_config_keys_plus_engine() -> None:
+# vLLM 0.32's CacheConfig fields, as its /metrics lists them on vllm:cache_config_info.
+VLLM_CACHE_CONFIG_FIELDS = {
+    *("_block_size_resolved", "block_size", "cache_dtype", "cache_hit_alignment_tokens"),
+    *("effective_attention_block_size", "enable_mamba_shared_prefix_checkpoint"),
+    *("enable_prefix_caching", "gpu_memory_utilization", "hash_block_size"),
+    *("is_attention_free", "kv_cache_dtype_skip_layers", "kv_cache_layout"),
+    *("kv_cache_max_concurrency", "kv_cache_memory_bytes", "kv_cache_size_tokens"),
+    *("kv_offloading_backend", "kv_offloading_size", "kv_sharing_fast_prefill"),
+    *("mamba_block_size", "mamba_cache_dtype", "mamba_cache_mode", "mamba_page_size_padded"),
+    *("mamba_ssm_cache_dtype", "num_cpu_blocks", "num_gpu_blocks", "num_gpu_blocks_override"),
+    *("prefix_cache_retention_interval", "prefix_caching_hash_algo", "prefix_match_unit"),
+    *("replayssm_buffer_len", "skip_page_size_padded", "sliding_window", "swa_bounded_replay"),
+    *("use_kda_recoverssm", "use_replayssm", "user_specified_block_size"),
+}
+
+
+def test_vllm_cache_config_info_has_every_cache_config_field_plus_engine() -> None:
     family = _families(_vllm(engine_id="3"))["vllm:cache_config_info"]
     assert family.documentation == "Information of the LLMEngine CacheConfig"
     [sample] = family.samples
-    assert sample.labels == {**CACHE_CONFIG, "engine": "3"}
+    assert set(sample.labels) == {*VLLM_CACHE_CONFIG_FIELDS, "engine"}
     assert sample.value == 1.0
+    # Given keys as given; the rest at vLLM's defaults, formatted as str() formats them.
+    assert sample.labels == sample.labels | CACHE_CONFIG | {"engine": "3"}
+    assert sample.labels["kv_cache_dtype_skip_layers"] == "[]"
+    assert sample.labels["mamba_cache_mode"] == "none"
+    assert sample.labels["prefix_cache_retention_interval"] == "0"
+    assert sample.labels["kv_offloading_size"] == "None"
+    # What 2048 blocks of 16 imply at max_model_len 1000: 63 blocks a request (the last
+    # one partly used), 2048 / 63 requests at once, and that many max_model_lens of tokens.
+    assert sample.labels["effective_attention_block_size"] == "16"
+    assert sample.labels["kv_cache_max_concurrency"] == str(2048 / 63)
+    assert sample.labels["kv_cache_size_tokens"] == str(int(2048 / 63 * 1000))
+    assert sample.labels["user_specified_block_size"] == "False"  # vLLM's default block size
+
+
+def test_vllm_cache_config_info_matches_real_vllm_for_the_same_pool() -> None:
+    """The labels a vLLM 0.32 engine with --block-size 32 --num-gpu-blocks-override 128
+    --max-model-len 2048 shows (read from one), for the facts the simulator shares."""
+    config = {"block_size": "32", "num_gpu_blocks": "128", "num_gpu_blocks_override": "128"}
+    metrics = EngineMetrics("vllm", MODEL, "0", config, 1.0, max_model_len=2048)
+    [sample] = _families(metrics)["vllm:cache_config_info"].samples
+    assert {k: sample.labels[k] for k in sorted(sample.labels) if "kv_cache_" in k} == {
+        "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": "2.0",
+        "kv_cache_memory_bytes": "None",  # 1073741824 on the CPU build: its KV space
+        "kv_cache_size_tokens": "4096",
+    }
+    assert sample.labels["user_specified_block_size"] == "True"
+    assert sample.labels["effective_attention_block_size"] == "32"
+    assert sample.labels["_block_size_resolved"] == "True"
 
 
 def test_vllm_values_follow_recorded_calls() -> None:
@@ -279,12 +379,131 @@ def test_vllm_values_follow_recorded_calls() -> None:
     assert _value(f, "process_start_time_seconds") == 1000.0
 
 
+def test_vllm_added_series_follow_recorded_calls() -> None:
+    metrics = _vllm()
+    metrics.record_step(running=1, waiting=4, kv_usage=0.5)
+    metrics.record_prefix_query(queries=100, hits=48)
+    metrics.record_iteration(53)  # a step that ended a 52-token prefill and sampled 1
+    metrics.record_iteration(2, steps=30)  # a 30-step span decoding 2 requests
+    metrics.record_finished(
+        "stop", 100, 31, 2.0, 0.5, 0.3, 1.2, [0.04] * 30,
+        cached_tokens=48, num_preemptions=2, max_tokens=500,
+    )  # fmt: skip
+    metrics.record_finished("length", 7, 3, 0.4, 0.0, 0.2, 0.2, [0.1] * 2, max_tokens=3)
+    metrics.record_finished("abort", 9, 0, 0.1, 0.1, 0.0, 0.0, [])  # gave no max_tokens
+    f, lbl = _families(metrics), VLLM_LABELS
+    waiting = "vllm:num_requests_waiting_by_reason"
+    assert _value(f, waiting, reason="capacity", **lbl) == 4
+    assert _value(f, waiting, reason="deferred", **lbl) == 0
+    sleep = "vllm:engine_sleep_state"
+    assert _value(f, sleep, sleep_state="awake", **lbl) == 1
+    assert _value(f, sleep, sleep_state="weights_offloaded", **lbl) == 0
+    assert _value(f, sleep, sleep_state="discard_all", **lbl) == 0
+    # Prompt tokens split into computed and cached; the tiers count the admission's hits.
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert _value(f, "vllm:prompt_tokens_total", **lbl) == 116
+    assert _value(f, by_source, source="local_compute", **lbl) == 116 - 48
+    assert _value(f, by_source, source="local_cache_hit", **lbl) == 48
+    assert _value(f, by_source, source="external_kv_transfer", **lbl) == 0
+    assert _value(f, "vllm:prompt_tokens_cached_total", **lbl) == 48
+    cached_by = "vllm:prompt_tokens_cached_by_source_total"
+    assert _value(f, cached_by, source="device", **lbl) == 48
+    for tier in ("host", "p2p", "disk", "external_unspecified"):
+        assert _value(f, cached_by, source=tier, **lbl) == 0
+    iteration = "vllm:iteration_tokens_total"
+    assert _value(f, f"{iteration}_count", **lbl) == 31
+    assert _value(f, f"{iteration}_sum", **lbl) == 53 + 60
+    assert _value(f, f"{iteration}_bucket", le="1.0", **lbl) == 0
+    assert _value(f, f"{iteration}_bucket", le="8.0", **lbl) == 30
+    assert _value(f, f"{iteration}_bucket", le="64.0", **lbl) == 31
+    preemptions = "vllm:request_num_preemptions"
+    assert _value(f, f"{preemptions}_sum", **lbl) == 2
+    assert _value(f, f"{preemptions}_bucket", le="1.0", **lbl) == 2
+    assert _value(f, f"{preemptions}_bucket", le="2.0", **lbl) == 3
+    # max_tokens only where given; n is 1 for every request.
+    assert _value(f, "vllm:request_params_max_tokens_count", **lbl) == 2
+    assert _value(f, "vllm:request_params_max_tokens_sum", **lbl) == 503
+    assert _value(f, "vllm:request_params_n_count", **lbl) == 3
+    assert _value(f, "vllm:request_params_n_bucket", le="1.0", **lbl) == 3
+    assert _value(f, "vllm:request_max_num_generation_tokens_sum", **lbl) == 34
+    assert _value(f, "vllm:request_prefill_kv_computed_tokens_sum", **lbl) == 52 + 7 + 9
+    assert _value(f, "vllm:request_prefill_kv_computed_tokens_bucket", le="5.0", **lbl) == 0
+    assert _value(f, "vllm:request_prefill_kv_computed_tokens_bucket", le="10.0", **lbl) == 2
+    assert _value(f, "vllm:request_success_total", finished_reason="repetition", **lbl) == 0
+    for name in ("estimated_flops_per_gpu", "external_prefix_cache_hits", "mm_cache_queries"):
+        assert _value(f, f"vllm:{name}_total", **lbl) == 0
+    for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        assert _value(f, "vllm:admission_rejections_total", model_name=MODEL, reason=reason) == 0
+
+
+async def _finish(request: SimRequest) -> None:
+    while not request.finished:
+        await request.next_update()
+
+
+def _stall_at_first_token(engine: Engine, request: SimRequest) -> bool:
+    """A listener that stalls ``engine`` as ``request``'s first token comes out, so the
+    test acts before the next step however late its task runs."""
+    engine.faults.update({"stall": True})
+    request.listener = None
+    return False  # wake the request's waiter
+
+
+async def test_a_simulated_engine_feeds_the_added_vllm_series() -> None:
+    """One request alone, then one with the same prompt (a cache hit, stopping before its
+    max_tokens), then one preempted mid-decode: the values vLLM would show for them."""
+    prompt = encode_piece(text_for("metrics", 200))  # 200 tokens: 12 full blocks of 16
+    async with running_engine(engine_config(time_scale=50.0)) as engine:
+        await _finish(engine.submit(prompt, 20, True))
+        second = engine.submit(prompt, 1000, False, seed=7)
+        await _finish(second)
+        third = engine.submit(encode_piece(text_for("other", 100)), 40, True)
+        third.listener = functools.partial(_stall_at_first_token, engine)
+        await third.next_update()
+        assert third.output_tokens == 1
+        assert engine.reset_prefix_cache(reset_running=True)
+        engine.faults.update({"stall": False})
+        await _finish(third)
+        f = _families(engine.metrics)
+    assert second.finish_reason == "stop" and second.output_tokens < 1000
+    lbl = {"model_name": TEST_MODEL, "engine": "0"}
+    cached = 192  # the second request's: every full block but the one holding its last token
+    computed = 200 + (200 - cached) + 100
+    generated = 20 + second.output_tokens + 40
+    assert second.cached_tokens == cached
+    by_source = "vllm:prompt_tokens_by_source_total"
+    assert _value(f, by_source, source="local_compute", **lbl) == computed
+    assert _value(f, by_source, source="local_cache_hit", **lbl) == cached
+    assert _value(f, "vllm:prompt_tokens_cached_total", **lbl) == cached
+    cached_by = "vllm:prompt_tokens_cached_by_source_total"
+    assert _value(f, cached_by, source="device", **lbl) == cached
+    assert _value(f, "vllm:request_prefill_kv_computed_tokens_sum", **lbl) == computed
+    # One request at a time: every step that produced a token produced one, and the first
+    # token's step also counts the prompt it computed (not the preempted one's recompute).
+    assert _value(f, "vllm:iteration_tokens_total_count", **lbl) == generated
+    assert _value(f, "vllm:iteration_tokens_total_sum", **lbl) == computed + generated
+    assert _value(f, "vllm:request_params_max_tokens_sum", **lbl) == 20 + 1000 + 40
+    assert _value(f, "vllm:request_max_num_generation_tokens_sum", **lbl) == generated
+    assert _value(f, "vllm:request_params_n_sum", **lbl) == 3
+    assert _value(f, "vllm:num_preemptions_total", **lbl) == 1
+    assert _value(f, "vllm:request_num_preemptions_sum", **lbl) == 1
+    assert _value(f, "vllm:request_num_preemptions_count", **lbl) == 3
+    assert _value(f, "vllm:num_requests_waiting_by_reason", reason="capacity", **lbl) == 0
+    [info] = f["vllm:cache_config_info"].samples
+    assert info.labels["num_gpu_blocks"] == str(engine.num_blocks)
+    assert info.labels["kv_cache_size_tokens"] == str(
+        int(engine.num_blocks / -(-engine.max_model_len // 16) * engine.max_model_len)
+    )
+
+
 def test_vllm_rejects_unknown_reason_and_impossible_hits() -> None:
     metrics = _vllm()
     with pytest.raises(ValueError, match="stop, length, abort"):
         metrics.record_finished("timeout", 1, 1, 0.1, 0.0, 0.1, 0.0, [])
     with pytest.raises(ValueError, match="hits <= queries"):
         metrics.record_prefix_query(queries=10, hits=11)
+    with pytest.raises(ValueError, match="cached_tokens <= prompt_tokens"):
+        metrics.record_finished("stop", 10, 1, 0.1, 0.0, 0.1, 0.0, [], cached_tokens=11)
 
 
 def test_sglang_flavor_emits_sglang_names_labels_and_buckets() -> None:
@@ -493,6 +712,15 @@ def test_observe_matches_prometheus_observe() -> None:
     for value in values:
         theirs.observe(value)
         observe(ours, value)
+    assert _lines(ours_registry) == _lines(theirs_registry)
+
+
+def test_observe_times_matches_observing_that_often() -> None:
+    (theirs, theirs_registry), (ours, ours_registry) = _twin_histograms((1, 8, 16, 32))
+    for value, times in ((1, 3), (8, 1), (9, 40), (33, 2), (0, 5)):
+        for _ in range(times):
+            theirs.observe(value)
+        observe(ours, value, times)
     assert _lines(ours_registry) == _lines(theirs_registry)
 
 

@@ -7,6 +7,7 @@ input), so its prompt counts and caches as the chat path's does."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,7 @@ import openai
 import orjson
 import pytest
 
+from bench.sim.responses_request import parse, sampling
 from bench.textgen import text_for
 from tests.conftest import TEST_MODEL, RunningEngine, engine_config
 from tests.sim_servers import FRONTS, serve_engine_on
@@ -89,8 +91,8 @@ async def test_create_answers_with_a_response(
     [item] = response.output
     assert item.type == "message" and item.id.startswith("msg_") and len(item.id) == 20
     assert len(response.output_text) == 12 * 4  # stand-in tokens are 4 bytes
-    # The output hit max_output_tokens: vLLM's "incomplete".
-    assert response.status == "incomplete" and item.status == "incomplete"
+    # The output hit max_output_tokens: vLLM's "incomplete"; 0.32's item says "completed".
+    assert response.status == "incomplete" and item.status == "completed"
     assert response.incomplete_details is not None
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.max_output_tokens == 12 and response.instructions == SYSTEM
@@ -115,13 +117,18 @@ async def test_the_body_is_vllms(sim: RunningEngine) -> None:
         *("id", "created_at", "incomplete_details", "instructions", "metadata", "model"),
         *("object", "output", "parallel_tool_calls", "temperature", "tool_choice", "tools"),
         *("top_p", "background", "max_output_tokens", "max_tool_calls"),
-        *("previous_response_id", "prompt", "prompt_cache_options", "prompt_cache_key"),
-        *("prompt_cache_retention", "reasoning", "safety_identifier", "service_tier"),
+        *("previous_response_id", "prompt", "reasoning", "service_tier"),
         *("status", "text", "top_logprobs", "truncation", "usage", "user"),
         *("presence_penalty", "frequency_penalty", "kv_transfer_params"),
         *("ec_transfer_params", "input_messages", "output_messages"),
     ]
     assert answer["id"] == "resp_abc" and answer["tool_choice"] == "none"
+    assert answer["status"] == "incomplete"
+    assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert answer["output"][0]["status"] == "completed"
+    # vLLM's neutral sampling: the stand-in model has no generation_config.json.
+    sampling = ("temperature", "top_p", "presence_penalty", "frequency_penalty")
+    assert [answer[name] for name in sampling] == [1.0, 1.0, 0.0, 0.0]
     assert answer["usage"]["input_tokens_details"]["cached_tokens"] == 0
     assert answer["usage"]["output_tokens_details"]["tool_output_tokens"] == 0
 
@@ -136,7 +143,7 @@ STREAM_END = [
     "response.output_text.done",
     "response.content_part.done",
     "response.output_item.done",
-    "response.incomplete",
+    "response.completed",  # vLLM 0.32 sends no response.incomplete
 ]
 
 
@@ -160,13 +167,16 @@ async def test_stream_events_in_order(sim: RunningEngine, client: openai.AsyncOp
     assert created.response.status == "in_progress" and created.response.output == []
     assert created.response.usage is None
     final = events[-1]
-    assert final.type == "response.incomplete"
+    assert final.type == "response.completed"
+    assert final.response.status == "incomplete"
+    assert final.response.incomplete_details is not None
+    assert final.response.incomplete_details.reason == "max_output_tokens"
     assert final.response.id == created.response.id == in_progress.response.id
     assert added.type == "response.output_item.added"
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert len(text) == 30 * 4 and final.response.output_text == text
     [item] = final.response.output
-    assert item.id == added.item.id
+    assert item.type == "message" and item.id == added.item.id and item.status == "completed"
     usage = final.response.usage
     assert usage is not None and usage.output_tokens == 30
     assert usage.input_tokens == await chat_prompt_tokens(sim, FIRST_TURN)
@@ -264,6 +274,50 @@ async def test_input_items_render_as_their_chat_messages(
     assert response.usage.input_tokens == await chat_prompt_tokens(sim, chat)
 
 
+async def test_the_sampling_echoed_is_the_requests_else_the_models(
+    sim: RunningEngine, tmp_path: Path
+) -> None:
+    (tmp_path / "generation_config.json").write_bytes(
+        orjson.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True})
+    )
+    request = parse({"input": "hi", "temperature": "0.3", "presence_penalty": 1})
+    assert sampling(request, str(tmp_path)) == {
+        "temperature": 0.3,
+        "top_p": 0.95,
+        "presence_penalty": 1.0,
+        "frequency_penalty": 0.0,
+    }
+    assert sampling(request, None)["top_p"] == 1.0
+    body = {"model": TEST_MODEL, "input": "hi", "max_output_tokens": 2, "top_p": 0.5}
+    status, answer = await http("POST", f"{sim.url}/v1/responses", body)
+    assert status == 200 and (answer["temperature"], answer["top_p"]) == (1.0, 0.5)
+    status, answer = await http("POST", f"{sim.url}/v1/responses", {**body, "top_p": "x"})
+    assert status == 400 and answer["error"]["param"] == "body.top_p"
+
+
+async def test_max_output_tokens_past_the_context_is_a_400(front: str) -> None:
+    """Up to max_model_len it is clamped to what the prompt leaves; past it, a 400."""
+    limit = 64
+    async with serve_engine_on(front, engine_config(max_model_len=limit)) as short:
+        body = {"model": TEST_MODEL, "input": "hi", "max_output_tokens": limit + 1}
+        status, answer = await http("POST", f"{short.url}/v1/responses", body)
+        assert status == 400
+        assert answer["error"] == {
+            "message": f"max_output_tokens={limit + 1} cannot be greater than max_model_len="
+            f"{limit}. Please request fewer output tokens. (parameter=max_output_tokens, "
+            f"value={limit + 1})",
+            "type": "BadRequestError",
+            "param": "max_output_tokens",
+            "code": 400,
+        }
+        status, answer = await http(
+            "POST", f"{short.url}/v1/responses", {**body, **EXACT, "max_output_tokens": limit}
+        )
+        assert status == 200
+        prompt = await chat_prompt_tokens(short, [{"role": "user", "content": "hi"}])
+        assert answer["max_output_tokens"] == answer["usage"]["output_tokens"] == limit - prompt
+
+
 async def test_unsupported_input_item_is_a_400(sim: RunningEngine) -> None:
     body = {"model": TEST_MODEL, "input": [{"type": "image_generation_call", "id": "x"}]}
     status, answer = await http("POST", f"{sim.url}/v1/responses", body)
@@ -278,9 +332,8 @@ async def test_stored_responses_are_retrieved(client: openai.AsyncOpenAI) -> Non
         model=TEST_MODEL, input=QUESTION, max_output_tokens=5, stream=True, extra_body=EXACT
     )
     last = [event async for event in stream][-1]
-    # vLLM ends a stream cut at max_output_tokens with response.incomplete, which the
-    # SDK's get_final_response() does not take: read the terminal event itself.
-    assert last.type == "response.incomplete"
+    # A stream cut at max_output_tokens ends with response.completed all the same.
+    assert last.type == "response.completed" and last.response.status == "incomplete"
     streamed = last.response
     got = await client.responses.retrieve(streamed.id)
     assert got.output[0].id == streamed.output[0].id

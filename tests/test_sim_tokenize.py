@@ -199,7 +199,9 @@ async def test_bad_tokenizer_bodies_get_vllm_errors(sim: RunningEngine) -> None:
             assert error["code"] == status and error["message"], (path, body)
             if status == 404:
                 assert error["type"] == "NotFoundError"
-                assert error["message"] == "The model `other` does not exist."
+                assert error["message"] == (
+                    "The model `other` does not exist. Valid aliases: sim-model."
+                )
         # The endpoints still serve after all of that.
         assert (await post(http, f"{sim.url}/detokenize", {"tokens": []})) == {"prompt": ""}
 

@@ -35,6 +35,7 @@ from bench.sim.exchange import (
 )
 from bench.sim.generation import finished, raise_injected_fault, submit
 from bench.sim.openai_api import (
+    VLLM_VERSION,
     ParsedRequest,
     full_response,
     models_body,
@@ -51,7 +52,6 @@ from router.wire.kinds import PromptKind
 
 Endpoint = Callable[[Engine, Exchange], Awaitable[Reply | Stream]]
 
-VLLM_VERSION = "0.11.0"
 SGLANG_VERSION = "0.5.3"
 
 
@@ -98,13 +98,15 @@ async def _completion(engine: Engine, exchange: Exchange, kind: PromptKind) -> R
     sim = submit(engine, parsed, exchange)
     try:
         if parsed.stream:
-            return await stream_completion(exchange, parsed, sim, engine.faults)
-        return await _respond_whole(parsed, sim)
+            return await stream_completion(
+                exchange, parsed, sim, engine.faults, engine.block_tokens
+            )
+        return await _respond_whole(parsed, sim, engine.block_tokens)
     finally:
         engine.abort(sim)  # no-op when it finished; frees blocks when the client left
 
 
-async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
+async def _respond_whole(parsed: ParsedRequest, sim: SimRequest, block_tokens: int) -> Reply:
     await finished(sim)
     body = full_response(
         parsed.kind,
@@ -113,7 +115,15 @@ async def _respond_whole(parsed: ParsedRequest, sim: SimRequest) -> Reply:
         int(time.time()),
         sim.output_text(),
         sim.finish_reason or "length",
-        usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens),
+        usage(
+            parsed.kind,
+            False,
+            sim.prompt_tokens,
+            sim.output_tokens,
+            sim.cached_tokens,
+            sim.cache_written_tokens(block_tokens),
+        ),
+        parsed.fingerprint,
     )
     return json_reply(body)
 

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from bench.sim.config import (
+    DEFAULT_BLOCK_TOKENS,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
@@ -53,6 +54,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_TOKENS,
+        help="tokens per KV block, as vLLM's (CPU vLLM takes multiples of 32 only)",
     )
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     parser.add_argument(
@@ -122,6 +129,7 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         ),
         kv_tokens=args.kv_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        block_tokens=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -159,6 +167,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         str(args.tp),
         "--gpu-memory-utilization",
         str(args.gpu_memory_utilization),
+        "--block-size",
+        str(args.block_size),
         "--max-num-seqs",
         str(args.max_num_seqs),
         "--max-num-batched-tokens",

@@ -206,7 +206,9 @@ class Engine:
             reason,
             self.prefix_hashes.hashes(prompt, parent),
             cache_salt,
+            self.prompts.reply_words,
         )
+        request.max_tokens = max_tokens
         request.record = RequestRecord(
             request_id,
             request.prompt_tokens,
@@ -361,6 +363,7 @@ class Engine:
                 self._publish(
                     self.scheduler.complete_decode(plan, done, ends[done:reached]),
                     ends[reached - 1],
+                    reached - done,
                 )
                 done = reached
         return ends[span - 1]
@@ -397,8 +400,15 @@ class Engine:
             len(self.scheduler.running), len(self.scheduler.waiting), self.pool.usage()
         )
 
-    def _publish(self, outcome: StepOutcome, now: float) -> None:
+    def _publish(self, outcome: StepOutcome, now: float, steps: int = 1) -> None:
+        """Hand out what ``steps`` steps produced (more than one only in a decode span,
+        where every step gives each request in ``outcome.advanced`` a token)."""
         interval = self.config.stream_interval
+        if outcome.advanced:
+            # vLLM's tokens per step: those sampled, plus each finished prefill's computed
+            # (not cached) prompt tokens; a step that produced no token is not counted.
+            prefilled = sum(r.prompt_tokens - r.cached_tokens for r in outcome.first_tokens)
+            self.metrics.record_iteration(prefilled + len(outcome.advanced), steps)
         for request in outcome.first_tokens:
             self.metrics.record_first_token(now - request.arrival)
         for request in outcome.finished:
@@ -429,6 +439,9 @@ class Engine:
             # The gaps between consecutive token times (``map`` of C ``sub``: a third
             # cheaper than a comprehension over ``pairwise``; the same floats).
             inter_token_s=list(map(operator.sub, times[1:], times)),
+            cached_tokens=request.cached_tokens,
+            num_preemptions=request.num_preemptions,
+            max_tokens=request.max_tokens,
         )
 
 

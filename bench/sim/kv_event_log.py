@@ -30,6 +30,7 @@ from router.wire.blocks import TOKEN_BYTES
 
 MEDIUM = "GPU"
 GROUP = 0  # one full-attention KV cache group
+SPEC_KIND = "full_attention"  # vLLM 0.32 names the group's kind
 
 
 def fresh_runs(first: int, fresh: Sequence[bool]) -> Iterator[tuple[int, int]]:
@@ -133,6 +134,7 @@ class EngineEvents:
                     lora_name=None,
                     extra_keys=[event_extra_keys(block_extra_keys(0, block.cache_salt))],
                     group_idx=GROUP,
+                    kv_cache_spec_kind=SPEC_KIND,
                 )
             )
         self.flush()
@@ -168,6 +170,7 @@ class EngineEvents:
                     for i in range(start, end)
                 ],
                 group_idx=GROUP,
+                kv_cache_spec_kind=SPEC_KIND,
             )
         )
 

@@ -1,5 +1,6 @@
 """Histogram bucket bounds of vLLM's and SGLang's engine metrics, as their sources set them
-(vLLM V1 ``vllm/v1/metrics/loggers.py``, SGLang ``python/sglang/srt/metrics/collector.py``).
+(vLLM V1 ``vllm/v1/metrics/buckets.py`` and ``loggers.py``, SGLang
+``python/sglang/srt/metrics/collector.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,27 @@ VLLM_REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     1920.0,
     7680.0,
 )
+# vllm:iteration_tokens_total: tokens per engine step, powers of two up to a typical
+# max_num_batched_tokens.
+VLLM_ITERATION_TOKENS_BUCKETS: tuple[float, ...] = (
+    1,
+    8,
+    16,
+    32,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+)
+VLLM_REQUEST_PARAMS_N_BUCKETS: tuple[float, ...] = (1, 2, 5, 10, 20)
+# vllm:request_num_preemptions: every finished request is observed, so the first bucket
+# holds the never-preempted ones together with the once-preempted.
+VLLM_REQUEST_NUM_PREEMPTIONS_BUCKETS: tuple[float, ...] = (1, 2, 3, 4, 5, 10, 20)
 
 SGLANG_TTFT_BUCKETS: tuple[float, ...] = (
     0.1,

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bench.sim.prompts import ChatInput, check_template_options
+from bench.sim.reply_words import ModelWords, ReplyWords
 from bench.sim.request_fields import ApiError
 from router.errors import BadRequest
 from router.tokens.conversation import (
@@ -53,6 +54,7 @@ class ModelPrompts:
     def __init__(self, model: ModelTokenizer, held_tokens: int = HELD_TOKENS) -> None:
         self.model = model
         self.vocab_size: int = model.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.reply_words: ReplyWords = ModelWords.of(model)
         self._encoder = IncrementalEncoder(model, held_tokens)
         # One thread: the encoder's cache of earlier prompts needs no lock.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-tokenizer")

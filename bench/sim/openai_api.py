@@ -1,17 +1,22 @@
-"""Request parsing and response shapes of vLLM's OpenAI-compatible API (simulated)."""
+"""Request parsing and response shapes of vLLM's OpenAI-compatible API (simulated), as
+vLLM 0.32 answers: ``tests/test_sim_vs_vllm.py`` holds them to a real engine's."""
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import xxhash
 
 from bench.sim.prompts import STAND_IN, Prompts, encode_prompt
 from bench.sim.request_fields import ApiError, field, request_body, requested_model
 from router.wire.kinds import PromptKind
+
+VLLM_VERSION = "0.32.0"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +32,7 @@ class ParsedRequest:
     cache_salt: str | None
     min_tokens: int
     ignore_eos: bool
+    fingerprint: str  # the replies' system_fingerprint
 
     @property
     def prompt_tokens(self) -> int:
@@ -41,21 +47,34 @@ async def parse_request(
     model = requested_model(body, served_model)
     if field(body, "n", int, 1) != 1:
         raise ApiError(400, "only n=1 is simulated", param="n")
-    prompt = await encode_prompt(prompts, kind, body)
-    prompt_tokens = len(prompt) // 4
     requested = field(body, "max_completion_tokens", int) or field(body, "max_tokens", int)
     if requested is not None and requested < 1:
-        raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
-    max_tokens = requested if requested is not None else max_model_len - prompt_tokens
-    if prompt_tokens + max(max_tokens, 1) > max_model_len or max_tokens < 1:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
-            param="messages" if kind == "chat" else "prompt",
+        raise _invalid_value(
+            f"max_tokens must be at least 1, got {requested}.", "max_tokens", requested
         )
+    if requested is not None and requested > max_model_len:
+        raise _invalid_value(
+            f"max_tokens={requested} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            "max_tokens",
+            requested,
+        )
+    prompt = await encode_prompt(prompts, kind, body)
+    prompt_tokens = len(prompt) // 4
+    if prompt_tokens > max_model_len:
+        # vLLM's tokenizer stops one token past the limit, so it knows no more than that.
+        seen = min(prompt_tokens, max_model_len + 1)
+        qualifier = "at least " if seen == max_model_len + 1 else ""
+        raise _invalid_value(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {qualifier}{seen} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+            seen,
+        )
+    # A reply that would not fit is cut at the context's end, not refused.
+    room = max(max_model_len - prompt_tokens, 1)
+    max_tokens = room if requested is None else min(requested, room)
     min_tokens = field(body, "min_tokens", int, 0)
     ignore_eos = bool(field(body, "ignore_eos", bool, False))
     stream_options = field(body, "stream_options", dict, {})
@@ -71,20 +90,53 @@ async def parse_request(
         cache_salt=field(body, "cache_salt", str),
         min_tokens=min_tokens,
         ignore_eos=ignore_eos,
+        fingerprint=system_fingerprint(served_model, max_model_len),
     )
+
+
+def _invalid_value(message: str, parameter: str, value: object) -> ApiError:
+    """vLLM's ``VLLMValidationError``: the parameter and value close the message."""
+    return ApiError(400, f"{message} (parameter={parameter}, value={value})", param=parameter)
+
+
+@functools.cache
+def system_fingerprint(served_model: str, max_model_len: int) -> str:
+    """``vllm-<version>-<8 hex digits>``: vLLM's names its version and a digest of its
+    configuration."""
+    digest = xxhash.xxh32_hexdigest(f"{served_model}\x00{max_model_len}".encode())
+    return f"vllm-{VLLM_VERSION}-{digest}"
 
 
 def new_id(kind: PromptKind) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
+def usage(
+    kind: PromptKind,
+    stream: bool,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    created_tokens: int,
+) -> dict[str, Any]:
+    """vLLM 0.32's usage, whose details differ by kind and by whole or streamed reply:
+    ``created_cache_tokens`` (the prompt's full blocks written to the cache) is a
+    number for chat, null for a whole completion and absent from a streamed one."""
+    details: dict[str, Any] = {"cached_tokens": cached_tokens}
+    if kind == "chat":
+        details["created_cache_tokens"] = created_tokens
+    elif not stream:
+        details["created_cache_tokens"] = None
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
     }
+    if not stream:
+        details["multimodal_tokens"] = None
+        body["completion_tokens_details"] = None
+    return body
 
 
 def stream_chunk(
@@ -104,19 +156,30 @@ def stream_chunk(
         if text is not None:
             delta["content"] = text
         choice["delta"] = delta
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
+        if finish_reason is not None:
+            choice["stop_reason"] = None
+        if not first:
+            choice["token_ids"] = None
     else:
         choice["text"] = text or ""
-    choice["logprobs"] = None
-    choice["finish_reason"] = finish_reason
-    if finish_reason is not None:
+        choice["logprobs"] = None
+        choice["finish_reason"] = finish_reason
         choice["stop_reason"] = None
-    return {
+        choice["prompt_token_ids"] = None
+        choice["token_ids"] = None
+    chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
         "choices": [choice],
     }
+    if first:
+        chunk["prompt_token_ids"] = None
+        chunk["prompt_text"] = None
+    return chunk
 
 
 def sse_event(obj: dict[str, Any]) -> bytes:
@@ -154,7 +217,12 @@ class ChunkEvents:
 
 
 def usage_chunk(
-    kind: PromptKind, rid: str, model: str, created: int, usage_body: dict[str, Any]
+    kind: PromptKind,
+    rid: str,
+    model: str,
+    created: int,
+    usage_body: dict[str, Any],
+    fingerprint: str,
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -163,6 +231,7 @@ def usage_chunk(
         "model": model,
         "choices": [],
         "usage": usage_body,
+        "system_fingerprint": fingerprint,
     }
 
 
@@ -174,56 +243,69 @@ def full_response(
     text: str,
     finish_reason: str,
     usage_body: dict[str, Any],
+    fingerprint: str,
 ) -> dict[str, Any]:
     if kind == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": text,
-                "refusal": None,
-                "tool_calls": [],
-                "reasoning_content": None,
-            },
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
+        message = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
         }
-        obj = "chat.completion"
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None}
+        choice |= {"finish_reason": finish_reason, "stop_reason": None, "token_ids": None}
     else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "stop_reason": None,
-            "prompt_logprobs": None,
-        }
-        obj = "text_completion"
-    return {
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice |= {"stop_reason": None, "token_ids": None, "prompt_logprobs": None}
+        choice["prompt_token_ids"] = None
+    choice["routed_experts"] = None
+    body: dict[str, Any] = {
         "id": rid,
-        "object": obj,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
         "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": fingerprint,
         "usage": usage_body,
-        "prompt_logprobs": None,
     }
+    if kind == "chat":
+        body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+    return body | {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
 def models_body(model: str, max_model_len: int, owned_by: str) -> dict[str, Any]:
+    created = int(time.time())
+    permission = {
+        # vLLM draws a new id each time; one per model keeps the front ends' bytes alike.
+        "id": f"modelperm-{xxhash.xxh64_hexdigest(model.encode())}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
     return {
         "object": "list",
         "data": [
             {
                 "id": model,
                 "object": "model",
-                "created": int(time.time()),
+                "created": created,
                 "owned_by": owned_by,
                 "root": model,
                 "parent": None,
                 "max_model_len": max_model_len,
-                "permission": [],
+                "permission": [permission],
             }
         ],
     }

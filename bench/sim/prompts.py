@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bench.sim.request_fields import ApiError, field
+from bench.sim.reply_words import STAND_IN_WORDS, ReplyWords
+from bench.sim.request_fields import ApiError, field, missing
 from bench.tokenizer import IM_END, encode_piece, encode_token_ids, render_chat
 from router.wire.blocks import TOKEN_BYTES
 from router.wire.kinds import PromptKind
@@ -57,6 +58,10 @@ class Prompts(Protocol):
     async def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids`` (``/detokenize``)."""
 
+    @property
+    def reply_words(self) -> ReplyWords:
+        """What the engine generates in these tokens."""
+
     def close(self) -> None: ...
 
 
@@ -64,6 +69,7 @@ class StandInPrompts:
     """The simulator's own tokens (``bench/tokenizer.py``)."""
 
     vocab_size = STAND_IN_VOCAB
+    reply_words: ReplyWords = STAND_IN_WORDS
 
     async def chat(self, chat: ChatInput) -> bytes:
         if chat.continue_final_message:
@@ -100,6 +106,8 @@ def chat_input(body: Mapping[str, Any], strict: bool = True) -> ChatInput:
     request, as vLLM does without ``--trust-request-chat-template``, and tools or
     template kwargs of the wrong shape; a chat completion leaves those to the engine's
     ``Prompts`` (the stand-in template reads none of them)."""
+    if "messages" not in body:
+        raise missing(body, "messages")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")

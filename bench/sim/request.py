@@ -7,8 +7,8 @@ import random
 from collections.abc import Callable
 from enum import Enum
 
+from bench.sim.reply_words import STAND_IN_WORDS, ReplyWords
 from bench.sim.request_log import RequestRecord
-from bench.textgen import generated_text
 from router.wire.blocks import TOKEN_BYTES, token_block_hashes
 
 # Most output tokens sampled ahead of need (``SimRequest._draw_ahead``).
@@ -51,6 +51,7 @@ class SimRequest:
         "id",
         "listener",
         "max_output",
+        "max_tokens",
         "num_computed",
         "num_preemptions",
         "output",
@@ -64,6 +65,7 @@ class SimRequest:
         "status",
         "token_times",
         "updated",
+        "words",
     )
 
     def __init__(
@@ -78,12 +80,16 @@ class SimRequest:
         end_reason: str = "length",
         hashes: list[int] | None = None,
         cache_salt: str | None = None,
+        words: ReplyWords = STAND_IN_WORDS,
     ) -> None:
         self.id = request_id
+        self.words = words  # what it generates
         self.prompt = prompt
         self.output = bytearray()
         self.prompt_tokens = len(prompt) // TOKEN_BYTES
         self.max_output = max_output
+        # The client's max_tokens (the engine sets it when the reply may end sooner).
+        self.max_tokens = max_output
         # Why generation stops at max_output: "length" (max_tokens) or "stop" (an EOS).
         self.end_reason = end_reason
         self.arrival = arrival
@@ -184,8 +190,8 @@ class SimRequest:
         the text is the same as sampling each step's tokens on their own."""
         left = self._drawn[self._drawn_at :]
         ahead = max(count, min(DRAW_AHEAD_TOKENS, self.max_output - self.output_tokens))
-        fresh = generated_text(self.rng, ahead - len(left) // TOKEN_BYTES).encode("ascii")
+        fresh = self.words.draw(self.rng, ahead - len(left) // TOKEN_BYTES)
         self._drawn, self._drawn_at = left + fresh, 0
 
     def output_text(self, start_token: int = 0) -> str:
-        return self.output[start_token * TOKEN_BYTES :].decode("ascii")
+        return self.words.text(bytes(self.output[start_token * TOKEN_BYTES :]))

@@ -42,6 +42,18 @@ def invalid(exc: InvalidBody) -> ApiError:
     return ApiError(400, f"1 validation error:\n  {detail!r}", "Bad Request", f"body.{exc.field}")
 
 
+def missing(body: Mapping[str, Any], name: str) -> ApiError:
+    """A required body field left out, in the words of vLLM 0.32's validation handler
+    (pydantic's error, ``loc`` joined, the body summarized as ``input``)."""
+    detail = {
+        "type": "missing",
+        "loc": f"body.{name}",
+        "msg": "Field required",
+        "input": f"<dict of {len(body)} items>",
+    }
+    return ApiError(400, f"1 validation error:\n  {detail!r}", "Bad Request", f"body.{name}")
+
+
 _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
@@ -76,5 +88,6 @@ def requested_model(body: Mapping[str, Any], served_model: str) -> str:
     404, as vLLM's model check."""
     model: str = field(body, "model", str, served_model)
     if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+        message = f"The model `{model}` does not exist. Valid aliases: {served_model}."
+        raise ApiError(404, message, param="model")
     return model

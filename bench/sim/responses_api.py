@@ -1,32 +1,37 @@
-"""Response shapes of vLLM 0.34's Responses API (simulated): the response object, its
+"""Response shapes of vLLM 0.32's Responses API (simulated): the response object, its
 typed server-sent events, usage and errors (``docs/engines/vllm-messages-responses.md``
-§2.3-2.5). The request side is ``bench/sim/responses_request.py``, the store
+§2.3-2.5 and §6). The request side is ``bench/sim/responses_request.py``, the store
 ``bench/sim/responses_store.py``; the endpoints are ``bench/sim/api.py``'s.
 
 * The id is ``resp_`` and 16 hex digits, or the request's ``request_id`` (vLLM's
   extra field) as sent; never ``X-Request-Id``. The one output item is a message
   ``msg_<16 hex>`` whose content is one ``output_text`` part (none if the text is empty).
-* Every field of vLLM's ``ResponsesResponse`` is present, nulls included.
+* Every field of vLLM 0.32's ``ResponsesResponse`` is present, nulls included (0.32 has
+  no ``prompt_cache_*`` or ``safety_identifier`` in it). ``temperature``, ``top_p`` and
+  the penalties are the sampling's: the request's, else the model's
+  ``generation_config.json``'s, else vLLM's neutral ones.
 * status ``completed``, or ``incomplete`` (``incomplete_details.reason``
-  "max_output_tokens") when the output hit its length; the item's status likewise.
+  "max_output_tokens") when the output hit its length; the message item is always
+  ``completed``, as 0.32 builds it.
 * usage: ``input_tokens`` is the whole prompt (the cache hit included, unlike
   Anthropic's); ``input_tokens_details.cached_tokens`` the prefix-cache hit, always
   present; ``cache_write_tokens`` the prompt's full blocks not read from the cache
   (vLLM's ``num_cache_creation_tokens``); ``output_tokens_details.reasoning_tokens`` 0
   (no reasoning parser); the ``*_per_turn`` lists empty, as for any non-Harmony model.
 * A stream is ``response.created`` and ``response.in_progress`` (the object in progress,
-  no output, no usage), then, from the first token on, ``output_item.added``,
+  no output, no usage), then, from the first non-empty text on, ``output_item.added``,
   ``content_part.added``, ``output_text.delta``…, ``output_text.done``,
-  ``content_part.done``, ``output_item.done``, and ``response.completed`` (or
-  ``response.incomplete``) with the final object, whose item has the streamed id. Each
-  event has an ``event:`` line and a ``sequence_number`` from 0; there is no [DONE].
-  vLLM sends the first two before the prefill ends; here they go out with the first
-  update of the request (its first token).
+  ``content_part.done``, ``output_item.done``, and ``response.completed`` with the final
+  object (whose status may be ``incomplete``: 0.32 has no ``response.incomplete`` event),
+  whose item has the streamed id. Each event has an ``event:`` line and a
+  ``sequence_number`` from 0; there is no [DONE]. vLLM sends the first two before the
+  prefill ends; here they go out with the first update of the request (its first token).
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,20 +42,12 @@ from bench.sim.request_fields import ApiError
 from bench.sim.responses_request import ResponsesRequest
 
 # Fields of the request the response echoes, with vLLM's defaults when not sent.
-_ECHOED_DEFAULTS: dict[str, Any] = {
-    "metadata": None,
-    "parallel_tool_calls": True,
-    "temperature": 1.0,
-}
+_ECHOED_DEFAULTS: dict[str, Any] = {"metadata": None, "parallel_tool_calls": True}
 _ECHOED_LATER: dict[str, Any] = {
     "max_tool_calls": None,
     "previous_response_id": None,
     "prompt": None,
-    "prompt_cache_options": None,
-    "prompt_cache_key": None,
-    "prompt_cache_retention": None,
     "reasoning": None,
-    "safety_identifier": None,
     "service_tier": "auto",
 }
 
@@ -92,7 +89,7 @@ def status_of(sim: SimRequest) -> str:
     return "incomplete" if sim.finish_reason == "length" else "completed"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     content = [] if not text else [output_text(text, None)]
     return {
         "id": item_id,
@@ -118,6 +115,7 @@ class ResponseHead:
     model: str
     created_at: int
     max_tokens: int
+    sampling: Mapping[str, float]  # the effective temperature, top_p and penalties
 
     def body(
         self, status: str, output: list[dict[str, Any]], usage_body: dict[str, Any] | None
@@ -139,11 +137,12 @@ class ResponseHead:
         }
         for name, default in _ECHOED_DEFAULTS.items():
             body[name] = given[name] if given.get(name) is not None else default
+        body["temperature"] = self.sampling["temperature"]
         # vLLM rewrites "auto" to "none" when there are no tools.
         choice = given.get("tool_choice") or "auto"
         body["tool_choice"] = "none" if not tools and choice == "auto" else choice
         body["tools"] = tools
-        body["top_p"] = given["top_p"] if given.get("top_p") is not None else 1.0
+        body["top_p"] = self.sampling["top_p"]
         body["background"] = self.request.background
         body["max_output_tokens"] = self.max_tokens
         for name, default in _ECHOED_LATER.items():
@@ -156,8 +155,8 @@ class ResponseHead:
                 "truncation": given.get("truncation") or "disabled",
                 "usage": usage_body,
                 "user": given.get("user"),
-                "presence_penalty": float(given.get("presence_penalty") or 0.0),
-                "frequency_penalty": float(given.get("frequency_penalty") or 0.0),
+                "presence_penalty": self.sampling["presence_penalty"],
+                "frequency_penalty": self.sampling["frequency_penalty"],
                 "kv_transfer_params": None,
                 "ec_transfer_params": None,
                 "input_messages": None,
@@ -168,9 +167,8 @@ class ResponseHead:
 
     def final(self, sim: SimRequest, item_id: str, block_tokens: int) -> dict[str, Any]:
         """The finished response (one message item, as non-streamed)."""
-        status = status_of(sim)
-        item = message_item(item_id, sim.output_text(), status)
-        return self.body(status, [item], usage(sim, block_tokens))
+        item = message_item(item_id, sim.output_text())
+        return self.body(status_of(sim), [item], usage(sim, block_tokens))
 
 
 def new_item_id() -> str:
@@ -195,7 +193,9 @@ class ResponseEvents:
         data["sequence_number"] = self._sequence
         data["type"] = kind
         self._sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+        # In the order of vLLM's dump of the openai SDK's event models: alphabetical.
+        ordered = dict(sorted(data.items()))
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(ordered) + b"\n\n"
 
     def due(self, sim: SimRequest) -> bytes:
         """The events since the last call; at the end, the last of them."""
@@ -229,8 +229,8 @@ class ResponseEvents:
         ]
 
     def _end(self, sim: SimRequest) -> list[bytes]:
-        """The item closed (if one was opened) and the terminal event."""
-        status = status_of(sim)
+        """The item closed (if one was opened) and ``response.completed``, whatever the
+        final status (vLLM 0.32's ``responses_stream_generator``)."""
         events: list[bytes] = []
         output: list[dict[str, Any]] = []
         if self._opened:
@@ -240,11 +240,11 @@ class ResponseEvents:
             events.append(self._event("response.output_text.done", done))
             part = {"content_index": 0, **where, "part": output_text(text, None)}
             events.append(self._event("response.content_part.done", part))
-            item = message_item(self._item_id, text, status)
+            item = message_item(self._item_id, text)
             events.append(
                 self._event("response.output_item.done", {"item": item, "output_index": 0})
             )
             output.append(item)
-        self.final = self._head.body(status, output, usage(sim, self._block_tokens))
-        events.append(self._event(f"response.{status}", {"response": self.final}))
+        self.final = self._head.body(status_of(sim), output, usage(sim, self._block_tokens))
+        events.append(self._event("response.completed", {"response": self.final}))
         return events

@@ -23,7 +23,13 @@ from bench.sim.openai_api import parse_request
 from bench.sim.request_fields import ApiError, requested_model
 from bench.sim.responses_api import ResponseEvents, ResponseHead, new_item_id, not_found
 from bench.sim.responses_api import response_id as new_response_id
-from bench.sim.responses_request import ResponsesRequest, chat_body, parse
+from bench.sim.responses_request import (
+    ResponsesRequest,
+    chat_body,
+    check_max_output_tokens,
+    parse,
+    sampling,
+)
 from bench.sim.responses_store import StoredResponse
 from bench.sim.sse import stream_events
 from router.apis.responses_chat import chat_messages
@@ -50,18 +56,24 @@ async def create_response(engine: Engine, exchange: Exchange) -> Reply | Stream:
         raise_injected_fault(engine)
         model = requested_model(request.body, engine.config.served_model_name)
         messages = _response_messages(engine, request)
+        check_max_output_tokens(request, engine.max_model_len)
         chat = chat_body(request, model, messages)
         parsed = await parse_request(
             "chat", chat, engine.config.served_model_name, engine.max_model_len, engine.prompts
         )
     except ApiError as exc:
         return error_reply(exc)
-    # vLLM clamps max_output_tokens to what the context leaves (no 400 for asking more).
+    # vLLM clamps max_output_tokens to what the context leaves.
     max_tokens = min(request.max_output_tokens or parsed.max_tokens, parsed.max_tokens)
     exact = parsed.ignore_eos or parsed.min_tokens >= max_tokens
     parsed = dataclasses.replace(parsed, max_tokens=max_tokens, exact_length=exact)
     head = ResponseHead(
-        request, new_response_id(request.request_id), model, int(time.time()), max_tokens
+        request,
+        new_response_id(request.request_id),
+        model,
+        int(time.time()),
+        max_tokens,
+        sampling(request, engine.config.tokenizer),
     )
     sim = submit(engine, parsed, exchange)
     try:

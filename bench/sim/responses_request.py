@@ -16,6 +16,10 @@ The chat messages are, in order:
    ``function_call_output`` a ``tool`` message, ``reasoning`` an assistant's
    reasoning. Any other item type is a 400.
 
+The sampling the response echoes (``temperature``, ``top_p`` and the penalties) is the
+request's, else the model's ``generation_config.json``'s, else vLLM's neutral values
+(``ResponsesRequest.to_sampling_params``).
+
 A body that does not fit the request model is a pydantic 400 (OpenAI's shape, ``type``
 "Bad Request", ``param`` "body.<field>"). Not simulated: continuing a final assistant
 message left ``in_progress`` (vLLM's ``continue_final_message``), tools (accepted,
@@ -24,9 +28,13 @@ without effect on the prompt), structured output, ``truncation: "auto"``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import orjson
 
 from bench.sim.request_fields import ApiError, invalid
 from router.apis.invalid import InvalidBody
@@ -34,6 +42,14 @@ from router.apis.responses_chat import input_messages
 
 # Request fields the chat request takes as they are (vLLM's sampling extras).
 _PASSED_ON = ("temperature", "top_p", "top_k", "seed", "cache_salt", "ignore_eos", "stop")
+# vLLM's sampling defaults for the fields a response echoes, when neither the request
+# nor the model's generation config sets them.
+NEUTRAL_SAMPLING: dict[str, float] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +65,24 @@ class ResponsesRequest:
     background: bool
     max_output_tokens: int | None
     request_id: str | None
+    sampling: Mapping[str, float]  # the NEUTRAL_SAMPLING fields the request set
+
+
+def _number(body: Mapping[str, Any], name: str) -> float | None:
+    """``body[name]`` as pydantic's lax ``float`` reads JSON: a number, a bool or a
+    numeric string."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            message = "Input should be a valid number, unable to parse string as a number"
+            raise InvalidBody(name, message, "float_parsing") from None
+    if not isinstance(value, int | float):
+        raise InvalidBody(name, "Input should be a valid number", "float_type")
+    return float(value)
 
 
 def _optional(body: Mapping[str, Any], name: str, kind: type, type_name: str) -> Any:
@@ -92,7 +126,50 @@ def _parse(body: Any) -> ResponsesRequest:
         background=background,
         max_output_tokens=max_output_tokens,
         request_id=_optional(body, "request_id", str, "string"),
+        sampling=_given_sampling(body),
     )
+
+
+def _given_sampling(body: Mapping[str, Any]) -> dict[str, float]:
+    given = {name: _number(body, name) for name in NEUTRAL_SAMPLING}
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def sampling(request: ResponsesRequest, model_dir: str | None) -> dict[str, float]:
+    """The sampling the response echoes: the request's, else the model's defaults."""
+    return {**NEUTRAL_SAMPLING, **model_sampling(model_dir), **request.sampling}
+
+
+@functools.cache
+def model_sampling(model_dir: str | None) -> Mapping[str, float]:
+    """The ``NEUTRAL_SAMPLING`` fields ``model_dir/generation_config.json`` sets, as
+    vLLM's ``--generation-config auto`` reads them. vLLM reads the model's directory;
+    the simulated engine's only model directory is its tokenizer's."""
+    if model_dir is None:
+        return {}
+    try:
+        config = orjson.loads((Path(model_dir) / "generation_config.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {
+        name: float(value)
+        for name in NEUTRAL_SAMPLING
+        if isinstance(value := config.get(name), int | float) and not isinstance(value, bool)
+    }
+
+
+def check_max_output_tokens(request: ResponsesRequest, max_model_len: int) -> None:
+    """vLLM's ``TokenizeParams`` check: asking more than the whole context is a 400 (less
+    is clamped to what the prompt leaves)."""
+    asked = request.max_output_tokens
+    if asked is not None and asked > max_model_len:
+        message = (
+            f"max_output_tokens={asked} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens. (parameter=max_output_tokens, value={asked})"
+        )
+        raise ApiError(400, message, param="max_output_tokens")
 
 
 def chat_body(

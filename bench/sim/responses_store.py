@@ -1,4 +1,4 @@
-"""The stored responses of vLLM 0.34's Responses API (simulated): what ``GET
+"""The stored responses of vLLM 0.32's Responses API, as 0.34's (simulated): what ``GET
 /v1/responses/{id}``, ``cancel`` and ``previous_response_id`` read
 (``docs/engines/vllm-messages-responses.md`` §2.5).
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from bench.sim.exchange import Exchange, Stream
 
 STREAM_HEADERS: tuple[tuple[str, str], ...] = (
-    ("Content-Type", "text/event-stream"),
+    ("Content-Type", "text/event-stream; charset=utf-8"),
     ("Cache-Control", "no-cache"),
 )
 
@@ -41,10 +41,11 @@ class StreamEvents:
     The events due at one time go out in one write: the same bytes in fewer syscalls
     (the role chunk with the first text, the last text with the usage and [DONE])."""
 
-    __slots__ = ("_chunks", "_created", "_parsed", "_rid", "_started", "sent")
+    __slots__ = ("_block_tokens", "_chunks", "_created", "_parsed", "_rid", "_started", "sent")
 
-    def __init__(self, parsed: ParsedRequest) -> None:
+    def __init__(self, parsed: ParsedRequest, block_tokens: int) -> None:
         self._parsed = parsed
+        self._block_tokens = block_tokens
         self._rid, self._created = new_id(parsed.kind), int(time.time())
         self._chunks = ChunkEvents(parsed.kind, self._rid, parsed.model, self._created)
         self._started = False
@@ -67,17 +68,25 @@ class StreamEvents:
             self.sent = sim.output_tokens
         if sim.finished:
             if parsed.include_usage:
-                usage_body = usage(sim.prompt_tokens, sim.output_tokens, sim.cached_tokens)
-                events.append(sse_event(usage_chunk(kind, rid, model, created, usage_body)))
+                usage_body = usage(
+                    kind,
+                    True,
+                    sim.prompt_tokens,
+                    sim.output_tokens,
+                    sim.cached_tokens,
+                    sim.cache_written_tokens(self._block_tokens),
+                )
+                chunk = usage_chunk(kind, rid, model, created, usage_body, parsed.fingerprint)
+                events.append(sse_event(chunk))
             events.append(b"data: [DONE]\n\n")
         return b"".join(events)
 
 
 async def stream_completion(
-    exchange: Exchange, parsed: ParsedRequest, sim: SimRequest, faults: Faults
+    exchange: Exchange, parsed: ParsedRequest, sim: SimRequest, faults: Faults, block_tokens: int
 ) -> Stream:
     """Answer a ``"stream": true`` completion (``stream_events``)."""
-    return await stream_events(exchange, StreamEvents(parsed), sim, faults)
+    return await stream_events(exchange, StreamEvents(parsed, block_tokens), sim, faults)
 
 
 async def stream_events(
