@@ -139,6 +139,7 @@ def build_state(
         set(),
         membership.worker_restarted,
         config.upstream.auth_headers,
+        keys_by_tokens=config.prefix.tokenizer is not None,
     )
     state = RouterState(config, router, metrics, membership, session, upstream, admission, prober)
     state.tokens = _token_keys(config, metrics, session, fleet)

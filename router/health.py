@@ -33,6 +33,7 @@ from router.clock import monotonic
 from router.config import HealthConfig
 from router.index import PrefixIndex
 from router.loop_metrics import LoopLag
+from router.wire.blocks import TOKEN_BYTES
 from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class EngineFacts:
     running: int | None = None
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
+    block_tokens: int | None = None  # tokens per KV block (vLLM's cache_config_info)
 
 
 _WANTED = frozenset(
@@ -127,6 +129,7 @@ def read_engine_metrics(text: str) -> EngineFacts:
     """KV capacity (vLLM's ``cache_config_info`` num_gpu_blocks x block_size, or SGLang's
     ``max_total_num_tokens``) and process start time from an engine's /metrics text."""
     capacity: int | None = None
+    block: int | None = None
     started: float | None = None
     load: dict[str, float] = {}
     for name, labels, value in wanted_samples(text, _WANTED):
@@ -138,9 +141,12 @@ def read_engine_metrics(text: str) -> EngineFacts:
             continue
         if name == "vllm:cache_config_info" and capacity is None:
             with contextlib.suppress(KeyError, ValueError):
-                capacity = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+                block = int(labels["block_size"])
+                capacity = int(labels["num_gpu_blocks"]) * block
             if capacity is not None and capacity <= 0:
                 capacity = None
+            if block is not None and block <= 0:
+                block = None
         elif name == "sglang:max_total_num_tokens" and value > 0:
             capacity = int(value)
         elif name == "process_start_time_seconds":
@@ -152,6 +158,7 @@ def read_engine_metrics(text: str) -> EngineFacts:
         None if running is None else int(running),
         None if waiting is None else int(waiting),
         load.get("kv_usage"),
+        block,
     )
 
 
@@ -166,8 +173,12 @@ class HealthProber:
         discover_capacity: set[str],
         on_restart: Callable[[Worker], None],
         headers: Mapping[str, str] = NO_HEADERS,
+        keys_by_tokens: bool = False,
     ) -> None:
         self._headers = headers  # the engines' api key, if any
+        # Prompts keyed by the engines' tokens: the router's blocks must be theirs.
+        self._keys_by_tokens = keys_by_tokens
+        self._told_block_size: set[str] = set()  # workers whose wrong block size is logged
         self._fleet = fleet
         self._on_restart = on_restart
         self._index = index
@@ -296,6 +307,8 @@ class HealthProber:
             worker.engine_waiting = facts.waiting or 0
             worker.engine_kv_usage = facts.kv_usage or 0.0
             worker.metrics_at = monotonic()
+        if facts.block_tokens is not None:
+            self._check_block_size(worker, facts.block_tokens)
         if worker.name in self._discover and facts.capacity_tokens:
             worker.capacity_tokens = facts.capacity_tokens
             self._index.resize_worker(
@@ -311,6 +324,25 @@ class HealthProber:
                     "worker %s restarted; its cache is gone, purging its entries", worker.name
                 )
                 self._on_restart(worker)
+
+    def _check_block_size(self, worker: Worker, engine_block: int) -> None:
+        """In token mode a router block of another size than the engine's matches whole
+        blocks the engine does not hold, or misses ones it does: said once a worker."""
+        if (
+            not self._keys_by_tokens
+            or engine_block == self._block_tokens
+            or worker.name in self._told_block_size
+        ):
+            return
+        self._told_block_size.add(worker.name)
+        log.error(
+            "worker %s: its engine's KV blocks are %d tokens, the router's %d: its "
+            "predictions are off by up to a block (set prefix.block_bytes: %d)",
+            worker.name,
+            engine_block,
+            self._block_tokens,
+            engine_block * TOKEN_BYTES,
+        )
 
 
 def _log_unexpected(what: str, worker: Worker, exc: Exception) -> None:

@@ -532,6 +532,28 @@ async def test_two_replicas_over_one_redis_route_a_session_as_one(
         assert abs(predicted - cached) <= BLOCK_TOKENS, later_turns(lines)
 
 
+async def test_a_router_keyed_by_other_blocks_than_the_engines_says_what_to_set(
+    fleet: list[VllmEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """CPU vLLM's blocks are 32 tokens; a token-mode router left at 16-token blocks
+    (block_bytes 64) logs one ERROR a worker naming the number to set."""
+    caplog.set_level(logging.ERROR, logger="router.health")
+    prefix = PrefixConfig(block_bytes=64, tokenizer=str(fleet[0].model_dir))
+    health = HealthConfig(interval_s=60.0, scrape_interval_s=0.2)
+    async with serve_router(real_config(fleet, "tokens", prefix=prefix, health=health)):
+
+        async def told() -> bool:
+            return len(caplog.records) >= len(fleet)
+
+        await wait_until(told)
+        await asyncio.sleep(0.5)  # more scrapes: still once a worker
+    messages = sorted(r.getMessage() for r in caplog.records)
+    assert len(messages) == len(fleet), messages
+    for engine, message in zip(fleet, messages, strict=True):
+        assert message.startswith(f"worker {engine.name}: its engine's KV blocks are 32 tokens")
+        assert message.endswith("(set prefix.block_bytes: 128)")
+
+
 # Last in the module: it leaves v1 without prompt-token details (the fixture restores it
 # for whoever comes next).
 async def test_a_restarted_engine_is_purged_and_one_without_cache_details_still_serves(
