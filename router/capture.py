@@ -1,6 +1,6 @@
 """Reads a response as it passes through: the reply and the engine's usage.
 
-The reply feeds a ``ChainExtender`` (so the next turn matches its whole history) and is
+The reply feeds a ``ReplyChain`` (so the next turn matches its whole history) and is
 never kept whole: its text as it streams, its tool calls (bounded) to be appended as the
 next turn's assistant message carries them. Usage gives the engine-reported prompt and
 cached tokens. Capture is best effort: a line that does not parse, or one longer than
@@ -13,17 +13,31 @@ here, Responses and Messages in ``router.apis``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
-from router.prefix import ChainExtender, render_tool_calls
+from router.prefix import render_tool_calls
 from router.wire.streams import CHAT_DONE, Usage, chat_usage, first_choice, stream_error
 
 MAX_LINE_BYTES = 1 << 20
 # The most of a reply's tool calls kept until the reply ends.
 MAX_TOOL_CALL_BYTES = 1 << 20
 _CHAT_DONE = CHAT_DONE.encode()
+
+
+class ReplyChain(Protocol):
+    """Extends a request's chain with its reply: by the reply's text
+    (``router.prefix.ChainExtender``) or by its tokens (``router.tokens.reply``)."""
+
+    def feed(self, text: str) -> None: ...
+
+    def feed_bytes(self, data: bytes) -> None: ...
+
+    async def settle(self) -> None:
+        """The reply is complete: whatever is left to compute is computed."""
+
+    def finish(self) -> list[int]: ...
 
 
 class ReplyCapture:
@@ -41,7 +55,7 @@ class ReplyCapture:
         "response_id",
     )
 
-    def __init__(self, extender: ChainExtender | None) -> None:
+    def __init__(self, extender: ReplyChain | None) -> None:
         self._extender = extender
         self._partial = bytearray()
         self._tool_calls: list[dict[str, Any]] = []
@@ -123,6 +137,11 @@ class ReplyCapture:
         self.broken = True
         self._partial = bytearray()
 
+    async def settle(self) -> None:
+        """The reply is complete (before ``reply_hashes``)."""
+        if self._extender is not None and not self.broken and not self.errored:
+            await self._extender.settle()
+
     def reply_hashes(self) -> list[int]:
         """Hashes the reply adds to the chain; empty if the reply is unusable."""
         if self._extender is None or self.broken or self.errored:
@@ -141,7 +160,7 @@ class ChatCapture(ReplyCapture):
 
     __slots__ = ("_streamed_calls",)
 
-    def __init__(self, extender: ChainExtender | None) -> None:
+    def __init__(self, extender: ReplyChain | None) -> None:
         super().__init__(extender)
         self._streamed_calls: dict[int, list[Any]] = {}  # index -> [id, name, arguments]
 

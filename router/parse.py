@@ -37,7 +37,7 @@ class ClientRequest:
     # A digest of the client's session key (``session_key_of``), never the key itself.
     session_key: str | None
     key: PrefixKey
-    record_reply: bool  # whether the reply can extend the chain (text prompts only)
+    record_reply: bool  # whether the reply's text extends the chain (text prompts)
     # Leading blocks an earlier turn of this session left cached somewhere, if there was
     # one (its prompt; router.prefix.render_chat_history). A completion's prompt has no
     # turns to tell apart: 1, any cached prefix.
@@ -45,6 +45,9 @@ class ClientRequest:
     # A Responses request continuing a stored response (``previous_response_id``): it
     # must reach the worker that stored it, and its prompt is that worker's secret.
     continues: str | None = None
+    # A chat prompt keyed by the model's tokens: the reply extends the chain by its
+    # text's tokens (router.tokens.reply).
+    reply_tokens: bool = False
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -291,15 +294,28 @@ def keyed_blind(body: RequestBody) -> ClientRequest:
 
 
 def keyed(
-    body: RequestBody, canonical: bytes, history_blocks: int, block_bytes: int, record_reply: bool
+    body: RequestBody,
+    canonical: bytes,
+    history_blocks: int,
+    block_bytes: int,
+    record_reply: bool,
+    reply_tokens: bool = False,
 ) -> ClientRequest:
     return _client_request(
-        body, prefix_key(canonical, block_bytes, body.seed), history_blocks, record_reply
+        body,
+        prefix_key(canonical, block_bytes, body.seed),
+        history_blocks,
+        record_reply,
+        reply_tokens,
     )
 
 
 def _client_request(
-    body: RequestBody, key: PrefixKey, history_blocks: int, record_reply: bool
+    body: RequestBody,
+    key: PrefixKey,
+    history_blocks: int,
+    record_reply: bool,
+    reply_tokens: bool = False,
 ) -> ClientRequest:
     return ClientRequest(
         kind=body.kind,
@@ -311,6 +327,7 @@ def _client_request(
         record_reply=record_reply,
         history_blocks=min(history_blocks, len(key.hashes)),
         continues=body.continues,
+        reply_tokens=reply_tokens,
     )
 
 

@@ -165,5 +165,8 @@ class ChainExtender:
         self._parent = block_hashes[-1]
         del self._buffer[:full]
 
+    async def settle(self) -> None:
+        """Nothing to wait for: the text is hashed as it arrives."""
+
     def finish(self) -> list[int]:
         return self._hashes

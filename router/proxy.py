@@ -22,7 +22,7 @@ from typing import Protocol
 
 from policies.base import Outcome
 from router.apis.kinds import APIS
-from router.capture import ReplyCapture
+from router.capture import ReplyCapture, ReplyChain
 from router.clock import monotonic
 from router.errors import (
     NoEligibleWorker,
@@ -36,6 +36,7 @@ from router.prefix import ChainExtender
 from router.response_owners import Owner
 from router.routing import Dispatch, EngineUsage
 from router.state import RouterState
+from router.tokens.reply import TokenReplyChain
 from router.upstream import ConnectFailed, UpstreamResponse
 from router.wire import headers
 from router.wire.kinds import Kind
@@ -249,12 +250,7 @@ async def _attempt(
 ) -> None:
     request = dispatch.request
     api = APIS[request.kind]
-    extender = (
-        ChainExtender(request.key, state.config.prefix.block_bytes, api.reply_header)
-        if request.record_reply and state.config.prefix.record_replies
-        else None
-    )
-    capture = api.capture(extender)
+    capture = api.capture(_reply_chain(state, dispatch, api.reply_header))
     outcome: Outcome = "upstream_error"
     sent = False
     # A reply that arrives whole says nothing of when the prefill ended; past the time
@@ -358,6 +354,7 @@ class _Settlement:
         if self.outcome is not None:
             return
         if outcome == "success":
+            await self._capture.settle()
             await _record(self._state, self._dispatch, self._capture)
         self.finish(outcome)
 
@@ -379,6 +376,22 @@ class _Settlement:
         if self.outcome is None:
             self.outcome = outcome
             self._lifecycle.failed(self._dispatch, outcome)
+
+
+def _reply_chain(state: RouterState, dispatch: Dispatch, header: bytes) -> ReplyChain | None:
+    """How the reply extends the request's chain: by its text where the prompt was
+    keyed by text, by its tokens where by the model's tokens (``router.tokens.reply``),
+    not at all on an exact worker: its engine announces what it generated."""
+    prefix, request = state.config.prefix, dispatch.request
+    if not prefix.record_replies:
+        return None
+    if request.record_reply:
+        return ChainExtender(request.key, prefix.block_bytes, header)
+    tokens = state.tokens
+    exact = state.router.index.prefix_mode(dispatch.worker.name) == "exact"
+    if request.reply_tokens and tokens is not None and not exact:
+        return TokenReplyChain(request.key, prefix.block_bytes, tokens.reply_tokens)
+    return None
 
 
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:

@@ -39,6 +39,9 @@ from tests.vllm_engines import BLOCK_TOKENS, MODEL_NAME, NUM_BLOCKS, VllmEngine
 pytestmark = pytest.mark.timeout(300)
 
 TURNS = 3
+# Short: a random model's reply (bytes of unrelated tokens) mostly does not encode back
+# to the ids it was generated as, so token mode's guess at the reply's blocks (its text's
+# tokens) is off by up to the reply's length; exact mode is not. A real model's text does.
 REPLY_TOKENS = 24
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -74,8 +74,12 @@ async def test_a_session_is_keyed_by_the_engines_tokens(
                 ids = reference.apply_chat_template(
                     messages, tokenize=True, add_generation_prompt=True, return_dict=False
                 )
-                # The prompt's whole blocks of real tokens, no more, no fewer.
-                assert resident_tokens(router, result.worker) == len(ids) // 16 * 16
+                # The whole blocks of real tokens of the prompt and of the reply's text
+                # as the next turn carries it, no more, no fewer.
+                reply = reference.encode(result.text, add_special_tokens=False)
+                held = (len(ids) + len(reply)) // 16 * 16
+                assert held > len(ids) // 16 * 16
+                assert resident_tokens(router, result.worker) == held
             else:
                 assert result.cached > 0
             messages += [

@@ -119,6 +119,10 @@ class EngineTokens:
         self.metrics.requests.labels(result).inc()
         return keyed_by_text(body, block_bytes)
 
+    async def reply_tokens(self, text: str) -> bytes | None:
+        """Prompts keyed by a worker's /tokenize leave replies out of the chain."""
+        return None
+
     def close(self) -> None:
         """Nothing of its own to stop: the session is the app's."""
 

@@ -91,6 +91,9 @@ class PromptKeys(Protocol):
 
     async def key(self, body: RequestBody, block_bytes: int) -> ClientRequest: ...
 
+    async def reply_tokens(self, text: str) -> bytes | None:
+        """A reply's text in the model's tokens, 4 bytes each; None where not known."""
+
     def close(self) -> None: ...
 
 
@@ -138,7 +141,8 @@ class TokenKeys:
         finally:
             self._pending -= 1
         self.metrics.requests.labels("tokens").inc()
-        return keyed(body, chat.canonical, chat.history_bytes // block_bytes, block_bytes, False)
+        history = chat.history_bytes // block_bytes
+        return keyed(body, chat.canonical, history, block_bytes, False, reply_tokens=True)
 
     async def _completion(self, body: RequestBody, block_bytes: int) -> ClientRequest:
         """A completion's prompt as the engine encodes it (vLLM: ``add_special_tokens``,
@@ -162,6 +166,10 @@ class TokenKeys:
             ids = list(prompt)
         self.metrics.requests.labels("tokens").inc()
         return keyed(body, token_bytes(ids), 1, block_bytes, False)
+
+    async def reply_tokens(self, text: str) -> bytes | None:
+        loop = asyncio.get_running_loop()
+        return token_bytes(await loop.run_in_executor(self._thread, self._encode, text, False))
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         started = time.perf_counter()
