@@ -247,7 +247,9 @@ def compared(real: dict[str, Observed], sim: dict[str, Observed]) -> dict[str, l
 
 
 async def replayed_events(replay_endpoint: str) -> list[dict[str, Any]]:
-    """Every KV event an engine still buffers, from its replay endpoint."""
+    """The KV events an engine announced since its cache was last reset (``ask_all``
+    resets it first), from its replay endpoint: what earlier tests made it announce is
+    not this comparison's."""
     context = zmq.asyncio.Context()
     dealer = context.socket(zmq.DEALER)
     dealer.connect(replay_endpoint)
@@ -257,7 +259,8 @@ async def replayed_events(replay_endpoint: str) -> list[dict[str, Any]]:
         while await dealer.poll(5000):
             _, *frames = await dealer.recv_multipart()
             if frames[-1] == b"":  # the end of the replay
-                return events
+                cleared = [i for i, e in enumerate(events) if e["type"] == "AllBlocksCleared"]
+                return events[cleared[-1] :] if cleared else events
             _, batch, *_ = msgspec.msgpack.decode(frames[-1])
             events += batch
         raise AssertionError(f"{replay_endpoint}: no end of replay")
