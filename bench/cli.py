@@ -18,6 +18,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         matrix,
         peers,
         perf,
+        real,
         replicas,
         rescore,
         soak,
@@ -48,3 +49,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     agreement.register(sub)
     apis_bench.register(sub)
     failure.register(sub)
+    real.register(sub)
