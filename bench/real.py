@@ -69,6 +69,7 @@ from bench.vllm_cpu import (
     install_vllm,
     reset_prefix_caches,
     start_engines,
+    watch,
     write_model,
 )
 from bench.workloads.trace import Session, write_trace
@@ -138,8 +139,13 @@ async def measure(
             target=urls[0], trace=trace, model=MODEL_NAME, request_timeout_s=REQUEST_TIMEOUT_S
         )
         started = time.monotonic()
-        async with ProgressDisplay(sum(len(s.turns) for s in sessions)) as display:
+        async with (
+            ProgressDisplay(sum(len(s.turns) for s in sessions)) as display,
+            asyncio.TaskGroup() as group,
+        ):
+            watcher = group.create_task(watch(engines))
             result = await replay(replay_config, sessions, display.add)
+            watcher.cancel()
         wall_s = time.monotonic() - started
         cpu = RouterCpu(sample(pids).since(before), wall_s, idle_per_s) if pids else None
     # Read once the router has exited: every line it wrote is in the file.

@@ -288,3 +288,18 @@ async def reset_prefix_caches(engines: Sequence[VllmEngine]) -> None:
                     raise RuntimeError(
                         f"{engine.name}: reset_prefix_cache: {response.status} {text}"
                     )
+
+
+class EngineExited(RuntimeError):
+    """An engine's process ended while it was in use."""
+
+
+async def watch(engines: Sequence[VllmEngine], interval_s: float = 1.0) -> None:
+    """Returns never: raises ``EngineExited`` as soon as one engine's process has ended,
+    so that a run fails at once instead of waiting out its requests' timeouts."""
+    while True:
+        for engine in engines:
+            process = engine.process
+            if process is None or process.poll() is not None:
+                raise EngineExited(f"{engine.name} exited: {engine.tail()}")
+        await asyncio.sleep(interval_s)

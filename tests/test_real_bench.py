@@ -3,8 +3,11 @@ lines, the routers' settings and the workload's size. No engine is started here.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,15 @@ from bench.real_routers import (
 from bench.real_workload import MAX_CONTEXT_TOKENS, RealWorkload, context_tokens
 from bench.replay.result import RequestRecord, RunMeta, RunResult
 from bench.replay.rounds import Rounds, ScoredRun
-from bench.vllm_cpu import BLOCK_TOKENS, EPHEMERAL_RANGE, NUM_BLOCKS, VllmEngine, free_ports
+from bench.vllm_cpu import (
+    BLOCK_TOKENS,
+    EPHEMERAL_RANGE,
+    NUM_BLOCKS,
+    EngineExited,
+    VllmEngine,
+    free_ports,
+    watch,
+)
 from bench.workloads.trace import group_sessions, text_tokens
 from router.config_loader import load_config
 
@@ -173,3 +184,11 @@ def test_engine_ports_are_chosen_below_the_ephemeral_range() -> None:
     ports = free_ports(5)
     assert len(set(ports)) == 5
     assert all(port < low for port in ports)
+
+
+def test_a_run_stops_as_soon_as_an_engine_exits(tmp_path: Path) -> None:
+    engine = VllmEngine(Path("/venv"), Path("/m"), tmp_path, "e0")
+    engine.process = subprocess.Popen([sys.executable, "-c", "pass"])
+    engine.process.wait()
+    with pytest.raises(EngineExited, match="e0 exited"):
+        asyncio.run(watch([engine], interval_s=0.01))
