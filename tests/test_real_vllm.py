@@ -100,13 +100,21 @@ def user_text(session: str, turn: int) -> str:
 # -- one session, through each client -----------------------------------------------------
 
 
+def client_options(session: str) -> dict[str, Any]:
+    """What every SDK client here is built with: no retries, the session's header."""
+    return {"api_key": "unused", "max_retries": 0, "default_headers": {"X-Session-Id": session}}
+
+
+def next_turn(session: str, turn: int, reply: str) -> list[Any]:
+    """The reply and the next user message, as each API's history carries them."""
+    return [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": user_text(session, turn + 1)},
+    ]
+
+
 def chat_sync_stream(url: str, session: str) -> list[str]:
-    client = openai.OpenAI(
-        base_url=url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        default_headers={"X-Session-Id": session},
-    )
+    client = openai.OpenAI(base_url=url + "/v1", **client_options(session))
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": user_text(session, 0)}
     ]
@@ -122,20 +130,12 @@ def chat_sync_stream(url: str, session: str) -> list[str]:
             )
             text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
             replies.append(text)
-            messages += [
-                {"role": "assistant", "content": text},
-                {"role": "user", "content": user_text(session, turn + 1)},
-            ]
+            messages += next_turn(session, turn, text)
     return replies
 
 
 async def chat_async_whole(url: str, session: str) -> list[str]:
-    client = openai.AsyncOpenAI(
-        base_url=url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        default_headers={"X-Session-Id": session},
-    )
+    client = openai.AsyncOpenAI(base_url=url + "/v1", **client_options(session))
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": user_text(session, 0)}
     ]
@@ -149,20 +149,12 @@ async def chat_async_whole(url: str, session: str) -> list[str]:
             )
             text = reply.choices[0].message.content or ""
             replies.append(text)
-            messages += [
-                {"role": "assistant", "content": text},
-                {"role": "user", "content": user_text(session, turn + 1)},
-            ]
+            messages += next_turn(session, turn, text)
     return replies
 
 
 async def completions_async_stream(url: str, session: str) -> list[str]:
-    client = openai.AsyncOpenAI(
-        base_url=url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        default_headers={"X-Session-Id": session},
-    )
+    client = openai.AsyncOpenAI(base_url=url + "/v1", **client_options(session))
     prompt = user_text(session, 0)
     replies = []
     async with client:
@@ -181,12 +173,7 @@ async def completions_async_stream(url: str, session: str) -> list[str]:
 
 
 def responses_sync_stream(url: str, session: str) -> list[str]:
-    client = openai.OpenAI(
-        base_url=url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        default_headers={"X-Session-Id": session},
-    )
+    client = openai.OpenAI(base_url=url + "/v1", **client_options(session))
     items: ResponseInputParam = [{"role": "user", "content": user_text(session, 0)}]
     replies = []
     with client:
@@ -199,20 +186,12 @@ def responses_sync_stream(url: str, session: str) -> list[str]:
             )
             text = "".join(e.delta for e in stream if isinstance(e, ResponseTextDeltaEvent))
             replies.append(text)
-            items += [
-                {"role": "assistant", "content": text},
-                {"role": "user", "content": user_text(session, turn + 1)},
-            ]
+            items += next_turn(session, turn, text)
     return replies
 
 
 async def responses_async_whole(url: str, session: str) -> list[str]:
-    client = openai.AsyncOpenAI(
-        base_url=url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        default_headers={"X-Session-Id": session},
-    )
+    client = openai.AsyncOpenAI(base_url=url + "/v1", **client_options(session))
     items: ResponseInputParam = [{"role": "user", "content": user_text(session, 0)}]
     replies = []
     async with client:
@@ -223,20 +202,12 @@ async def responses_async_whole(url: str, session: str) -> list[str]:
                 max_output_tokens=REPLY_TOKENS,
             )
             replies.append(reply.output_text)
-            items += [
-                {"role": "assistant", "content": reply.output_text},
-                {"role": "user", "content": user_text(session, turn + 1)},
-            ]
+            items += next_turn(session, turn, reply.output_text)
     return replies
 
 
 def messages_sync_stream(url: str, session: str) -> list[str]:
-    client = anthropic.Anthropic(
-        base_url=url,
-        api_key="unused",
-        max_retries=0,
-        default_headers={"X-Session-Id": session},
-    )
+    client = anthropic.Anthropic(base_url=url, **client_options(session))
     messages: list[MessageParam] = [{"role": "user", "content": user_text(session, 0)}]
     replies = []
     with client:
@@ -248,20 +219,12 @@ def messages_sync_stream(url: str, session: str) -> list[str]:
             ) as stream:
                 text = "".join(stream.text_stream)
             replies.append(text)
-            messages += [
-                {"role": "assistant", "content": text},
-                {"role": "user", "content": user_text(session, turn + 1)},
-            ]
+            messages += next_turn(session, turn, text)
     return replies
 
 
 async def messages_async_whole(url: str, session: str) -> list[str]:
-    client = anthropic.AsyncAnthropic(
-        base_url=url,
-        api_key="unused",
-        max_retries=0,
-        default_headers={"X-Session-Id": session},
-    )
+    client = anthropic.AsyncAnthropic(base_url=url, **client_options(session))
     messages: list[MessageParam] = [{"role": "user", "content": user_text(session, 0)}]
     replies = []
     async with client:
@@ -273,10 +236,7 @@ async def messages_async_whole(url: str, session: str) -> list[str]:
             )
             text = "".join(b.text for b in reply.content if b.type == "text")
             replies.append(text)
-            messages += [
-                {"role": "assistant", "content": text},
-                {"role": "user", "content": user_text(session, turn + 1)},
-            ]
+            messages += next_turn(session, turn, text)
     return replies
 
 
