@@ -61,7 +61,6 @@ from bench.replicas import bucket_quantile
 from bench.tokenize_cost import qwen3_dir
 
 ENGINE_BLOCK = 16  # tokens: the simulated engines' (vLLM's default) block size
-TOKEN_BLOCK_BYTES = 4 * ENGINE_BLOCK
 DEFAULT_KV_EVENTS_PORT = 5700
 DEFAULT_OUT = Path("results/agreement")
 MODES = ("text", "tokens", "exact", "exact-forecast")
@@ -198,7 +197,7 @@ def router_specs(
     modes: Sequence[str] = MODES,
 ) -> list[RouterSpec]:
     port = config.router_port
-    tokens = ("--tokenizer", str(model_dir), "--block-bytes", str(TOKEN_BLOCK_BYTES))
+    tokens = ("--tokenizer", str(model_dir))
     workers = []
     for i, url in enumerate(urls):
         publish, replay = kv_endpoints(config, base_port, i)

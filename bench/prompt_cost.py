@@ -72,7 +72,7 @@ def prompt_cost(
     policy: str, tokens: int = 100_000, workers: int = 4, repeat: int = 30
 ) -> PromptCost:
     config = RouterConfig(policy=policy)
-    block_bytes, block_tokens = config.prefix.block_bytes, config.prefix.block_tokens
+    block_bytes, block_tokens = config.prefix.key_block_bytes, config.prefix.block_tokens
     fields, limits = config.session_body_fields, config.limits
     body = long_body(tokens)
     fleet, index = Fleet(), LocalPrefixIndex()

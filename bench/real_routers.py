@@ -5,8 +5,8 @@ modes, each keyed as the engines key their cache or not:
 
 * ``text``: the default, approximate: text blocks and a modelled LRU per worker;
 * ``tokens``: approximate, keyed by the model's own tokens (``prefix.tokenizer``, the
-  model directory the engines serve) in the engines' 32-token blocks
-  (``prefix.block_bytes`` 128, 4 bytes a token);
+  model directory the engines serve); the router's default 16-token blocks, two to each
+  of the engines' 32-token blocks;
 * ``exact``: the same keys, and every engine's KV events (``workers[].kv_events``).
 
 Each kvrouter runs from a YAML file of its own, written here and checked with the
@@ -27,9 +27,8 @@ import yaml
 
 from bench.demo import DemoConfig, RouterSpec
 from bench.peers import smg_command
-from bench.vllm_cpu import BLOCK_TOKENS, VllmEngine, free_ports
+from bench.vllm_cpu import VllmEngine, free_ports
 from router.config_loader import load_config
-from router.wire.blocks import TOKEN_BYTES
 
 MODES = ("text", "tokens", "exact")
 POLICIES = ("ttft", "cache_aware", "round_robin")
@@ -97,10 +96,7 @@ def kvrouter_settings(
         "worker_header": True,
     }
     if choice.mode in ("tokens", "exact"):
-        settings["prefix"] = {
-            "tokenizer": str(model_dir),
-            "block_bytes": TOKEN_BYTES * BLOCK_TOKENS,
-        }
+        settings["prefix"] = {"tokenizer": str(model_dir)}
     return settings
 
 

@@ -72,6 +72,7 @@ def _describe(state: RouterState, worker: Worker) -> dict[str, Any]:
         "engine_kv_usage": worker.engine_kv_usage,
         "resident_tokens": index.resident_blocks(worker.name) * block_tokens,
         "capacity_tokens": worker.capacity_tokens,
+        "engine_block_tokens": worker.engine_block_tokens,
         "prefix_mode": index.prefix_mode(worker.name),
         "kv_events": state.kv_events.status(worker.name) if state.kv_events else None,
     }

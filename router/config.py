@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 
 from router.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, DEFAULT_MAX_COOLDOWN_S
 from router.errors import ConfigError
+from router.wire.blocks import DEFAULT_BLOCK_TOKENS
 from router.wire.headers import SESSION_HEADER
 
 DEFAULT_PORT = 8000
@@ -21,6 +22,9 @@ DEFAULT_POLICY = "ttft"
 # turn's context) while a 100K-token prompt is ~1,600 hashes instead of ~6,250.
 DEFAULT_BLOCK_BYTES = 256
 BYTES_PER_TOKEN_ESTIMATE = 4
+# Keyed by the engine's tokens, a router block is a run of an engine's blocks' tokens:
+# 16 divides every block size vLLM uses (16 on GPU by default, multiples of 32 on CPU).
+DEFAULT_KEY_BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # The parser walks every message and content part in Python on the event loop, so their
 # counts, not the body size, bound how long it holds the loop: 32 MiB holds over a million
@@ -99,7 +103,9 @@ ENGINE_TOKENIZER = "engine"  # prefix.tokenizer: ask the workers
 
 @dataclass(frozen=True, slots=True)
 class PrefixConfig:
-    block_bytes: int = DEFAULT_BLOCK_BYTES
+    # Bytes of canonical prompt a block (text mode); by tokens, 4 bytes a token. None:
+    # 256 by text; by tokens 16 tokens, a whole number of which makes any engine's block.
+    block_bytes: int | None = None
     record_replies: bool = True  # extend a session's prefix with the streamed reply
     # A model directory (tokenizer.json, tokenizer_config.json): prompts keyed by the
     # model's own tokens, 4 bytes each, so block_bytes / 4 tokens a block
@@ -111,9 +117,9 @@ class PrefixConfig:
     tokenizer_cache_tokens: int = 16_000_000  # earlier prompts' ids kept to encode less
 
     def __post_init__(self) -> None:
-        if not 16 <= self.block_bytes <= 65536:
+        if self.block_bytes is not None and not 16 <= self.block_bytes <= 65536:
             raise ConfigError("block_bytes: must be between 16 and 65536")
-        if self.tokenizer is not None and self.block_bytes % BYTES_PER_TOKEN_ESTIMATE:
+        if self.tokenizer is not None and self.key_block_bytes % BYTES_PER_TOKEN_ESTIMATE:
             raise ConfigError(
                 "block_bytes: with tokenizer, a whole number of tokens "
                 f"({BYTES_PER_TOKEN_ESTIMATE} bytes each; 64 for the engine's 16-token blocks)"
@@ -126,8 +132,17 @@ class PrefixConfig:
             raise ConfigError("engine_timeout_s: must be > 0")
 
     @property
+    def key_block_bytes(self) -> int:
+        """The bytes of a prompt's key a block holds (4 a token when keyed by tokens)."""
+        if self.block_bytes is not None:
+            return self.block_bytes
+        if self.tokenizer is not None:
+            return DEFAULT_KEY_BLOCK_TOKENS * BYTES_PER_TOKEN_ESTIMATE
+        return DEFAULT_BLOCK_BYTES
+
+    @property
     def block_tokens(self) -> int:
-        return max(1, self.block_bytes // BYTES_PER_TOKEN_ESTIMATE)
+        return max(1, self.key_block_bytes // BYTES_PER_TOKEN_ESTIMATE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,8 +375,8 @@ class KvEventsConfig:
     (``tcp://{host}:5557``); ``workers[].kv_events`` overrides them for one worker. A
     worker runs ``data_parallel_size`` engines, rank r publishing on port + r, as vLLM's
     data-parallel ranks do. Exact mode keys prompts by the engine's tokens, so it needs
-    ``prefix.tokenizer`` and blocks of the engine's size (``prefix.block_bytes`` = 4 x the
-    engine's ``--block-size``); a worker announcing other blocks stays approximate.
+    ``prefix.tokenizer``; each engine block must be a whole number of the router's
+    (``router.engine_blocks``), or the worker stays approximate.
     """
 
     endpoint: str = ""  # empty: no subscriptions but workers' own

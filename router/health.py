@@ -31,9 +31,9 @@ import orjson
 
 from router.clock import monotonic
 from router.config import HealthConfig
+from router.engine_blocks import block_size_advice, divides
 from router.index import PrefixIndex
 from router.loop_metrics import LoopLag
-from router.wire.blocks import TOKEN_BYTES
 from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
@@ -308,6 +308,7 @@ class HealthProber:
             worker.engine_kv_usage = facts.kv_usage or 0.0
             worker.metrics_at = monotonic()
         if facts.block_tokens is not None:
+            worker.engine_block_tokens = facts.block_tokens
             self._check_block_size(worker, facts.block_tokens)
         if worker.name in self._discover and facts.capacity_tokens:
             worker.capacity_tokens = facts.capacity_tokens
@@ -326,22 +327,20 @@ class HealthProber:
                 self._on_restart(worker)
 
     def _check_block_size(self, worker: Worker, engine_block: int) -> None:
-        """In token mode a router block of another size than the engine's matches whole
-        blocks the engine does not hold, or misses ones it does: said once a worker."""
+        """In token mode an engine block that is not a run of whole router blocks
+        leaves the router's predictions short by up to a router block: said once a
+        worker. (Text mode's blocks are estimates: nothing to line up.)"""
         if (
             not self._keys_by_tokens
-            or engine_block == self._block_tokens
+            or divides(self._block_tokens, engine_block)
             or worker.name in self._told_block_size
         ):
             return
         self._told_block_size.add(worker.name)
-        log.error(
-            "worker %s: its engine's KV blocks are %d tokens, the router's %d: its "
-            "predictions are off by up to a block (set prefix.block_bytes: %d)",
+        log.warning(
+            "worker %s: %s; its predictions fall short by up to a block",
             worker.name,
-            engine_block,
-            self._block_tokens,
-            engine_block * TOKEN_BYTES,
+            block_size_advice(engine_block, self._block_tokens),
         )
 
 

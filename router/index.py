@@ -229,11 +229,17 @@ class LocalPrefixIndex:
     # -- exact mode ----------------------------------------------------------------------
 
     def make_exact(
-        self, worker: str, model: str, ttl_s: float, forecast_queue_evictions: bool = False
+        self,
+        worker: str,
+        model: str,
+        ttl_s: float,
+        forecast_queue_evictions: bool = False,
+        block_tokens: int | None = None,
     ) -> None:
         """The worker's engine announces its cache from now on; what the model held
         stays as inherited entries until announcements fill the capacity.
-        ``forecast_queue_evictions``: ``ExactResidency``'s forecast."""
+        ``forecast_queue_evictions``: ``ExactResidency``'s forecast; ``block_tokens``:
+        the router's block size, when the engine's blocks are a multiple of it."""
         residency = self._workers.get(worker)
         if residency is None or isinstance(residency, ExactResidency):
             return
@@ -243,6 +249,7 @@ class LocalPrefixIndex:
             ttl_s,
             residency.oldest_first(),
             forecast_queue_evictions=forecast_queue_evictions,
+            block_tokens=block_tokens,
         )
 
     def make_approximate(self, worker: str) -> None:

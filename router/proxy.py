@@ -159,7 +159,7 @@ async def serve(
     holder = None
     if body.continues is not None:  # only the worker that stored it can continue it
         holder = await state.holder_of(body.continues)
-    block_bytes = config.prefix.block_bytes
+    block_bytes = config.prefix.key_block_bytes
     tokens = state.tokens
     if tokens is not None and holder is None:
         request = await tokens.key(body, block_bytes)
@@ -386,11 +386,11 @@ def _reply_chain(state: RouterState, dispatch: Dispatch, header: bytes) -> Reply
     if not prefix.record_replies:
         return None
     if request.record_reply:
-        return ChainExtender(request.key, prefix.block_bytes, header)
+        return ChainExtender(request.key, prefix.key_block_bytes, header)
     tokens = state.tokens
     exact = state.router.index.prefix_mode(dispatch.worker.name) == "exact"
     if request.reply_tokens and tokens is not None and not exact:
-        return TokenReplyChain(request.key, prefix.block_bytes, tokens.reply_tokens)
+        return TokenReplyChain(request.key, prefix.key_block_bytes, tokens.reply_tokens)
     return None
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from policies.base import Decision, Outcome, Policy, RouteRequest, WorkerView
 from router.clock import monotonic
 from router.config import BYTES_PER_TOKEN_ESTIMATE
+from router.engine_blocks import whole_engine_blocks
 from router.errors import NoEligibleWorker
 from router.index import PrefixIndex
 from router.learning import Learner
@@ -256,7 +257,10 @@ class Router:
             outstanding_requests=outstanding,
             outstanding_tokens=worker.outstanding_tokens + worker.remote_tokens,
             queued_prefill_tokens=worker.queued_prefill_tokens + worker.remote_queued_prefill,
-            matched_tokens=min(route.prompt_tokens, matched_blocks * self.block_tokens),
+            matched_tokens=whole_engine_blocks(
+                min(route.prompt_tokens, matched_blocks * self.block_tokens),
+                worker.engine_block_tokens,
+            ),
             resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
             capacity_tokens=worker.capacity_tokens,
             prefill_tokens_per_s=self.learner.prefill_tokens_per_s(worker.name),

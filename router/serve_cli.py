@@ -65,13 +65,18 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         type=int,
         help="every worker's KV capacity in tokens (default: read from the engines' /metrics)",
     )
-    serve.add_argument("--block-bytes", type=int, help="prefix block size in bytes")
+    serve.add_argument(
+        "--block-bytes",
+        type=int,
+        help="prefix block size in bytes (default 256 by text; by tokens 64, 16 tokens, "
+        "which any engine's block size is a multiple of)",
+    )
     serve.add_argument(
         "--tokenizer",
         metavar="DIR",
         help="key prompts by the model's own tokens: a directory with tokenizer.json "
         "and tokenizer_config.json, or 'engine' to ask a worker's /tokenize "
-        "(prefix.tokenizer; then --block-bytes 64 for the engine's 16-token blocks)",
+        "(prefix.tokenizer)",
     )
     serve.add_argument("--max-attempts", type=int, help="workers tried before the first byte")
     serve.add_argument("--seed", type=int, help="seed for policies that draw at random")

@@ -46,6 +46,9 @@ class Worker:
     engine_waiting: int = 0
     engine_kv_usage: float = 0.0
     metrics_at: float | None = None
+    # The engine's KV block size in tokens (its cache_config_info or KV events); None:
+    # not reported. The engine caches whole blocks of it (router.engine_blocks).
+    engine_block_tokens: int | None = None
     demand: RecentDemand = field(default_factory=RecentDemand)  # prompt tokens sent lately
     # The same from the other replicas, as they last shared it (fading from then on).
     remote_demand: RecentDemand = field(default_factory=RecentDemand)

@@ -230,6 +230,67 @@ async def test_under_eviction_exact_mode_knows_what_each_engine_holds(
         assert misjudged != []
 
 
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "tokens"])
+async def test_engines_of_different_block_sizes_are_predicted_in_their_own_blocks(
+    engine_factory: EngineFactory,
+    model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    exact: bool,
+) -> None:
+    # One engine of 16-token blocks (vLLM's GPU default), one of 32 (its CPU build's);
+    # the router is told neither and keeps its default block size. Both evict.
+    block_sizes = {"w0": 16, "w1": 32}
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        fleet = [
+            await stack.enter_async_context(
+                publishing_engine(
+                    engine_factory, tokenizer=str(model_dir), kv_tokens=3072, block_tokens=size
+                )
+            )
+            for size in block_sizes.values()
+        ]
+        workers = tuple(
+            WorkerConfig(engine.url, name=name, kv_events=endpoints if exact else None)
+            for name, (engine, endpoints) in zip(block_sizes, fleet, strict=True)
+        )
+        config = router_config(
+            [engine for engine, _ in fleet],
+            workers=workers,
+            prefix=PrefixConfig(tokenizer=str(model_dir)),
+            log_requests=True,
+            kv_events=RouterKvEvents(speculative_ttl_s=0.1),
+            admin_token=TOKEN,
+        )
+        router = await stack.enter_async_context(serve_router(config))
+        for name in block_sizes:
+            if exact:
+                await eventually(functools.partial(_is_exact, http, router.url, name))
+            await eventually(functools.partial(_knows_block_size, http, router.url, name))
+        with caplog.at_level(logging.INFO, logger="kvrouter.requests"):
+            await agent_turns(http, router.url, sessions=4, turns=4)
+        lines = [
+            orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvrouter.requests"
+        ]
+    seen: set[str] = set()
+    later = []
+    for line in lines:
+        if line["session"] in seen:
+            later.append(line)
+        seen.add(line["session"])
+    assert len(later) == 12 and {line["worker"] for line in later} == set(block_sizes)
+    for line in later:
+        block = block_sizes[line["worker"]]
+        predicted, reported = line["predicted_cached_tokens"], line["engine_cached_tokens"]
+        assert predicted % block == 0, line  # the engine's whole blocks, never part of one
+        assert abs(predicted - reported) <= block, line
+
+
+async def _knows_block_size(http: aiohttp.ClientSession, url: str, worker: str) -> bool:
+    workers = await admin_workers(http, url)
+    return workers[worker]["engine_block_tokens"] is not None
+
+
 async def _is_exact(http: aiohttp.ClientSession, url: str, worker: str) -> bool:
     async with http.get(url + "/metrics") as response:
         text = await response.text()

@@ -223,6 +223,18 @@ def test_the_router_names_announced_blocks_as_it_keys_the_same_tokens() -> None:
     assert not set(first) & set(unsalted.hashes)
 
 
+def test_an_engine_block_of_several_router_blocks_is_named_by_each_of_them() -> None:
+    tokens = list(range(100, 124))  # three engine blocks of 8 tokens: six router blocks
+    chains = EngineChains("qwen3", max_blocks=100, block_tokens=BLOCK)
+    first, _ = chains.stored(BlockStored((sha(1),), None, tuple(tokens[:8]), 2 * BLOCK))
+    rest, _ = chains.stored(BlockStored((sha(2), sha(3)), sha(1), tuple(tokens[8:]), 2 * BLOCK))
+    key = prefix_key(token_bytes(tokens), BLOCK * 4, chain_seed("qwen3"))
+    assert first + rest == list(key.hashes)
+    assert chains.removed((sha(3),)) == list(key.hashes[4:])
+    with pytest.raises(ValueError, match="not a whole number"):
+        chains.stored(BlockStored((sha(4),), None, tuple(tokens[:6]), 6))
+
+
 def test_blocks_whose_parent_was_never_announced_are_skipped() -> None:
     chains = EngineChains("m", max_blocks=10)
     assert chains.stored(BlockStored((sha(2),), sha(1), (1, 2, 3, 4), BLOCK)) == ([], [])

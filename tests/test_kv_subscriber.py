@@ -139,9 +139,10 @@ async def until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 class Subscribed:
-    def __init__(self, index: LocalPrefixIndex, subscriber: RankSubscriber) -> None:
+    def __init__(self, index: LocalPrefixIndex, subscriber: RankSubscriber, worker: Worker) -> None:
         self.index = index
         self.subscriber = subscriber
+        self.worker = worker
         self.registry = CollectorRegistry()
 
     def match(self, ids: list[int]) -> int:
@@ -170,7 +171,7 @@ async def subscribed(
         context, worker, endpoints, index, Exactness(block_tokens, 5.0, 0.5), metrics
     )
     task = asyncio.create_task(subscriber.run())
-    result = Subscribed(index, subscriber)
+    result = Subscribed(index, subscriber, worker)
     result.registry = registry
     try:
         if not replay:  # nothing tells it the engine is there but a batch it receives
@@ -290,15 +291,26 @@ async def test_an_engine_restart_drops_what_the_old_process_announced() -> None:
         assert sub.count("kvrouter_kv_event_resets_total", reason="restart") == 1
 
 
-async def test_blocks_of_another_size_keep_the_worker_approximate() -> None:
-    a = tokens(1, 2)
+async def test_an_engine_block_of_whole_router_blocks_is_held_as_them() -> None:
+    a = tokens(1, 4)  # four of the router's blocks, two of the engine's
     async with scripted_publisher() as engine, subscribed(engine) as sub:
         await engine.publish(stored(a, 10, None, block_size=2 * BLOCK))
+        await until(lambda: sub.match(a) == 4)
+        assert sub.subscriber.rejected is None and sub.index.prefix_mode("w") == "exact"
+        assert sub.worker.engine_block_tokens == 2 * BLOCK
+        await engine.publish(removed(11))  # the engine's second block: two of the router's
+        await until(lambda: sub.match(a) == 2)
+
+
+async def test_blocks_that_are_not_whole_router_blocks_keep_the_worker_approximate() -> None:
+    a = tokens(1, 2)
+    async with scripted_publisher() as engine, subscribed(engine, block_tokens=2 * BLOCK) as sub:
+        await engine.publish(stored(a, 10, None))  # half the router's block each
         await until(lambda: sub.subscriber.rejected is not None)
-        assert "prefix.block_bytes: 128" in str(sub.subscriber.rejected)
+        assert str(sub.subscriber.rejected).endswith("(set prefix.block_bytes: 64)")
         assert sub.index.prefix_mode("w") == "approximate"
-        assert sub.count("kvrouter_kv_event_rejected_blocks_total") == 1
-        await engine.publish(stored(a, 40, None))
+        assert sub.count("kvrouter_kv_event_rejected_blocks_total") == 2
+        await engine.publish(stored(a, 40, None, block_size=2 * BLOCK))
         await asyncio.sleep(0.1)
         assert sub.index.prefix_mode("w") == "approximate"
 

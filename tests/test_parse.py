@@ -279,7 +279,7 @@ async def test_the_router_remembers_sessions_by_digest(engine_factory: EngineFac
             orjson.dumps(body),
             None,
             router.config.session_body_fields,
-            router.config.prefix.block_bytes,
+            router.config.prefix.key_block_bytes,
         ).session_key
         assert key is not None and len(key) == 32
         assert router.app[STATE_KEY].router.learner.sessions.get(key) is not None

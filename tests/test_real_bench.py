@@ -129,12 +129,12 @@ def engines() -> list[VllmEngine]:
     ]  # fmt: skip
 
 
-def test_token_modes_key_by_the_engines_blocks_and_exact_reads_their_events() -> None:
+def test_token_modes_key_by_the_engines_tokens_and_exact_reads_their_events() -> None:
     text = kvrouter_settings(RouterChoice("ttft", "text"), engines(), Path("/m"), 8000)
     tokens = kvrouter_settings(RouterChoice("ttft", "tokens"), engines(), Path("/m"), 8000)
     exact = kvrouter_settings(RouterChoice("ttft", "exact"), engines(), Path("/m"), 8000)
     assert "prefix" not in text
-    assert tokens["prefix"] == {"tokenizer": "/m", "block_bytes": 4 * BLOCK_TOKENS}
+    assert tokens["prefix"] == {"tokenizer": "/m"}  # the block size is the router's to find
     assert "kv_events" not in tokens["workers"][0]
     assert exact["workers"][1]["kv_events"] == {
         "endpoint": "tcp://127.0.0.1:5702",
@@ -150,7 +150,8 @@ def test_every_routers_file_is_one_kvrouter_accepts(tmp_path: Path) -> None:
     assert specs[-1].commands[0][1] == "launch"
     exact = load_config(tmp_path / "ttft-exact.yaml")
     assert exact.subscribes_kv_events
-    assert exact.prefix.block_tokens == BLOCK_TOKENS
+    assert exact.prefix.block_bytes is None  # the router's 16-token blocks
+    assert BLOCK_TOKENS % exact.prefix.block_tokens == 0
     assert len({spec.ports for spec in specs}) == len(specs)
 
 

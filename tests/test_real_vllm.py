@@ -65,7 +65,8 @@ async def fleet(vllm_fleet: list[VllmEngine]) -> AsyncIterator[list[VllmEngine]]
 
 def real_config(fleet: list[VllmEngine], mode: str, **overrides: Any) -> RouterConfig:
     """A router over the engines keyed by their tokens (``tokens``: the model's own
-    tokenizer; ``engine``: their ``/tokenize``; ``exact``: tokens and KV events)."""
+    tokenizer; ``engine``: their ``/tokenize``; ``exact``: tokens and KV events), its
+    block size left to the router (16 tokens, two to each of the engines' blocks)."""
     model_dir = fleet[0].model_dir
     tokenizer = "engine" if mode == "engine" else str(model_dir)
     workers = tuple(
@@ -87,7 +88,7 @@ def real_config(fleet: list[VllmEngine], mode: str, **overrides: Any) -> RouterC
         "worker_header": True,
         "admin_token": TOKEN,
         "log_requests": True,
-        "prefix": PrefixConfig(block_bytes=4 * BLOCK_TOKENS, tokenizer=tokenizer),
+        "prefix": PrefixConfig(tokenizer=tokenizer),
     }
     values.update(overrides)
     return RouterConfig(**values)
@@ -495,13 +496,13 @@ async def test_two_replicas_over_one_redis_route_a_session_as_one(
         assert abs(predicted - cached) <= BLOCK_TOKENS, later_turns(lines)
 
 
-async def test_a_router_keyed_by_other_blocks_than_the_engines_says_what_to_set(
+async def test_a_router_keyed_by_blocks_the_engines_cannot_make_says_what_to_set(
     fleet: list[VllmEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """CPU vLLM's blocks are 32 tokens; a token-mode router left at 16-token blocks
-    (block_bytes 64) logs one ERROR a worker naming the number to set."""
-    caplog.set_level(logging.ERROR, logger="router.health")
-    prefix = PrefixConfig(block_bytes=64, tokenizer=str(fleet[0].model_dir))
+    """CPU vLLM's blocks are 32 tokens; a token-mode router set to 64-token blocks
+    (block_bytes 256) logs one WARNING a worker naming the number to set."""
+    caplog.set_level(logging.WARNING, logger="router.health")
+    prefix = PrefixConfig(block_bytes=256, tokenizer=str(fleet[0].model_dir))
     health = HealthConfig(interval_s=60.0, scrape_interval_s=0.2)
     async with serve_router(real_config(fleet, "tokens", prefix=prefix, health=health)):
 
@@ -513,8 +514,8 @@ async def test_a_router_keyed_by_other_blocks_than_the_engines_says_what_to_set(
     messages = sorted(r.getMessage() for r in caplog.records)
     assert len(messages) == len(fleet), messages
     for engine, message in zip(fleet, messages, strict=True):
-        assert message.startswith(f"worker {engine.name}: its engine's KV blocks are 32 tokens")
-        assert message.endswith("(set prefix.block_bytes: 128)")
+        assert message.startswith(f"worker {engine.name}: its engine's blocks are 32 tokens")
+        assert "(set prefix.block_bytes: 128)" in message
 
 
 # Last in the module: it leaves v1 without prompt-token details (the fixture restores it

@@ -60,8 +60,8 @@ class KvEventMetrics:
         )
         self.rejected = Counter(
             "kvrouter_kv_event_rejected_blocks",
-            "Blocks announced with a block size other than the router's (prefix.block_bytes "
-            "/ 4 tokens): the worker stays approximate.",
+            "Blocks announced with a block size that is not a whole number of the router's "
+            "(prefix.block_bytes / 4 tokens): the worker stays approximate.",
             ["worker"],
             registry=registry,
         )

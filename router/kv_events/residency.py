@@ -62,6 +62,7 @@ class ExactResidency:
         "_recency",
         "_speculative",
         "_ticks",
+        "block_tokens",
         "capacity_blocks",
         "evictions",
         "forecast_queue_evictions",
@@ -77,10 +78,12 @@ class ExactResidency:
         inherited: Iterable[int] = (),
         clock: Callable[[], float] = monotonic,
         forecast_queue_evictions: bool = False,
+        block_tokens: int | None = None,
     ) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
+        self.block_tokens = block_tokens  # the router's; None: the engine's own
         self.model = model
         self.ttl_s = ttl_s
         self.forecast_queue_evictions = forecast_queue_evictions
@@ -146,7 +149,7 @@ class ExactResidency:
         chains = self._chains.get(rank)
         if chains is None:
             bound = max(MIN_NAMES, NAMES_PER_CAPACITY_BLOCK * self.capacity_blocks)
-            chains = self._chains[rank] = EngineChains(self.model, bound)
+            chains = self._chains[rank] = EngineChains(self.model, bound, self.block_tokens)
         return chains
 
     def _hold(self, router_hashes: Iterable[int]) -> None:

@@ -13,7 +13,8 @@ the engine no longer has the batches) drops what the rank announced: the router 
 under-counts what the worker holds, and rebuilds from later events, never over-counts.
 A live sequence that goes back means a new engine process (its sequence starts again):
 likewise dropped. The worker turns exact at its first sign of life (a replay answered,
-a batch received) and stays approximate if its blocks are not the router's size.
+a batch received) and stays approximate if its blocks are not a whole number of the
+router's (``router.engine_blocks``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from router.engine_blocks import block_size_advice
 from router.index import LocalPrefixIndex
 from router.kv_events.metrics import KvEventMetrics, ReplayResult, ResetReason
 from router.kv_events.wire import (
@@ -40,7 +42,6 @@ from router.kv_events.wire import (
     decode_batch,
     read_message,
 )
-from router.wire.blocks import TOKEN_BYTES
 from router.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,10 @@ class RankSubscriber:
             self._reset("malformed", str(exc))
             return
         stored = [e for e in batch.events if isinstance(e, BlockStored)]
-        wrong = [e for e in stored if e.block_size != self._exactness.block_tokens]
+        ours = self._exactness.block_tokens
+        wrong = [e for e in stored if e.block_size % ours]
+        if stored:
+            self._worker.engine_block_tokens = stored[0].block_size
         if wrong:
             self._reject(wrong[0].block_size, sum(len(e.block_hashes) for e in wrong))
             return
@@ -273,17 +277,14 @@ class RankSubscriber:
                 self._model,
                 exactness.speculative_ttl_s,
                 exactness.forecast_queue_evictions,
+                exactness.block_tokens,
             )
             log.info("worker %s: exact prefix mode (its engine's KV events)", self._name)
 
     def _reject(self, block_size: int, blocks: int) -> None:
         self._metrics.rejected.labels(self._name).inc(blocks)
         if self.rejected is None:
-            wanted = self._exactness.block_tokens
-            self.rejected = (
-                f"its engine's blocks are {block_size} tokens, the router's {wanted} "
-                f"(set prefix.block_bytes: {block_size * TOKEN_BYTES})"
-            )
+            self.rejected = block_size_advice(block_size, self._exactness.block_tokens)
             log.error("worker %s stays approximate: %s", self._name, self.rejected)
             self._index.make_approximate(self._name)
 
