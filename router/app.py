@@ -330,13 +330,15 @@ def _bearer_matches(request: web.Request, token: str) -> bool:
 
 
 def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
-    """With ``api_keys`` set, /v1/ requests need ``Authorization: Bearer <one of them>``
+    """With ``api_keys`` set, /v1/ requests and the engine routes passed on without a
+    version (``/tokenize``, ``/detokenize``) need ``Authorization: Bearer <one of them>``
     (or ``x-api-key: <one of them>``)."""
     accepted = bearers(keys)
+    unversioned = frozenset(path for _, path, _ in passthrough.ROUTES if path[:4] != "/v1/")
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith("/v1/") or request.path in unversioned:
             headers = [(k.lower(), header_bytes(v)) for k, v in request.headers.items()]
             if not authorized_by([(k.encode(), v) for k, v in headers], accepted):
                 raise Unauthenticated("missing or invalid API key")

@@ -53,6 +53,7 @@ class ReplyCapture:
         "errored",
         "prompt_tokens",
         "response_id",
+        "usage_rejected",
     )
 
     def __init__(self, extender: ReplyChain | None) -> None:
@@ -66,6 +67,7 @@ class ReplyCapture:
         self.broken = False  # capture gave up; the reply is incomplete
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # None: the engine did not say
+        self.usage_rejected = False  # a usage field was not a token count
         self.completion_tokens = 0
         self.response_id: str | None = None  # a Responses reply's id
 
@@ -129,6 +131,7 @@ class ReplyCapture:
         self._tool_calls.append({"id": call_id, "type": "function", "function": function})
 
     def _take_usage(self, usage: Usage) -> None:
+        self.usage_rejected = self.usage_rejected or usage.rejected
         self.prompt_tokens = usage.prompt_tokens
         self.cached_tokens = usage.cached_tokens
         self.completion_tokens = usage.completion_tokens

@@ -50,9 +50,7 @@ from router.errors import (
 from router.front_request import (
     DECODED_CODINGS,
     HOT_ROUTES,
-    MAX_FIELD_BYTES,
     MAX_HEAD_BYTES,
-    MAX_HEADERS,
     MAX_TARGET_BYTES,
     Message,
     Refused,
@@ -63,6 +61,7 @@ from router.front_request import (
 from router.proxy import serve
 from router.state import RouterState
 from router.wire import http1
+from router.wire.http1 import MAX_FIELD_BYTES, MAX_HEADERS
 from router.wire.kinds import Kind
 
 if TYPE_CHECKING:
@@ -181,6 +180,10 @@ class FrontConnection(asyncio.Protocol):
         assert message is not None
         if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
             raise Refused(BadRequest("malformed HTTP request: a header is too long"))
+        if not self._in_head:
+            # A chunked body's trailer: never merged into the header section (RFC 9110
+            # section 6.5.1), or a key or an encoding could arrive after the checks.
+            return
         if len(message.headers) >= MAX_HEADERS:
             raise Refused(BadRequest("malformed HTTP request: too many headers"))
         message.headers.append((name, value))

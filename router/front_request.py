@@ -9,13 +9,11 @@ from dataclasses import dataclass, field
 from aiohttp import compression_utils
 
 from router.apis.kinds import KIND_OF_PATH
-from router.auth import authorized
+from router.auth import accepted_key
 from router.errors import RouterError, UnsupportedEncoding
 from router.wire.kinds import Kind
 
 MAX_TARGET_BYTES = 8190
-MAX_FIELD_BYTES = 8190
-MAX_HEADERS = 128
 MAX_HEAD_BYTES = 1 << 20
 HOT_ROUTES: dict[bytes, Kind] = KIND_OF_PATH
 _DROPPED_WHEN_BRIDGED = frozenset({b"content-length", b"transfer-encoding", b"expect"})
@@ -60,13 +58,8 @@ def undecodable(coding: bytes) -> UnsupportedEncoding:
 
 
 def authorized_by(headers: list[tuple[bytes, bytes]], accepted: tuple[bytes, ...]) -> bool:
-    """The request carries an accepted key: ``Authorization: Bearer``, or Anthropic's
-    ``x-api-key`` (what the Anthropic SDKs send)."""
-    given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
-    api_key = next((v for k, v in headers if k.lower() == b"x-api-key"), None)
-    return authorized(given, accepted) or (
-        api_key is not None and authorized(b"Bearer " + api_key, accepted)
-    )
+    """The request carries an accepted key (``router.auth.accepted_key``)."""
+    return accepted_key(headers, accepted) is not None
 
 
 def as_bytes(message: Message) -> bytes:

@@ -163,6 +163,13 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.engine_usage_rejected = LoopCounter(
+            "kvrouter_engine_usage_rejected",
+            "Replies whose usage held a field that is not a token count (negative, "
+            "absurd, more cached than prompted): taken as unknown.",
+            ["worker"],
+            registry=r,
+        )
         self.engine_cached_tokens = LoopCounter(
             "kvrouter_engine_cached_tokens",
             "Cached prompt tokens the engine reported (usage.prompt_tokens_details).",

@@ -157,7 +157,8 @@ async def by_load(http: web.Request) -> web.StreamResponse:
 
 async def stored_response(http: web.Request) -> web.StreamResponse:
     state = http.app[STATE_KEY]
-    holder = await state.holder_of(http.match_info["response_id"])
+    tenant = state.tenant_of(http.raw_headers)
+    holder = await state.holder_of(http.match_info["response_id"], tenant)
 
     def choose(tried: list[str]) -> Worker:
         if not holder.healthy:

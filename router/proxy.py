@@ -22,7 +22,7 @@ from typing import Protocol
 
 from policies.base import Outcome
 from router.apis.kinds import APIS
-from router.capture import ReplyCapture, ReplyChain
+from router.capture import ReplyCapture
 from router.clock import monotonic
 from router.errors import (
     NoEligibleWorker,
@@ -32,11 +32,9 @@ from router.errors import (
 )
 from router.lifecycle import RequestLifecycle
 from router.parse import keyed_by_text, read_request
-from router.prefix import ChainExtender
-from router.response_owners import Owner
-from router.routing import Dispatch, EngineUsage
+from router.routing import Dispatch
+from router.settlement import Settlement, reply_chain
 from router.state import RouterState
-from router.tokens.reply import TokenReplyChain
 from router.upstream import ConnectFailed, UpstreamResponse
 from router.wire import headers
 from router.wire.kinds import Kind
@@ -156,9 +154,10 @@ async def serve(
     arrived = monotonic()
     headers = _read_headers(raw_headers, state.session_header)
     body = read_request(kind, raw, headers.session, config.session_body_fields, config.limits)
+    tenant = state.tenant_of(raw_headers)
     holder = None
     if body.continues is not None:  # only the worker that stored it can continue it
-        holder = await state.holder_of(body.continues)
+        holder = await state.holder_of(body.continues, tenant)
     block_bytes = config.prefix.key_block_bytes
     tokens = state.tokens
     if tokens is not None and holder is None:
@@ -176,7 +175,7 @@ async def serve(
         )
     await lifecycle.admit()
     client = _Client(
-        reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header
+        reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header, tenant
     )
     failure: _Retry | None = None
     for _ in range(config.upstream.max_attempts):
@@ -214,6 +213,7 @@ class _Client:
     forwarded: bytes  # header lines for the engine, the router's own credentials included
     request_id: str
     worker_header: bool  # the answer names its worker (X-Kvrouter-Worker)
+    tenant: str | None  # whose a response it stores is (``router.auth.tenant``)
 
     def response_headers(self, upstream: UpstreamResponse, worker: str) -> Headers:
         """The worker's headers the client is meant to see, and the router's own."""
@@ -250,7 +250,7 @@ async def _attempt(
 ) -> None:
     request = dispatch.request
     api = APIS[request.kind]
-    capture = api.capture(_reply_chain(state, dispatch, api.reply_header))
+    capture = api.capture(reply_chain(state, dispatch, api.reply_header))
     outcome: Outcome = "upstream_error"
     sent = False
     # A reply that arrives whole says nothing of when the prefill ended; past the time
@@ -269,7 +269,7 @@ async def _attempt(
     )
     unanswered = dispatch.worker.unanswered
     shared = state.shared_path
-    settlement = _Settlement(state, lifecycle, dispatch, capture)
+    settlement = Settlement(state, lifecycle, dispatch, capture, client.tenant)
     try:
         async with first_byte:
             unanswered.add(first_byte)
@@ -324,76 +324,6 @@ async def _attempt(
             shared.withdraw(dispatch.worker.name, dispatch.route.block_hashes)
 
 
-class _Settlement:
-    """How one attempt ends, settled exactly once, by whichever comes first: ``complete``
-    when the engine's whole reply is in hand (a stream's terminal event, a whole body),
-    before the client can have it; ``finish`` when the client saw bytes and the attempt
-    ended some other way (or after ``complete``: then it changes nothing); ``fail`` when
-    the client saw none."""
-
-    __slots__ = ("_capture", "_dispatch", "_lifecycle", "_state", "outcome")
-
-    def __init__(
-        self,
-        state: RouterState,
-        lifecycle: RequestLifecycle,
-        dispatch: Dispatch,
-        capture: ReplyCapture,
-    ) -> None:
-        self._state = state
-        self._lifecycle = lifecycle
-        self._dispatch = dispatch
-        self._capture = capture
-        self.outcome: Outcome | None = None  # None: not settled yet
-
-    async def complete(self, outcome: Outcome) -> None:
-        """The engine has sent everything. What a successful reply leaves on its worker
-        is recorded (Redis, then the index and learning) before its end reaches the
-        client, so a next turn sent the moment the client has it finds it, on this
-        replica or another; a client that then leaves has still been served."""
-        if self.outcome is not None:
-            return
-        if outcome == "success":
-            await self._capture.settle()
-            await _record(self._state, self._dispatch, self._capture)
-        self.finish(outcome)
-
-    def finish(self, outcome: Outcome) -> None:
-        if self.outcome is not None:
-            return
-        self.outcome = outcome
-        capture = self._capture
-        prompt, cached = capture.prompt_tokens, capture.cached_tokens
-        usage = (
-            EngineUsage(prompt, cached, capture.completion_tokens)
-            if prompt is not None and cached is not None
-            else None
-        )
-        reply = capture.reply_hashes() if outcome == "success" else []
-        self._lifecycle.finished(self._dispatch, outcome, reply, usage, prompt)
-
-    def fail(self, outcome: Outcome) -> None:
-        if self.outcome is None:
-            self.outcome = outcome
-            self._lifecycle.failed(self._dispatch, outcome)
-
-
-def _reply_chain(state: RouterState, dispatch: Dispatch, header: bytes) -> ReplyChain | None:
-    """How the reply extends the request's chain: by its text where the prompt was
-    keyed by text, by its tokens where by the model's tokens (``router.tokens.reply``),
-    not at all on an exact worker: its engine announces what it generated."""
-    prefix, request = state.config.prefix, dispatch.request
-    if not prefix.record_replies:
-        return None
-    if request.record_reply:
-        return ChainExtender(request.key, prefix.key_block_bytes, header)
-    tokens = state.tokens
-    exact = state.router.index.prefix_mode(dispatch.worker.name) == "exact"
-    if request.reply_tokens and tokens is not None and not exact:
-        return TokenReplyChain(request.key, prefix.key_block_bytes, tokens.reply_tokens)
-    return None
-
-
 def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
     """A retryable failure; a timeout answers 504 if no other worker can be tried."""
     error = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamError
@@ -433,10 +363,10 @@ async def _relay_stream(
     upstream: UpstreamResponse,
     capture: ReplyCapture,
     first_byte: asyncio.Timeout,
-    settlement: _Settlement,
+    settlement: Settlement,
 ) -> Outcome:
     """Passes the stream on whole event by whole event. Once the engine's terminal event
-    is in hand the attempt is settled before that event goes on (``_Settlement.complete``);
+    is in hand the attempt is settled before that event goes on (``Settlement.complete``);
     the body's end may follow in a later chunk, by when the client may have closed."""
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
@@ -480,26 +410,6 @@ async def _relay_stream(
     return settlement.outcome
 
 
-async def _record(state: RouterState, dispatch: Dispatch, capture: ReplyCapture) -> None:
-    """What the reply leaves on its worker, recorded before its end reaches the client:
-    the session's next turn, or a request continuing the response, finds it whichever
-    replica it goes to. The blocks reach Redis here (the local index hears of them when
-    the request is settled); a stored response's owner, here and in Redis."""
-    shared = state.shared_path
-    if shared is not None:
-        await shared.record(
-            dispatch.worker,
-            dispatch.route.block_hashes,
-            capture.reply_hashes(),
-            dispatch.request.session_key,
-        )
-    if capture.response_id is not None:
-        owner = Owner.of(dispatch.worker)
-        state.response_owners.remember(capture.response_id, owner)
-        if shared is not None:
-            await shared.remember_response(capture.response_id, owner)
-
-
 # The most of an unfinished event the relay holds back (a worker that never ends one
 # must not fill the router's memory).
 MAX_HELD_EVENT_BYTES = 1024 * 1024
@@ -507,26 +417,48 @@ MAX_HELD_EVENT_BYTES = 1024 * 1024
 
 class WholeEvents:
     """Cuts a relayed SSE stream at event boundaries, so that a worker failing in the
-    middle of an event never leaves the client half of one."""
+    middle of an event never leaves the client half of one. Each byte is scanned once
+    and held bytes are joined once, when their event ends: an event sent in many small
+    pieces costs what its length does."""
 
-    __slots__ = ("_partial",)
+    __slots__ = ("_held", "_held_bytes", "_tail")
 
     def __init__(self) -> None:
-        self._partial = b""
+        self._held: list[bytes] = []  # an unfinished event, as it came
+        self._held_bytes = 0
+        self._tail = b""  # its last bytes: a boundary can straddle two chunks
 
     def cut(self, chunk: bytes) -> bytes:
         """The whole events ``chunk`` completes; the rest is held for the next chunk."""
-        data = self._partial + chunk if self._partial else chunk
-        lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
-        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        if len(data) - end > MAX_HELD_EVENT_BYTES:
-            end = len(data)  # no event is this long: pass it on rather than hold it all
-        self._partial = data[end:]
-        return data[:end] if self._partial else data
+        tail = self._tail
+        window = tail + chunk
+        lf, crlf = window.rfind(b"\n\n"), window.rfind(b"\r\n\r\n")
+        end = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0) - len(tail)
+        if end <= 0:
+            self._hold(chunk, window)
+            if self._held_bytes > MAX_HELD_EVENT_BYTES:
+                return self.rest()  # no event is this long: pass it on rather than hold it
+            return b""
+        whole = b"".join((*self._held, chunk[:end])) if self._held else chunk[:end]
+        self._held.clear()
+        self._held_bytes, self._tail = 0, b""
+        rest = chunk[end:]
+        if len(rest) > MAX_HELD_EVENT_BYTES:
+            return whole + rest
+        if rest:
+            self._hold(rest, rest)
+        return whole
+
+    def _hold(self, piece: bytes, ending: bytes) -> None:
+        self._held.append(piece)
+        self._held_bytes += len(piece)
+        self._tail = ending[-3:]
 
     def rest(self) -> bytes:
         """What the worker sent after its last whole event (it closed the stream there)."""
-        rest, self._partial = self._partial, b""
+        rest = b"".join(self._held)
+        self._held.clear()
+        self._held_bytes, self._tail = 0, b""
         return rest
 
 
@@ -535,7 +467,7 @@ async def _relay_whole(
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
-    settlement: _Settlement,
+    settlement: Settlement,
 ) -> Outcome:
     body = await _read_whole(dispatch, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.

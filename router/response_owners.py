@@ -8,6 +8,9 @@ response whose worker is gone, or whose engine restarted since, is answered as t
 would answer it, a 404, rather than sent where it was never stored. The map is a bounded
 LRU; with shared state, each entry is also written to Redis (``SharedPath``), so any
 replica finds the response whichever one relayed it.
+
+With ``api_keys``, a response belongs to the key that created it (``router.auth.tenant``):
+to every other key it is answered as a response that does not exist, 404.
 """
 
 from __future__ import annotations
@@ -22,25 +25,35 @@ from router.workers import Fleet, Worker
 DEFAULT_MAX_RESPONSES = 100_000
 
 
+_TENANT_SEPARATOR = "\n"  # after the worker: no worker name or digest holds one
+
+
 @dataclass(frozen=True, slots=True)
 class Owner:
     worker: str
     engine_started_at: float | None  # None: not known when it was stored
+    tenant: str | None = None  # the key that created it (a digest); None: any client's
 
     @classmethod
-    def of(cls, worker: Worker) -> Owner:
-        return cls(worker.name, worker.engine_started_at)
+    def of(cls, worker: Worker, tenant: str | None = None) -> Owner:
+        return cls(worker.name, worker.engine_started_at, tenant)
 
     def encode(self) -> str:
-        return f"{self.engine_started_at or ''} {self.worker}"
+        owner = f"{self.engine_started_at or ''} {self.worker}"
+        return owner if self.tenant is None else owner + _TENANT_SEPARATOR + self.tenant
 
     @classmethod
     def decode(cls, text: str) -> Owner | None:
-        started, _, worker = text.partition(" ")
+        owner, _, tenant = text.partition(_TENANT_SEPARATOR)
+        started, _, worker = owner.partition(" ")
         try:
-            return cls(worker, float(started) if started else None) if worker else None
+            started_at = float(started) if started else None
         except ValueError:
             return None
+        return cls(worker, started_at, tenant or None) if worker else None
+
+    def reachable_by(self, tenant: str | None) -> bool:
+        return self.tenant is None or self.tenant == tenant
 
     def holder(self, fleet: Fleet) -> Worker | None:
         """The worker, if it still holds what it stored: in the fleet, not restarted."""
@@ -84,14 +97,21 @@ class OwnerLookup(Protocol):
 
 
 async def holder_of(
-    response_id: str, owners: ResponseOwners, fleet: Fleet, shared: OwnerLookup | None
+    response_id: str,
+    tenant: str | None,
+    owners: ResponseOwners,
+    fleet: Fleet,
+    shared: OwnerLookup | None,
 ) -> Worker:
-    """The worker holding ``response_id``; ``ResponseNotFound`` where none does."""
+    """The worker holding ``response_id`` for ``tenant``; ``ResponseNotFound`` where none
+    does, or the response is another tenant's."""
     owner = owners.get(response_id)
     if owner is None and shared is not None:
         owner = await shared.response_owner(response_id)
         if owner is not None:
             owners.remember(response_id, owner)
+    if owner is not None and not owner.reachable_by(tenant):
+        owner = None
     worker = owner.holder(fleet) if owner is not None else None
     if worker is None:
         raise ResponseNotFound(response_id)

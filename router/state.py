@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 
 from router.admission import Admission
-from router.auth import bearers
+from router.auth import accepted_key, bearers, tenant
 from router.config import RouterConfig, WorkerConfig
 from router.health import HealthProber
 from router.kv_events.subscriptions import KvEventSubscriptions
@@ -59,11 +60,18 @@ class RouterState:
         )
         self.accepted_bearers = bearers(self.config.api_keys)
 
-    async def holder_of(self, response_id: str) -> Worker:
-        """The worker holding a stored response; ``ResponseNotFound`` where none does."""
+    async def holder_of(self, response_id: str, tenant: str | None) -> Worker:
+        """The worker holding a stored response of ``tenant``'s; ``ResponseNotFound``
+        where none does."""
         return await holder_of(
-            response_id, self.response_owners, self.router.fleet, self.shared_path
+            response_id, tenant, self.response_owners, self.router.fleet, self.shared_path
         )
+
+    def tenant_of(self, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+        """Whose stored responses a request may reach (``router.auth.tenant``)."""
+        if not self.accepted_bearers:
+            return None
+        return tenant(accepted_key(headers, self.accepted_bearers) or b"")
 
     def add_worker(self, config: WorkerConfig) -> Worker:
         """The one way a worker joins, from the config file, the admin API or discovery:

@@ -19,6 +19,10 @@ the framing of the request and the hand-over of the response.
   raises ``UpstreamClosed``.
 * A response body the reader does not keep up with stops the socket being read
   (``HIGH_WATER_BYTES``): a slow client holds the worker back, not the router's memory.
+* A response head is held until it is whole and parsed once (llhttp rebuilds a header
+  value that arrives in pieces at every piece): over ``MAX_RESPONSE_HEAD_BYTES``, a field
+  over ``MAX_FIELD_BYTES`` or more than ``MAX_HEADERS`` headers raise ``UpstreamClosed``
+  and close the connection, as the router's own server refuses such a request.
 """
 
 from __future__ import annotations
@@ -34,8 +38,14 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from router.wire.http1 import MAX_FIELD_BYTES, MAX_HEADERS
+
 IDLE_TIMEOUT_S = 15.0  # what aiohttp keeps an idle connection for
 HIGH_WATER_BYTES = 256 * 1024  # buffered body past which the socket is not read
+# vLLM's and SGLang's heads are a few hundred bytes; a proxy in between adds a few more.
+MAX_RESPONSE_HEAD_BYTES = 64 * 1024
+_HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
+_STATUS_LINE_START = b"HTTP/"
 
 
 class UpstreamClosed(ConnectionError):
@@ -65,6 +75,10 @@ class Origin:
         return cls(parts.scheme, parts.hostname, port, host_header.encode("idna"))
 
 
+class _HeadRefused(Exception):
+    """A response head over the router's limits (raised inside llhttp's callbacks)."""
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; its current response's state lives here too."""
 
@@ -78,8 +92,10 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
+        self._head = bytearray()  # the response head, held until it is whole
+        self._head_fed = False
         self.headers: list[tuple[bytes, bytes]] = []
-        self._head: asyncio.Future[None] | None = None
+        self._head_waiter: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._body: list[bytes] = []
         self._buffered = 0
@@ -99,14 +115,45 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        if self.complete or self._head is None:
+        if self.complete or self._head_waiter is None:
             # Bytes after the response ended (or while idle): not HTTP we can use.
             self._fail(UpstreamClosed("the worker sent data outside a response"))
             return
+        if not self._head_fed:
+            head = self._whole_head(data)
+            if head is None:
+                return
+            data = head
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamClosed(f"malformed response from the worker: {exc}"))
+            refused = exc.__context__
+            why = refused if isinstance(refused, _HeadRefused) else exc
+            self._fail(UpstreamClosed(f"malformed response from the worker: {why}"))
+
+    def _whole_head(self, data: bytes) -> bytes | None:
+        """What to feed the parser once the head is whole (the head and whatever came
+        after it); None while it is not, or when it broke a limit (then failed)."""
+        head = self._head
+        scanned = max(0, len(head) - 3)
+        head += data
+        if not head.startswith(_STATUS_LINE_START[: len(head)]):
+            self._fail(UpstreamClosed("malformed response from the worker: not HTTP"))
+            return None
+        ends = [i for i in (head.find(end, scanned) for end in _HEAD_ENDS) if i >= 0]
+        if not ends and len(head) <= MAX_RESPONSE_HEAD_BYTES:
+            return None
+        if not ends or min(ends) > MAX_RESPONSE_HEAD_BYTES:
+            self._fail(
+                UpstreamClosed(
+                    f"the worker's response head is over {MAX_RESPONSE_HEAD_BYTES} bytes"
+                )
+            )
+            return None
+        self._head_fed = True
+        whole = bytes(head)
+        head.clear()
+        return whole
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._pool._lost(self)
@@ -120,6 +167,10 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) > MAX_FIELD_BYTES or len(value) > MAX_FIELD_BYTES:
+            raise _HeadRefused(f"a header field is over {MAX_FIELD_BYTES} bytes")
+        if len(self.headers) >= MAX_HEADERS:
+            raise _HeadRefused(f"more than {MAX_HEADERS} headers")
         self.headers.append((name, value))
         lower = name.lower()
         if lower == b"content-length" or (
@@ -151,8 +202,8 @@ class _Connection(asyncio.Protocol):
     # -- the response, as the proxy reads it
 
     def _wake_head(self) -> None:
-        if self._head is not None and not self._head.done():
-            self._head.set_result(None)
+        if self._head_waiter is not None and not self._head_waiter.done():
+            self._head_waiter.set_result(None)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -161,7 +212,7 @@ class _Connection(asyncio.Protocol):
     def _fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
-        for future in (self._head, self._waiter):
+        for future in (self._head_waiter, self._waiter):
             if future is not None and not future.done():
                 future.set_exception(self.error)
         if self.transport is not None:
@@ -170,7 +221,7 @@ class _Connection(asyncio.Protocol):
     async def send(self, head: bytes, body: bytes, timeout_s: float) -> None:
         """Writes the request and waits (at most ``timeout_s``) for the response's headers."""
         self._reset()
-        future = self._head = self._loop.create_future()
+        future = self._head_waiter = self._loop.create_future()
         assert self.transport is not None
         self.transport.writelines((head, body))
         timer = self._loop.call_later(timeout_s, _expire, future)

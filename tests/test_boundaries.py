@@ -46,6 +46,14 @@ async def test_api_keys_guard_the_openai_routes(engine_factory: EngineFactory) -
                     assert (await response.json())["error"]["code"] == "invalid_api_key"
         async with http.get(router.url + "/health") as response:
             assert response.status == 200  # probes need no key
+        # The engine's own routes the router passes on spend the engine's CPU too.
+        for path, payload in (
+            ("/tokenize", {"model": TEST_MODEL, "prompt": "hello"}),
+            ("/detokenize", {"model": TEST_MODEL, "tokens": [1, 2]}),
+        ):
+            for headers, status in (({}, 401), ({"Authorization": "Bearer key-one"}, 200)):
+                async with http.post(router.url + path, json=payload, headers=headers) as response:
+                    assert response.status == status, (path, await response.text())
 
 
 def _engine_without_model_list() -> contextlib.AbstractAsyncContextManager[str]:

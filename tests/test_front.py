@@ -196,3 +196,39 @@ async def test_a_client_that_leaves_mid_stream_frees_its_worker(
                 break
             await asyncio.sleep(0.02)
         assert worker.outstanding_requests == 0
+
+
+def chunked_with_trailer(path: bytes, body: bytes, *trailer: bytes) -> bytes:
+    head = [
+        b"POST %s HTTP/1.1" % path,
+        b"Host: x",
+        b"Content-Type: application/json",
+        b"Transfer-Encoding: chunked",
+    ]
+    chunk = b"%x\r\n%s\r\n" % (len(body), body)
+    return b"\r\n".join(head) + b"\r\n\r\n" + chunk + b"0\r\n" + b"".join(trailer) + b"\r\n"
+
+
+async def test_trailer_fields_never_become_request_headers(
+    engine_factory: EngineFactory,
+) -> None:
+    responses = orjson.dumps({"model": TEST_MODEL, "input": "hi", "max_output_tokens": 2})
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, api_keys=("key",))) as router,
+        connection(router) as (reader, writer),
+    ):
+        for path, body in ((b"/v1/chat/completions", CHAT), (b"/v1/responses", responses)):
+            writer.write(chunked_with_trailer(path, body, b"Authorization: Bearer key\r\n"))
+            status, _, answer = await read_response(reader)
+            assert status == 401, answer  # a key in the trailer is no key
+        # A Content-Encoding in the trailer does not make the plain body a gzip one.
+        writer.write(
+            chunked_with_trailer(
+                b"/v1/chat/completions",
+                CHAT,
+                b"Content-Encoding: gzip\r\n",
+            ).replace(b"Host: x", b"Host: x\r\nAuthorization: Bearer key")
+        )
+        status, _, answer = await read_response(reader)
+        assert status == 200 and is_completion(answer), answer

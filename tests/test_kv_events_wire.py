@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.kv_events.chain import EngineChains
+from router.kv_events.slices import event_slices
 from router.kv_events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -235,6 +236,15 @@ def test_an_engine_block_of_several_router_blocks_is_named_by_each_of_them() -> 
         chains.stored(BlockStored((sha(4),), None, tuple(tokens[:6]), 6))
 
 
+def test_the_map_is_bounded_by_router_blocks_whatever_block_size_the_engine_claims() -> None:
+    chains = EngineChains("m", max_blocks=10, block_tokens=BLOCK)
+    big = 8 * BLOCK  # eight router blocks an engine block
+    for i in range(3):
+        chains.stored(BlockStored((sha(i),), None, tuple(range(i, i + big)), big))
+        assert chains.router_blocks <= 10
+    assert len(chains) == 1  # the newest engine block alone fits
+
+
 def test_blocks_whose_parent_was_never_announced_are_skipped() -> None:
     chains = EngineChains("m", max_blocks=10)
     assert chains.stored(BlockStored((sha(2),), sha(1), (1, 2, 3, 4), BLOCK)) == ([], [])
@@ -267,3 +277,24 @@ def test_a_block_stored_twice_is_held_until_both_copies_are_removed() -> None:
     assert chains.removed((sha(1),)) == []
     assert chains.removed((sha(1),)) == [ours]
     assert len(chains) == 0
+
+
+def test_a_long_batch_is_applied_in_slices_that_name_the_same_blocks() -> None:
+    tokens = list(range(1000, 1000 + 10 * BLOCK))
+    stored = BlockStored(tuple(sha(i) for i in range(10)), None, tuple(tokens), BLOCK)
+    removed = BlockRemoved(tuple(sha(i) for i in range(6, 10)))
+    slices = list(event_slices([stored, removed, AllBlocksCleared()], limit=3))
+    assert all(
+        sum(1 if isinstance(e, AllBlocksCleared) else len(e.block_hashes) for e in piece) <= 3
+        for piece in slices
+    )
+    whole, sliced = EngineChains("m", max_blocks=100), EngineChains("m", max_blocks=100)
+    added, _ = whole.stored(stored)
+    pieces = [e for piece in slices for e in piece]
+    added_in_slices = [h for e in pieces if isinstance(e, BlockStored) for h in sliced.stored(e)[0]]
+    assert added_in_slices == added
+    gone = [
+        h for e in pieces if isinstance(e, BlockRemoved) for h in sliced.removed(e.block_hashes)
+    ]
+    assert gone == whole.removed(removed.block_hashes) and len(gone) == 4
+    assert isinstance(pieces[-1], AllBlocksCleared)

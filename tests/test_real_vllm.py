@@ -31,8 +31,10 @@ from router.config import (
     StateConfig,
     WorkerConfig,
 )
+from router.config import KvEventsConfig as RouterKvEvents
 from tests.conftest import serve_router
 from tests.router_client import metric, post
+from tests.tcp_proxy import tcp_proxy
 from tests.test_read_your_writes import met
 from tests.vllm_engines import BLOCK_TOKENS, MODEL_NAME, NUM_BLOCKS, VllmEngine
 
@@ -354,6 +356,77 @@ async def test_exact_mode_predicts_what_the_engine_reports(
     assert len(pairs) == len(sessions) * (TURNS - 1)
     assert all(cached > 0 for _, cached in pairs), pairs
     # No pressure (3 sessions of ~500 tokens in 2 x 4,096): within a block, every turn.
+    assert all(abs(p - c) <= BLOCK_TOKENS for p, c in pairs), pairs
+
+
+async def test_exact_mode_follows_an_evicting_engine_through_a_dropped_subscription(
+    fleet: list[VllmEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four sessions of ~1,300 tokens taking turns on one engine of 4,096: the engine
+    evicts every round. The router's subscription runs through a proxy that is cut for a
+    round: the batches published meanwhile are lost to it, and it replays them from the
+    engine's replay endpoint when it hears the next one. Every turn after it has caught up
+    is predicted within a block of what the engine reports."""
+    engine = fleet[0]
+    async with tcp_proxy(engine.events_port) as proxy, aiohttp.ClientSession() as http:
+        endpoints = KvEventsEndpoints(f"tcp://127.0.0.1:{proxy.port}", engine.replay_endpoint)
+        config = real_config(
+            [engine],
+            "exact",
+            workers=(WorkerConfig(engine.url, name=engine.name, kv_events=endpoints),),
+            # Gone before the next turn: what the router knows then, the events told it.
+            kv_events=RouterKvEvents(speculative_ttl_s=0.1),
+        )
+        async with serve_router(config) as router:
+            await exact_everywhere(http, router, [engine.name])
+
+            async def replays() -> float:
+                return await metric(
+                    http, router, "kvrouter_kv_event_replays_total", worker=engine.name,
+                    result="complete",
+                )  # fmt: skip
+
+            sessions = {
+                f"evict{i}": [{"role": "user", "content": text_for(f"evict{i}", 1000)}]
+                for i in range(4)
+            }
+
+            async def round_of_turns(turn: int) -> None:
+                for key, messages in sessions.items():
+                    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 8}
+                    result = await post(http, router.url, {**body, "user": key})
+                    assert result.status == 200, result.raw
+                    messages += next_turn(key, turn, result.text)
+                    await asyncio.sleep(0.3)  # the step's events reach the router
+
+            caplog.set_level(logging.INFO, logger="kvrouter.requests")
+            await round_of_turns(0)
+            proxy.cut()
+            await round_of_turns(1)  # unheard by the router
+            before = await replays()
+            proxy.restore()
+            pokes = 0
+            while await replays() == before:  # a batch it hears shows the gap
+                pokes += 1  # a new prompt of whole blocks: the engine announces them
+                poke = [{"role": "user", "content": text_for(f"poke{pokes}", 100)}]
+                body = {"model": MODEL_NAME, "messages": poke, "max_tokens": 1}
+                assert (await post(http, router.url, body)).status == 200
+                await asyncio.sleep(0.3)
+            await round_of_turns(2)
+            await round_of_turns(3)
+            removed = await metric(
+                http, router, "kvrouter_kv_events_total", worker=engine.name, type="removed"
+            )
+    turns: dict[str, list[dict[str, Any]]] = {}
+    for line in request_lines(caplog):
+        turns.setdefault(line["session"], []).append(line)
+    sessions_turns = [lines for lines in turns.values() if len(lines) == 4]
+    assert len(sessions_turns) == len(sessions)
+    caught_up = [line for lines in sessions_turns for line in lines[2:]]
+    assert removed > 0  # the engine evicted, and the router heard it
+    pairs = [(line["predicted_cached_tokens"], line["engine_cached_tokens"]) for line in caught_up]
+    # Some session's history was evicted before its turn came round again.
+    assert any(line["engine_cached_tokens"] < line["prompt_tokens"] // 2 for line in caught_up)
     assert all(abs(p - c) <= BLOCK_TOKENS for p, c in pairs), pairs
 
 

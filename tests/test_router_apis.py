@@ -369,3 +369,37 @@ async def test_anthropic_clients_authenticate_with_x_api_key(fleet: list[Any]) -
                         "message": "missing or invalid API key",
                     },
                 }
+
+
+async def test_a_stored_response_is_the_key_that_created_it_alone(fleet: list[Any]) -> None:
+    """With several API keys, each is a tenant: another key finds no stored response of
+    the first's, by id, continuation or cancel, streamed or whole; the creator does."""
+    async with serve_router(router_config(fleet, api_keys=("key-a", "key-b"))) as router:
+        a = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="key-a", max_retries=0)
+        b = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="key-b", max_retries=0)
+        async with a, b:
+            stored = await a.responses.create(
+                model=TEST_MODEL, input=question(0, 0), max_output_tokens=4
+            )
+            streamed = None
+            async for event in await a.responses.create(
+                model=TEST_MODEL, input=question(1, 0), max_output_tokens=4, stream=True
+            ):
+                if event.type == "response.completed":
+                    streamed = event.response
+            assert streamed is not None
+            for response_id in (stored.id, streamed.id):
+                assert (await a.responses.retrieve(response_id)).id == response_id
+                for call in (
+                    b.responses.retrieve(response_id),
+                    b.responses.cancel(response_id),
+                    b.responses.create(
+                        model=TEST_MODEL, previous_response_id=response_id, input="and?"
+                    ),
+                ):
+                    with pytest.raises(openai.NotFoundError):
+                        await call
+            continued = await a.responses.create(
+                model=TEST_MODEL, previous_response_id=stored.id, input="and?", max_output_tokens=4
+            )
+            assert continued.id != stored.id

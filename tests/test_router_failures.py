@@ -458,6 +458,38 @@ async def test_a_worker_that_sends_nothing_is_retried_after_the_first_byte_timeo
         await assert_idle(http, router)
 
 
+async def _endless_head(request: web.Request) -> web.StreamResponse:
+    transport = request.transport
+    assert transport is not None
+    transport.write(b"HTTP/1.1 200 OK\r\n")
+    while not transport.is_closing():  # headers, until the router hangs up
+        transport.write(b"X-Filler: a header that never ends the head\r\n" * 20)
+        await asyncio.sleep(0.001)
+    raise ConnectionResetError
+
+
+async def test_a_worker_whose_head_never_ends_is_cut_off_and_retried(
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        fake_engine(_endless_head) as endless,
+        engine_factory() as sim,
+        serve_router(
+            router_config(
+                [],
+                policy="round_robin",
+                workers=(WorkerConfig(endless, name="w0"), WorkerConfig(sim.url, name="w1")),
+            )
+        ) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        for _ in range(2):  # round robin: at least one lands on the endless worker first
+            result = await post(http, router.url, chat_body(conversation("head", 20, 5)))
+            assert result.status == 200 and result.worker == "w1"
+        assert await metric(http, router, "kvrouter_retries_total", worker="w0") >= 1
+        await assert_idle(http, router)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_worker_that_fails_its_probe_gives_up_its_unanswered_requests(
     engine_factory: EngineFactory, stream: bool
@@ -527,3 +559,52 @@ async def test_waiting_for_a_pooled_connection_is_not_the_workers_failure(
         assert [r.status for r in results] == [200, 200, 200]
         assert await metric(http, router, "kvrouter_requests_total", outcome="timeout") == 0
         assert (await post(http, router.url, body)).status == 200  # the circuit stayed shut
+
+
+def _usage_reply(cached: int) -> bytes:
+    return orjson.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "model": TEST_MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hi"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": 10,
+                "completion_tokens": 1,
+                "total_tokens": 11,
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        }
+    )
+
+
+async def _absurd_usage(request: web.Request) -> web.Response:
+    body = await request.json()
+    cached = {"negative": -(2**63), "huge": 2**63, "over": 11, "fine": 5}[body["user"]]
+    return web.Response(body=_usage_reply(cached), content_type="application/json")
+
+
+async def test_usage_that_is_no_token_count_is_taken_as_unknown_and_counted() -> None:
+    async with fake_engine(_absurd_usage) as url:
+        config = router_config([], workers=(WorkerConfig(url, name="w0", kv_tokens=10_000),))
+        async with serve_router(config) as router, aiohttp.ClientSession() as http:
+            for user in ("negative", "huge", "over", "fine"):  # one keep-alive connection
+                body = chat_body([{"role": "user", "content": "hi"}], stream=False, user=user)
+                async with http.post(router.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200
+                    assert response.headers.get("Connection", "").lower() != "close"
+                    await response.read()
+            assert (
+                await metric(http, router, "kvrouter_engine_usage_rejected_total", worker="w0") == 3
+            )
+            assert (
+                await metric(http, router, "kvrouter_engine_cached_tokens_total", worker="w0") == 5
+            )
+            assert await metric(http, router, "kvrouter_requests_total", outcome="success") == 4
+            await assert_idle(http, router)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -325,3 +326,72 @@ async def test_recent_demand_and_queued_prefill_reach_the_other_replicas(redis_u
         # It fades as the replica's own does, from when it was heard.
         later = b.fleet.workers["w0"].remote_demand.value(now + 30)
         assert 0.4 < later / b.fleet.workers["w0"].remote_demand.value(now) < 0.6
+
+
+async def test_what_no_replica_could_have_written_is_skipped_and_the_rest_applies(
+    redis_url: str,
+) -> None:
+    """Garbage, a negative count and an infinite rate from replicas that are not
+    kvrouter: each skipped and counted; the real replicas' load still arrives, and the
+    loops go on replicating."""
+    ns = f"kvr:{{{NAMESPACE}}}"
+    raw = aioredis.from_url(redis_url)
+    async with replica(redis_url) as a, replica(redis_url) as b:
+        await raw.hset(f"{ns}:load:x", mapping={"w0": "garbage", "w1": "3,300,0,0"})
+        await raw.hset(f"{ns}:load:y", mapping={"w0": "-1,5"})
+        await raw.set(f"{ns}:rate:x", "inf,5")
+        await raw.zadd(f"{ns}:replicas", {"x": time.time() + 3600, "y": time.time() + 3600})
+        a.fleet.workers["w0"].outstanding_requests = 4
+        workers = b.fleet.workers
+
+        async def heard() -> bool:
+            return workers["w0"].remote_requests == 4 and workers["w1"].remote_requests == 3
+
+        await wait_for(heard)
+        for kind in ("load", "rate"):
+            assert b.counter("kvrouter_redis_bad_entries_total", kind=kind) >= 1, kind
+        assert b.sync._rate.tokens_per_s < float("inf")
+        a.index.touch("w0", chain(1, 8))
+        await wait_for(lambda: _true(b.holds("w0", chain(1, 8))))
+        assert b.task is not None and not b.task.done()
+    await raw.aclose()
+
+
+async def test_a_stream_entry_or_a_residency_member_that_is_not_one_is_counted(
+    redis_url: str,
+) -> None:
+    raw = aioredis.from_url(redis_url)
+    await raw.zadd(residency_key("w0"), {(1).to_bytes(8, "big"): 1.0, b"short": 2.0})
+    async with replica(redis_url) as a:
+        assert a.holds("w0", [1])
+        assert a.counter("kvrouter_redis_bad_entries_total", kind="residency") == 1
+        await raw.xadd(STREAM, {"r": "intruder", "o": "?"})
+        await wait_for(
+            lambda: _true(a.counter("kvrouter_redis_bad_entries_total", kind="stream") == 1)
+        )
+    await raw.aclose()
+
+
+async def test_a_loop_that_fails_unexpectedly_is_started_again_alone(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with replica(redis_url) as a, replica(redis_url) as b:
+        follow = b.sync._follow_policy
+        failures = iter([RuntimeError("surprise")] * 3)
+
+        async def failing_then_well() -> None:
+            error = next(failures, None)
+            if error is not None:
+                raise error
+            await follow()
+
+        monkeypatch.setattr(b.sync, "_follow_policy", failing_then_well)
+        await wait_for(
+            lambda: _true(b.counter("kvrouter_redis_loop_failures_total", loop="share") == 3)
+        )
+        a.index.touch("w0", chain(1, 8))  # the other loops never stopped
+        await wait_for(lambda: _true(b.holds("w0", chain(1, 8))))
+        a.fleet.workers["w1"].outstanding_requests = 2  # and the failed one came back
+        await wait_for(lambda: _true(b.fleet.workers["w1"].remote_requests == 2))
+    logged = [r for r in caplog.records if "loop failed" in r.getMessage()]
+    assert len(logged) == 1  # once, not once a failure

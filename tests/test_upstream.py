@@ -13,11 +13,13 @@ import pytest
 
 from router.upstream import (
     HIGH_WATER_BYTES,
+    MAX_RESPONSE_HEAD_BYTES,
     ConnectFailed,
     Origin,
     UpstreamClosed,
     UpstreamPool,
 )
+from router.wire.http1 import MAX_FIELD_BYTES, MAX_HEADERS
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
@@ -345,3 +347,79 @@ def test_origin_from_url() -> None:
     assert Origin.of("http://[::1]:8000").host == "::1"
     with pytest.raises(ValueError):
         Origin.of("ftp://x")
+
+
+async def endless_head(piece: bytes, sent: list[int], writer: asyncio.StreamWriter) -> None:
+    """A status line, then ``piece`` again and again until the router hangs up."""
+    writer.write(b"HTTP/1.1 200 OK\r\n")
+    while True:
+        writer.write(piece)
+        sent[0] += len(piece)
+        await writer.drain()
+        await asyncio.sleep(0)  # each piece its own segment, as a slow worker sends them
+
+
+@pytest.mark.parametrize(
+    "piece",
+    [b"X-Many: small\r\n", b"v" * 200],
+    ids=["headers-without-end", "a-value-without-end"],
+)
+async def test_a_head_that_never_ends_is_refused_at_the_limit(piece: bytes) -> None:
+    sent = [0]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader, box[0])
+        if piece.startswith(b"v"):
+            writer.write(b"HTTP/1.1 200 OK\r\nX-Long: ")
+        await endless_head(piece, sent, writer)
+
+    box: list[Server] = []
+    async with serving(lambda s: boxed(box, s, handler)) as server:
+        client = pool(read_timeout_s=30.0)
+        with pytest.raises(UpstreamClosed, match=f"over {MAX_RESPONSE_HEAD_BYTES} bytes"):
+            await client.send(server.origin, b"/", b"", b"")
+        # The router hung up at its limit; the worker's writes beyond are what the socket
+        # buffers held when it noticed.
+        assert sent[0] < 8 * MAX_RESPONSE_HEAD_BYTES
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        (b"X-Big: " + b"v" * (MAX_FIELD_BYTES + 1) + b"\r\n", "header field is over"),
+        (b"X-Many: small\r\n" * (MAX_HEADERS + 1), f"more than {MAX_HEADERS} headers"),
+    ],
+    ids=["a-field-too-long", "too-many-headers"],
+)
+async def test_a_whole_head_over_the_limits_is_refused(head: bytes, why: str) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader, box[0])
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n" + head + b"\r\n{}")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    box: list[Server] = []
+    async with serving(lambda s: boxed(box, s, handler)) as server:
+        client = pool()
+        with pytest.raises(UpstreamClosed, match=why):
+            await client.send(server.origin, b"/", b"", b"")
+        await client.aclose()
+
+
+async def test_a_head_sent_a_byte_at_a_time_is_read_whole() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader, box[0])
+        for byte in OK:
+            writer.write(bytes([byte]))
+            await writer.drain()
+            await asyncio.sleep(0)
+
+    box: list[Server] = []
+    async with serving(lambda s: boxed(box, s, handler)) as server:
+        client = pool()
+        response = await client.send(server.origin, b"/", b"", b"")
+        assert response.status == 200
+        assert response.header(b"content-type") == "application/json"
+        assert await read_all(response) == b"{}"
+        await client.aclose()

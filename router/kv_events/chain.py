@@ -40,11 +40,20 @@ class _Name:
 
 
 class EngineChains:
-    """One worker's engine-hash to router-hash map, bounded to ``max_blocks`` entries
-    (the oldest dropped first, should removals go missing). ``block_tokens``: the
-    router's block size; None: the engine's own."""
+    """One worker's engine-hash to router-hash map, bounded to ``max_blocks`` router
+    blocks whatever block size the engine claims (the oldest engine blocks dropped
+    first, should removals go missing). ``block_tokens``: the router's block size;
+    None: the engine's own."""
 
-    __slots__ = ("_held", "_names", "block_tokens", "max_blocks", "model", "orphans")
+    __slots__ = (
+        "_held",
+        "_named",
+        "_names",
+        "block_tokens",
+        "max_blocks",
+        "model",
+        "orphans",
+    )
 
     def __init__(self, model: str, max_blocks: int, block_tokens: int | None = None) -> None:
         self.model = model  # the base model the worker serves (a LoRA names itself)
@@ -52,10 +61,16 @@ class EngineChains:
         self.block_tokens = block_tokens
         self._names: OrderedDict[BlockHash, _Name] = OrderedDict()
         self._held: Counter[int] = Counter()  # engine hashes held, per router hash
+        self._named = 0  # router hashes over all the names
         self.orphans = 0  # stored blocks skipped: their parent was never announced
 
     def __len__(self) -> int:
         return len(self._names)
+
+    @property
+    def router_blocks(self) -> int:
+        """The router blocks the announced engine blocks stand for."""
+        return self._named
 
     def stored(self, event: BlockStored) -> tuple[list[int], list[int]]:
         """The router hashes the event adds, and those that the bound pushed out."""
@@ -80,13 +95,14 @@ class EngineChains:
                 continue
             router_hashes = ours[i * ours_per_block : (i + 1) * ours_per_block]
             names[engine_hash] = _Name(router_hashes)
+            self._named += len(router_hashes)
             for router_hash in router_hashes:
                 count = held.get(router_hash, 0) + 1
                 held[router_hash] = count
                 if count == 1:
                     added.append(router_hash)
         dropped: list[int] = []
-        while len(self._names) > self.max_blocks:
+        while self._named > self.max_blocks:
             _, name = self._names.popitem(last=False)
             dropped += self._release(name.router_hashes)
         return added, dropped
@@ -119,9 +135,11 @@ class EngineChains:
         held = list(self._held)
         self._names.clear()
         self._held.clear()
+        self._named = 0
         return held
 
     def _release(self, router_hashes: Sequence[int]) -> list[int]:
+        self._named -= len(router_hashes)
         released: list[int] = []
         held = self._held
         for router_hash in router_hashes:

@@ -32,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 from router.engine_blocks import block_size_advice
 from router.index import LocalPrefixIndex
 from router.kv_events.metrics import KvEventMetrics, ReplayResult, ResetReason
+from router.kv_events.slices import event_slices
 from router.kv_events.wire import (
     SEQ_BYTES,
     AllBlocksCleared,
@@ -201,7 +202,7 @@ class RankSubscriber:
                 self._reset("gap", "the missed events could not be replayed")
             if self.next_seq is not None and seq < self.next_seq:
                 return
-        self._apply(message)
+        await self._apply(message)
 
     async def _replay(self, start: int) -> ReplayResult:
         """Ask the engine for its kept batches from ``start`` on and apply them."""
@@ -228,7 +229,7 @@ class RankSubscriber:
                 if expected is not None and message.seq > expected:
                     result = "incomplete"  # rolled out of the engine's buffer
                     self._reset("gap", f"the engine no longer keeps events {expected} on")
-                self._apply(message)
+                await self._apply(message)
             else:
                 result = "failed"
         except (TimeoutError, MalformedEvents, zmq.ZMQError) as exc:
@@ -239,7 +240,7 @@ class RankSubscriber:
         self._metrics.replays.labels(self._name, result).inc()
         return result
 
-    def _apply(self, message: Message) -> None:
+    async def _apply(self, message: Message) -> None:
         self.next_seq = message.seq + 1
         try:
             batch = decode_batch(message.payload)
@@ -257,7 +258,11 @@ class RankSubscriber:
         if self.rejected is not None:
             return
         self._become_exact()
-        self._index.apply_events(self._name, self._endpoints.rank, batch.events)
+        for i, piece in enumerate(event_slices(batch.events)):
+            if i:
+                await asyncio.sleep(0)  # a batch of many blocks must not hold the loop
+            if not self._index.apply_events(self._name, self._endpoints.rank, piece):
+                break  # no longer exact (the worker removed meanwhile)
         metrics = self._metrics
         metrics.batches.labels(self._name).inc()
         # The engine stamps a batch with its wall clock (vLLM: time.time()); a clock

@@ -42,8 +42,11 @@ class Keys:
         return self._response + response_id
 
 
+MEMBER_BYTES = 8  # a block hash in a residency set: 8 bytes, big-endian
+
+
 def member(block_hash: int) -> bytes:
-    return block_hash.to_bytes(8, "big")
+    return block_hash.to_bytes(MEMBER_BYTES, "big")
 
 
 def block_hash(member_bytes: bytes) -> int:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.shared.remote import BadEntries
+
 RESYNC_REASONS = ("start", "redis_error", "outbox_overflow", "stream_gap")
+SYNC_LOOPS = ("publish", "subscribe", "share")
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -50,8 +53,18 @@ class RedisMetrics:
             "resync then writes this replica's whole index back.",
             registry=registry,
         )
+        self.loop_failures = Counter(
+            "kvrouter_redis_loop_failures",
+            "Unexpected failures of a shared-state loop (publish, subscribe, share), each "
+            "logged and the loop started again after a backoff.",
+            ["loop"],
+            registry=registry,
+        )
+        self.bad_entries = BadEntries(registry)
         for reason in RESYNC_REASONS:
             self.resyncs.labels(reason)
+        for loop in SYNC_LOOPS:
+            self.loop_failures.labels(loop)
         for op in ("publish", "subscribe", "load", "resync", "policy"):
             self.errors.labels(op)
         for direction in ("in", "out"):

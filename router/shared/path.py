@@ -187,7 +187,9 @@ class SharedPath:
         found = await self._bounded("response_owner", self._redis.get(key), unanswered=_UNANSWERED)
         if found is _UNANSWERED:
             raise SharedStateUnavailable("where this response is stored could not be read")
-        return Owner.decode(found.decode()) if isinstance(found, bytes) else None
+        if not isinstance(found, bytes):
+            return None
+        return Owner.decode(found.decode("utf-8", errors="replace"))
 
     def withdraw(self, worker: str, hashes: Sequence[int]) -> None:
         """The dispatch failed: its reservation goes, without holding the request up."""

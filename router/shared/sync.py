@@ -14,7 +14,10 @@
   restarted empty rebuilds from the replicas and from traffic).
 
 Redis unreachable: every loop logs once, counts errors, backs off and keeps going; routing
-continues on local state and no request waits on Redis.
+continues on local state and no request waits on Redis. What Redis holds is read as
+untrusted (``router.shared.remote``): a bad entry is skipped and counted, never the end
+of a loop; and a loop that fails for any other reason is logged, counted
+(``kvrouter_redis_loop_failures_total``) and started again after a backoff, on its own.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from router.shared import policy as fleet_policy
 from router.shared import scripts
 from router.shared.events import IndexEvent, decode, encode
 from router.shared.index import SharedPrefixIndex
-from router.shared.keys import Keys, block_hash, member, touch_scores
+from router.shared.keys import Keys, member, touch_scores
 from router.shared.metrics import RedisMetrics
+from router.shared.remote import block_hashes, parse_load, parse_rate
 from router.shared.scripts import StreamPosition
 from router.workers import Fleet
 
@@ -94,6 +98,7 @@ class RedisSync:
         self._resyncing = asyncio.Lock()
         self._publishing = asyncio.Lock()
         self._stopping = asyncio.Event()
+        self._failed_loops: set[str] = set()  # loops whose failure has been logged
 
     # -- health -------------------------------------------------------------------------
 
@@ -116,7 +121,7 @@ class RedisSync:
             self._metrics.up.set(1)
         return result
 
-    async def _loop(self, step: Callable[[], Awaitable[None]], pause: float) -> None:
+    async def _loop(self, name: str, step: Callable[[], Awaitable[None]], pause: float) -> None:
         backoff = 0.1
         while not self._stopping.is_set():
             try:
@@ -126,6 +131,13 @@ class RedisSync:
                 backoff = 0.1
                 await self._pause(pause)
             except REDIS_ERRORS:
+                await self._pause(backoff)
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+            except Exception:  # one loop's surprise must end neither it nor the others
+                if name not in self._failed_loops:
+                    self._failed_loops.add(name)
+                    log.exception("the shared state's %s loop failed; restarting it", name)
+                self._metrics.loop_failures.labels(name).inc()
                 await self._pause(backoff)
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
 
@@ -143,9 +155,9 @@ class RedisSync:
         """
         config = self._config
         async with asyncio.TaskGroup() as group:
-            group.create_task(self._loop(self._publish, config.flush_interval_s))
-            group.create_task(self._loop(self._subscribe, 0))
-            group.create_task(self._loop(self._share, config.load_interval_s))
+            group.create_task(self._loop("publish", self._publish, config.flush_interval_s))
+            group.create_task(self._loop("subscribe", self._subscribe, 0))
+            group.create_task(self._loop("share", self._share, config.load_interval_s))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -202,7 +214,7 @@ class RedisSync:
             members = await self._op(
                 "resync", self._redis.zrange(self._keys.residency(worker), 0, -1)
             )
-            local.restore(worker, (block_hash(m) for m in members))
+            local.restore(worker, block_hashes(members, self._metrics.bad_entries))
         for worker in local.workers():
             own = local.oldest_first(worker)
             if own:
@@ -326,6 +338,7 @@ class RedisSync:
                     continue  # our own, read back: not even unpacked
                 decoded = decode(fields)
                 if decoded is None:
+                    self._metrics.bad_entries.skipped("stream", fields)
                     continue
                 self._index.apply(decoded[1])
                 self._metrics.events.labels("in").inc()
@@ -395,13 +408,21 @@ class RedisSync:
         self._apply_remote(replies[0::2], replies[1::2])
 
     def _apply_remote(self, loads: list[dict[bytes, bytes]], rates: list[bytes | None]) -> None:
-        # requests, tokens, demand, queued prefill by worker; a replica that predates
-        # the last two sends only the first two
+        """The other replicas' load (requests, tokens, demand, queued prefill) on the
+        workers this replica knows, and their prefill rates."""
+        bad = self._metrics.bad_entries
+        known = {w.name.encode(): w.name for w in self._fleet.all()}
         totals: dict[str, list[int]] = {}
         for load in loads:
             for worker, value in load.items():
-                parts = [int(x) for x in value.split(b",")[:4]]
-                acc = totals.setdefault(worker.decode(), [0, 0, 0, 0])
+                parts = parse_load(value)
+                if parts is None:
+                    bad.skipped("load", value)
+                    continue
+                name = known.get(worker)
+                if name is None:
+                    continue  # a worker another replica has and this one has not
+                acc = totals.setdefault(name, [0, 0, 0, 0])
                 for i, part in enumerate(parts):
                     acc[i] += part
         moment = monotonic()
@@ -409,7 +430,16 @@ class RedisSync:
             requests, tokens, demand, queued = totals.get(w.name, (0, 0, 0, 0))
             w.remote_requests, w.remote_tokens, w.remote_queued_prefill = requests, tokens, queued
             w.remote_demand.reset(demand, moment)
-        self._rate.blend([(float(a), int(b)) for a, b in (r.split(b",") for r in rates if r)])
+        shared_rates = []
+        for shared in rates:
+            if shared is None:
+                continue
+            rate = parse_rate(shared)
+            if rate is None:
+                bad.skipped("rate", shared)
+            else:
+                shared_rates.append(rate)
+        self._rate.blend(shared_rates)
 
     # -- the routing policy ---------------------------------------------------------------
 

@@ -14,6 +14,10 @@ from http import HTTPStatus
 
 Headers = Sequence[tuple[bytes, bytes]]
 
+# A message head's limits, the router's whichever side sends it (a client or a worker).
+MAX_FIELD_BYTES = 8190  # a header's name or value
+MAX_HEADERS = 128
+
 _STATUS_LINES: dict[int, bytes] = {
     int(s): b"HTTP/1.1 %d %s\r\n" % (s, s.phrase.encode()) for s in HTTPStatus
 }

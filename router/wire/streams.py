@@ -41,21 +41,44 @@ ANTHROPIC_ENDED = "message_stop"
 ANTHROPIC_PROMPT_PARTS = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
 
 
+# More tokens than any one request has (a trillion): a count beyond it is not one.
+MAX_TOKEN_COUNT = 1 << 40
+
+
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int | None  # None: not reported
     cached_tokens: int | None  # None: the engine did not say (not "none cached")
     completion_tokens: int
+    # A field was there but not a token count (negative, absurd, not an int, more
+    # cached than prompted): it was taken as unknown.
+    rejected: bool = False
 
 
 def count(value: Any) -> int | None:
-    """A token count from a usage field: an int, else unknown."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A token count from a usage field: a whole number from 0 to ``MAX_TOKEN_COUNT``,
+    else unknown."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT:
+        return value
+    return None
 
 
-def _details(usage: Mapping[str, Any], name: str) -> int | None:
+def _checked(prompt: Any, cached: Any, completion: Any) -> Usage:
+    """The counts an engine reported, any that is not one taken as unknown."""
+    counts = (count(prompt), count(cached), count(completion))
+    rejected = any(
+        raw is not None and value is None
+        for raw, value in zip((prompt, cached, completion), counts, strict=True)
+    )
+    prompt_tokens, cached_tokens, completion_tokens = counts
+    if prompt_tokens is not None and cached_tokens is not None and cached_tokens > prompt_tokens:
+        cached_tokens, rejected = None, True
+    return Usage(prompt_tokens, cached_tokens, completion_tokens or 0, rejected)
+
+
+def _details(usage: Mapping[str, Any], name: str) -> Any:
     details = usage.get(name)
-    return count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return details.get("cached_tokens") if isinstance(details, dict) else None
 
 
 def stream_error(chunk: Any) -> str | None:
@@ -81,26 +104,34 @@ def first_choice(chunk: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def chat_usage(usage: Mapping[str, Any]) -> Usage:
     """Chat Completions' and Completions' ``usage``."""
-    return Usage(
-        count(usage.get("prompt_tokens")),
+    return _checked(
+        usage.get("prompt_tokens"),
         _details(usage, "prompt_tokens_details"),
-        count(usage.get("completion_tokens")) or 0,
+        usage.get("completion_tokens"),
     )
 
 
 def responses_usage(usage: Mapping[str, Any]) -> Usage:
-    return Usage(
-        count(usage.get("input_tokens")),
+    return _checked(
+        usage.get("input_tokens"),
         _details(usage, "input_tokens_details"),
-        count(usage.get("output_tokens")) or 0,
+        usage.get("output_tokens"),
     )
 
 
 def anthropic_usage(usage: Mapping[str, Any]) -> Usage:
     """Anthropic's ``usage``, every field seen so far (``merge_anthropic_usage``)."""
-    parts = [count(usage.get(name)) for name in ANTHROPIC_PROMPT_PARTS]
+    raw = [usage.get(name) for name in ANTHROPIC_PROMPT_PARTS]
+    parts = [count(value) for value in raw]
+    rejected = any(r is not None and p is None for r, p in zip(raw, parts, strict=True))
     prompt = sum(p for p in parts if p is not None) if parts[0] is not None else None
-    return Usage(prompt, parts[1], count(usage.get("output_tokens")) or 0)
+    checked = _checked(prompt, raw[1], usage.get("output_tokens"))
+    return Usage(
+        checked.prompt_tokens,
+        checked.cached_tokens,
+        checked.completion_tokens,
+        rejected or checked.rejected,
+    )
 
 
 def merge_anthropic_usage(seen: dict[str, Any], usage: Any) -> None:
