@@ -174,6 +174,7 @@ def _token_keys(
         prefix.tokenizer_cache_tokens,
         TokenMetrics(metrics.registry),
         cast("ContentFormat | None", content_format),
+        prefix.max_tokenized_bytes,
     )
 
 

@@ -25,6 +25,8 @@ BYTES_PER_TOKEN_ESTIMATE = 4
 # Keyed by the engine's tokens, a router block is a run of an engine's blocks' tokens:
 # 16 divides every block size vLLM uses (16 on GPU by default, multiples of 32 on CPU).
 DEFAULT_KEY_BLOCK_TOKENS = DEFAULT_BLOCK_TOKENS
+# A 1M-token context is about 4 MB of text.
+DEFAULT_MAX_TOKENIZED_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # The parser walks every message and content part in Python on the event loop, so their
 # counts, not the body size, bound how long it holds the loop: 32 MiB holds over a million
@@ -115,6 +117,9 @@ class PrefixConfig:
     # How messages' content reaches the template (vLLM's --chat-template-content-format).
     content_format: str = "auto"
     tokenizer_cache_tokens: int = 16_000_000  # earlier prompts' ids kept to encode less
+    # A request body larger than this is keyed by its text, not tokenized: the tokenizer's
+    # work for one request, and what it can hold the event loop for, is bounded.
+    max_tokenized_bytes: int = DEFAULT_MAX_TOKENIZED_BYTES
 
     def __post_init__(self) -> None:
         if self.block_bytes is not None and not 16 <= self.block_bytes <= 65536:
@@ -128,6 +133,8 @@ class PrefixConfig:
             raise ConfigError(f"content_format: one of {', '.join(CONTENT_FORMATS)}")
         if self.tokenizer_cache_tokens < 0:
             raise ConfigError("tokenizer_cache_tokens: must be >= 0")
+        if self.max_tokenized_bytes < 1024:
+            raise ConfigError("max_tokenized_bytes: must be >= 1024")
         if self.engine_timeout_s <= 0:
             raise ConfigError("engine_timeout_s: must be > 0")
 

@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _JSON = ((b"Content-Type", b"application/json"),)
+# After a refusal, what the client still sends is read and discarded this long, or up to
+# this many bytes, so that it reads its refusal rather than a reset (aiohttp does so too).
+LINGER_S = 2.0
+LINGER_BYTES = 256 * 1024 * 1024
 
 
 class FrontConnection(asyncio.Protocol):
@@ -99,6 +103,8 @@ class FrontConnection(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_bytes = 0
         self._idle_until = 0.0
         self._done: asyncio.Future[None] | None = None  # for shutdown: set when idle
 
@@ -111,7 +117,7 @@ class FrontConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._transport = None
-        for timer in (self._idle_timer, self._body_timer):
+        for timer in (self._idle_timer, self._body_timer, self._linger_timer):
             if timer is not None:
                 timer.cancel()
         if self._task is not None:
@@ -138,6 +144,10 @@ class FrontConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
+            if self._linger_timer is not None:
+                self._linger_bytes -= len(data)
+                if self._linger_bytes <= 0:
+                    self._close()
             return
         if self._in_head:
             self._head_bytes += len(data)
@@ -266,7 +276,7 @@ class FrontConnection(asyncio.Protocol):
         self._disarm_idle()
         if isinstance(item, Refused):
             self._answer_error(item.error, close=True)
-            self._close()
+            self._linger_close()
         elif item.kind is not None and self._state is not None:
             self._task = self._loop.create_task(self._serve(item, item.kind, self._state))
         else:
@@ -369,6 +379,25 @@ class FrontConnection(asyncio.Protocol):
     def _close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+    def _linger_close(self) -> None:
+        """After a refusal the client may still be sending (a body over the limit): the
+        answer is sent and the sending side shut, then what arrives is read and
+        discarded for ``LINGER_S`` or ``LINGER_BYTES``, whichever ends first; closing at
+        once would have the unread bytes reset the connection before the client reads
+        its refusal."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            self._close()
+            return
+        transport.write_eof()
+        self._linger_bytes = LINGER_BYTES
+        self._linger_timer = self._loop.call_later(LINGER_S, self._close)
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
 
     async def drain(self) -> None:
         if self._write_paused:

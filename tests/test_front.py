@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import http.client
 from collections.abc import AsyncIterator
 
 import orjson
@@ -232,3 +233,33 @@ async def test_trailer_fields_never_become_request_headers(
         )
         status, _, answer = await read_response(reader)
         assert status == 200 and is_completion(answer), answer
+
+
+def post_too_large(url: str, size: int) -> tuple[int, bytes]:
+    """As a blocking client does (http.client, under requests and urllib3): the whole
+    body sent, then the answer read; a reset while sending is an error, not an answer."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.putrequest("POST", "/v1/chat/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(size))
+        connection.endheaders()
+        piece = b"x" * (1024 * 1024)
+        for _ in range(size // len(piece)):
+            connection.send(piece)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+async def test_a_body_over_the_limit_gets_its_413_while_the_client_is_still_sending(
+    engine_factory: EngineFactory,
+) -> None:
+    async with engines(engine_factory, 1) as fleet:
+        config = router_config(fleet, max_body_bytes=1024 * 1024)
+        async with serve_router(config) as router:
+            status, answer = await asyncio.to_thread(post_too_large, router.url, 200 << 20)
+    assert status == 413
+    assert "larger than" in orjson.loads(answer)["error"]["message"]

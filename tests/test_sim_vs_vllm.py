@@ -208,7 +208,13 @@ async def simulated_twin(real: VllmEngine) -> AsyncIterator[RunningEngine]:
         max_model_len=MAX_MODEL_LEN,
         tokenizer=str(real.model_dir),
         responses_store=True,
-        time_scale=50.0,
+        # Steps long enough to stream apart: a tiny model's decode step is microseconds,
+        # and the simulator sends the tokens of steps due within its clock's resolution
+        # together, so an 8-token reply could come as one chunk with its finish_reason
+        # and no plain text chunk to compare.
+        time_scale=1.0,
+        step_overhead_s=0.01,
+        stream_flush_wall_s=0.0,
     )
     async with serve_engine(config) as running:
         yield running

@@ -27,7 +27,7 @@ from router.tokens.conversation import (
     template_tools,
 )
 from router.tokens.incremental import IncrementalEncoder
-from router.tokens.keys import TokenKeys, TokenMetrics
+from router.tokens.keys import MAX_TOKENIZED_ITEMS, TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
 from router.wire.kinds import Kind
 from tests.token_model import DATA, build_model_dir
@@ -479,3 +479,26 @@ async def test_a_messages_or_responses_request_is_keyed_by_the_tokens_of_its_cha
         keys.close()
     assert keyed[0].key.hashes and keyed[0].key == keyed[1].key == keyed[2].key
     assert keyed[0].history_blocks == keyed[1].history_blocks == keyed[2].history_blocks > 0
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "x " * 600_000}],  # 1.2 MB of text
+        [{"role": "user", "content": "hi"}] * (MAX_TOKENIZED_ITEMS + 1),
+        [{"role": "user", "content": [{"type": "text", "text": "p"}] * MAX_TOKENIZED_ITEMS}],
+    ],
+    ids=["bytes", "messages", "content-parts"],
+)
+async def test_more_than_one_request_may_ask_of_the_tokenizer_is_keyed_by_text(
+    model: ModelTokenizer, messages: list[dict[str, Any]]
+) -> None:
+    keys = TokenKeys(model, 1_000_000, TokenMetrics(CollectorRegistry()), max_bytes=1 << 20)
+    try:
+        request = await keys.key(_body(messages), 64)
+        assert results(keys, "too_large") == 1 and results(keys, "tokens") == 0
+        assert request.key.hashes  # keyed all the same, by its text
+        await keys.key(_body([{"role": "user", "content": "x " * 1000}]), 64)
+        assert results(keys, "tokens") == 1  # one under the bounds is tokenized
+    finally:
+        keys.close()

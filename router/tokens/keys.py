@@ -27,6 +27,7 @@ from typing import Any, AnyStr, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from router.config import DEFAULT_MAX_TOKENIZED_BYTES
 from router.parse import ClientRequest, RequestBody, keyed, keyed_by_text
 from router.tokens.conversation import (
     ContentFormat,
@@ -42,6 +43,11 @@ from router.wire.blocks import TOKEN_BYTES, token_bytes
 # Requests queued for the tokenizer's thread past which the next is keyed by its text:
 # waiting behind many long first prompts would cost more than a coarser key.
 MAX_PENDING = 64
+# Rendering and encoding hold the interpreter for parts of their work (the template, the
+# ids turned into a list), so what one request may ask of them is bounded: a body over
+# ``prefix.max_tokenized_bytes`` or with more messages and content parts than this is
+# keyed by its text. A long agent session is a few hundred messages.
+MAX_TOKENIZED_ITEMS = 4096
 # Request fields that change what the engine renders or encodes in ways the router does
 # not reproduce: a request that sets them is keyed by its text.
 UNRENDERED_FIELDS = ("chat_template", "truncate_prompt_tokens")
@@ -63,7 +69,8 @@ class TokenMetrics:
             "tokens; text (the template could not render them, or the request asked for "
             "what the router does not render: continue_final_message, its own "
             "chat_template, media parts...; the engine decides whether they are valid); "
-            "busy (too many waiting for the tokenizer, keyed by text instead).",
+            "busy (too many waiting for the tokenizer, keyed by text instead); too_large "
+            "(over prefix.max_tokenized_bytes, or too many messages and parts).",
             ["result"],
             registry=registry,
         )
@@ -81,7 +88,7 @@ class TokenMetrics:
         self.encoded = Counter(
             "kvrouter_prefix_encoded_tokens", "Prompt tokens encoded.", registry=registry
         )
-        for result in ("tokens", "text", "busy"):
+        for result in ("tokens", "text", "busy", "too_large"):
             self.requests.labels(result)
 
 
@@ -104,9 +111,11 @@ class TokenKeys:
         max_tokens: int,
         metrics: TokenMetrics,
         content_format: ContentFormat | None = None,
+        max_bytes: int = DEFAULT_MAX_TOKENIZED_BYTES,
     ) -> None:
         self.model = model
         self.metrics = metrics
+        self._max_bytes = max_bytes
         self._content_format = content_format  # None: read from the template
         self._encoder = IncrementalEncoder(model, max_tokens)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrouter-tokens")
@@ -115,6 +124,8 @@ class TokenKeys:
     async def key(self, body: RequestBody, block_bytes: int) -> ClientRequest:
         """A request keyed by its tokens; by its text where they cannot be had (the
         engine, not the router, decides whether such a request is valid)."""
+        if self._too_large(body):
+            return self._by_text(body, block_bytes, "too_large")
         if body.messages is None:
             return await self._completion(body, block_bytes)
         fields = body.rendered_fields
@@ -167,7 +178,24 @@ class TokenKeys:
         self.metrics.requests.labels("tokens").inc()
         return keyed(body, token_bytes(ids), 1, block_bytes, False)
 
+    def _too_large(self, body: RequestBody) -> bool:
+        """More than the tokenizer is given for one request (``MAX_TOKENIZED_ITEMS``)."""
+        if len(body.raw) > self._max_bytes:
+            return True
+        if body.messages is None:
+            return False
+        items = len(body.messages)
+        for message in body.messages:
+            content = message.get("content")
+            if isinstance(content, list):
+                items += len(content)
+            if items > MAX_TOKENIZED_ITEMS:
+                return True
+        return False
+
     async def reply_tokens(self, text: str) -> bytes | None:
+        if len(text) > self._max_bytes:
+            return None
         loop = asyncio.get_running_loop()
         return token_bytes(await loop.run_in_executor(self._thread, self._encode, text, False))
 
