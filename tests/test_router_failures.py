@@ -25,6 +25,7 @@ from tests.conftest import (
     serve_router,
 )
 from tests.router_client import (
+    Handler,
     assert_idle,
     chat_body,
     conversation,
@@ -433,12 +434,29 @@ async def _never_answers(request: web.Request) -> web.StreamResponse:
     raise AssertionError
 
 
-async def test_a_worker_that_sends_nothing_is_retried_after_the_first_byte_timeout(
-    engine_factory: EngineFactory,
+async def _endless_head(request: web.Request) -> web.StreamResponse:
+    transport = request.transport
+    assert transport is not None
+    transport.write(b"HTTP/1.1 200 OK\r\n")
+    while not transport.is_closing():  # headers, until the router hangs up
+        transport.write(b"X-Filler: a header that never ends the head\r\n" * 20)
+        await asyncio.sleep(0.001)
+    raise ConnectionResetError
+
+
+@pytest.mark.parametrize(
+    ("bad", "upstream"),
+    [
+        (_never_answers, UpstreamConfig(first_byte_timeout_s=0.3)),
+        (_endless_head, UpstreamConfig()),  # cut off at the head's limit, not by a timeout
+    ],
+    ids=["sends-nothing", "head-never-ends"],
+)
+async def test_a_worker_that_never_answers_properly_is_retried_on_another(
+    engine_factory: EngineFactory, bad: Handler, upstream: UpstreamConfig
 ) -> None:
-    upstream = UpstreamConfig(first_byte_timeout_s=0.3)
     async with (
-        fake_engine(_never_answers) as hung,
+        fake_engine(bad) as hung,
         engine_factory() as sim,
         serve_router(
             router_config(
@@ -450,43 +468,11 @@ async def test_a_worker_that_sends_nothing_is_retried_after_the_first_byte_timeo
         ) as router,
         aiohttp.ClientSession() as http,
     ):
-        for _ in range(2):  # round robin: at least one lands on the hung worker first
+        for _ in range(2):  # round robin: at least one lands on the bad worker first
             result = await post(http, router.url, chat_body(conversation("fb", 20, 5)))
             assert result.status == 200 and result.worker == "w1"
         assert await metric(http, router, "kvrouter_retries_total", worker="w0") >= 1
         assert await metric(http, router, "kvrouter_requests_total", outcome="success") == 2
-        await assert_idle(http, router)
-
-
-async def _endless_head(request: web.Request) -> web.StreamResponse:
-    transport = request.transport
-    assert transport is not None
-    transport.write(b"HTTP/1.1 200 OK\r\n")
-    while not transport.is_closing():  # headers, until the router hangs up
-        transport.write(b"X-Filler: a header that never ends the head\r\n" * 20)
-        await asyncio.sleep(0.001)
-    raise ConnectionResetError
-
-
-async def test_a_worker_whose_head_never_ends_is_cut_off_and_retried(
-    engine_factory: EngineFactory,
-) -> None:
-    async with (
-        fake_engine(_endless_head) as endless,
-        engine_factory() as sim,
-        serve_router(
-            router_config(
-                [],
-                policy="round_robin",
-                workers=(WorkerConfig(endless, name="w0"), WorkerConfig(sim.url, name="w1")),
-            )
-        ) as router,
-        aiohttp.ClientSession() as http,
-    ):
-        for _ in range(2):  # round robin: at least one lands on the endless worker first
-            result = await post(http, router.url, chat_body(conversation("head", 20, 5)))
-            assert result.status == 200 and result.worker == "w1"
-        assert await metric(http, router, "kvrouter_retries_total", worker="w0") >= 1
         await assert_idle(http, router)
 
 
