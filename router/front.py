@@ -210,9 +210,12 @@ class FrontConnection(asyncio.Protocol):
         state = self._state
         length: int | None = None
         plain = True
+        hosts = 0
         for name, value in message.headers:
             key = name.lower()
-            if key == b"content-length":
+            if key == b"host":
+                hosts += 1
+            elif key == b"content-length":
                 length = int(value) if value.isdigit() else None  # llhttp checked it
             elif key == b"expect":
                 if value.lower() != b"100-continue":
@@ -227,6 +230,10 @@ class FrontConnection(asyncio.Protocol):
                 if coding not in DECODED_CODINGS:
                     raise Refused(undecodable(value))
                 plain = plain and coding == b"identity"
+        if hosts > 1 or (hosts == 0 and message.version == "1.1"):
+            # RFC 9112 section 3.2: a 400 for either; two Hosts are two answers to which
+            # server is meant, one a proxy in front may have read differently.
+            raise Refused(BadRequest("malformed HTTP request: exactly one Host header is needed"))
         if state is not None and length is not None and length > state.config.max_body_bytes:
             raise Refused(self._too_large())
         if plain and message.method == b"POST" and message.version == "1.1":

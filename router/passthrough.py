@@ -26,7 +26,7 @@ from router.errors import (
 )
 from router.proxy import (
     FORWARDED_HEADERS,
-    HOP_BY_HOP,
+    NOT_PASSED_ON,
     REQUEST_ID_HEADER,
     UPSTREAM_ERRORS,
     WORKER_HEADER,
@@ -97,7 +97,7 @@ async def _relay(
     """The worker's answer, streamed on as it comes."""
     response = web.StreamResponse(status=upstream.status)
     for name, value in upstream.headers:
-        if name.lower() not in HOP_BY_HOP:
+        if name.lower() not in NOT_PASSED_ON:
             response.headers.add(name.decode("latin-1"), value.decode("latin-1"))
     if state.config.worker_header:
         response.headers[WORKER_HEADER.decode()] = worker.name

@@ -41,7 +41,7 @@ from router.wire.kinds import Kind
 
 log = logging.getLogger(__name__)
 
-HOP_BY_HOP = frozenset(
+NOT_PASSED_ON = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -54,6 +54,7 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
         b"host",
         b"content-length",
+        b"server",  # the engine's software and version are not the client's business
     }
 )
 # Request headers passed on to the engine (lower case); everything else stays here.
@@ -217,7 +218,7 @@ class _Client:
 
     def response_headers(self, upstream: UpstreamResponse, worker: str) -> Headers:
         """The worker's headers the client is meant to see, and the router's own."""
-        out = [(k, v) for k, v in upstream.headers if k.lower() not in HOP_BY_HOP]
+        out = [(k, v) for k, v in upstream.headers if k.lower() not in NOT_PASSED_ON]
         if self.worker_header:
             out.append((WORKER_HEADER, worker.encode()))
         out.append((REQUEST_ID_HEADER, self.request_id.encode("latin-1")))

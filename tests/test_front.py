@@ -263,3 +263,24 @@ async def test_a_body_over_the_limit_gets_its_413_while_the_client_is_still_send
             status, answer = await asyncio.to_thread(post_too_large, router.url, 200 << 20)
     assert status == 413
     assert "larger than" in orjson.loads(answer)["error"]["message"]
+
+
+async def test_a_request_without_one_host_is_refused_and_engines_stay_anonymous(
+    engine_factory: EngineFactory,
+) -> None:
+    chat = request(b"POST", b"/v1/chat/completions", CHAT)
+    async with router_seen_by_app(engine_factory) as (router, _):
+        async with connection(router) as (reader, writer):
+            writer.write(chat)
+            status, headers, _ = await read_response(reader)
+            assert status == 200
+            assert b"server" not in headers  # the engine's own (aiohttp's here, uvicorn's)
+        for hosts in (b"", b"Host: x\r\nHost: y\r\n"):  # none on HTTP/1.1, or two
+            async with connection(router) as (reader, writer):
+                writer.write(chat.replace(b"Host: x\r\n", hosts, 1))
+                status, _, answer = await read_response(reader)
+                assert status == 400 and b"Host" in answer, answer
+        async with connection(router) as (reader, writer):  # HTTP/1.0 needs none
+            writer.write(b"GET /health HTTP/1.0\r\n\r\n")
+            status, _, _ = await read_response(reader)
+            assert status == 200
