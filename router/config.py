@@ -38,6 +38,7 @@ DEFAULT_MAX_CONTENT_PARTS = 10_000  # over all of a request's messages
 DEFAULT_MAX_SESSION_KEY_BYTES = 1024
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
 DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_WRITE_TIMEOUT_S = 60.0
 DEFAULT_KV_TOKENS = 400_000  # ~ Llama-3.1-8B on one H100 at utilization 0.9
 
 
@@ -303,9 +304,13 @@ class ClientConfig:
     # A request's whole body must arrive within this long after its headers; else 408,
     # and the connection is closed (32 MiB in 60 s is 4.5 Mbit/s).
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    # A client that reads nothing of its answer for this long (the router's writes held
+    # back) is cut off, and its request ends on the worker: else it holds the request,
+    # and the engine's KV for it, for as long as it keeps the connection open.
+    write_timeout_s: float = DEFAULT_WRITE_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        for name in ("keepalive_timeout_s", "body_timeout_s"):
+        for name in ("keepalive_timeout_s", "body_timeout_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
 

@@ -411,7 +411,14 @@ class FrontConnection(asyncio.Protocol):
             if self._transport is None:
                 raise ConnectionResetError("the client went away")
             self._drained = self._loop.create_future()
-            await self._drained
+            timeout = None if self._state is None else self._state.config.clients.write_timeout_s
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._drained
+            except TimeoutError:
+                if self._transport is not None:
+                    self._transport.abort()  # what it holds would never be read
+                raise ConnectionResetError("the client stopped reading") from None
 
     @property
     def closed(self) -> bool:

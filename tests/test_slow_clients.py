@@ -11,14 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
 import orjson
+from aiohttp import web
 
-from router.config import ClientConfig
+from router.config import ClientConfig, WorkerConfig
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
-from tests.router_client import chat_body, conversation, engines, metric, post
+from tests.router_client import (
+    assert_idle,
+    chat_body,
+    conversation,
+    engines,
+    fake_engine,
+    metric,
+    post,
+    wait_for,
+)
 
 IDLE_CONNECTIONS = 200
 KEPT_ALIVE = 50
@@ -154,3 +165,42 @@ async def test_a_body_that_arrives_too_slowly_gets_a_408_and_the_connection_clos
         assert await metric(http, router, "kvrouter_rejected_requests_total", status="408") == 1
         result = await post(http, router.url, chat_body(conversation("after", 20, 5)))
         assert result.status == 200
+
+
+async def _endless_stream(request: web.Request) -> web.StreamResponse:
+    """A worker streaming a long answer as fast as it is read."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 900 + b'"}}]}\n\n'
+    for _ in range(100_000):  # ~100 MB, far more than any socket buffers
+        await response.write(event)
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def test_a_client_that_stops_reading_is_cut_off_and_its_request_ends() -> None:
+    """A long streamed answer to a client that reads none of it: once the router's
+    writes have been held back for ``write_timeout_s``, the client is cut off and the
+    request ends on its worker (it held the worker's slot, and the engine's KV, for as
+    long as the client kept the connection)."""
+    async with fake_engine(_endless_stream) as url:
+        config = router_config(
+            [], workers=(WorkerConfig(url, name="w0"),), clients=ClientConfig(write_timeout_s=0.5)
+        )
+        async with serve_router(config) as router, aiohttp.ClientSession() as http:
+            host, port = router.url.removeprefix("http://").split(":")
+            body = orjson.dumps(chat_body(conversation("stuck", 20, 5)))
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.sendall(  # and never reads
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await wait_for(lambda: _outcome(http, router, "client_disconnect"), timeout_s=30)
+            await assert_idle(http, router, wait_s=5)
+            sock.close()
+
+
+async def _outcome(http: aiohttp.ClientSession, router: RunningRouter, outcome: str) -> bool:
+    return await metric(http, router, "kvrouter_requests_total", outcome=outcome) == 1
