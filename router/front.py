@@ -238,7 +238,21 @@ class FrontConnection(asyncio.Protocol):
             raise Refused(self._too_large())
         if plain and message.method == b"POST" and message.version == "1.1":
             message.kind = HOT_ROUTES.get(message.url.partition(b"?")[0])
-        if message.expects_continue and not self._busy and self._transport is not None:
+        if not self._busy:
+            self._send_continue()
+
+    def _send_continue(self) -> None:
+        """The 100 Continue of the request being received, if it waits for one: only
+        once the answers before it are written, as they come first on the wire."""
+        message = self._message
+        if (
+            message is not None
+            and message.expects_continue
+            and not self._in_head
+            and not message.body  # the client did not wait: no 100 is owed
+            and self._transport is not None
+        ):
+            message.expects_continue = False
             self._transport.write(http1.CONTINUE)
 
     def on_body(self, body: bytes) -> None:
@@ -272,6 +286,7 @@ class FrontConnection(asyncio.Protocol):
             if self._closing:
                 self._close()
                 return
+            self._send_continue()  # a pipelined request waiting for its 100, now its turn
             self._arm_idle()
             if self._reading_paused:
                 self._reading_paused = False

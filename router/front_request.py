@@ -46,6 +46,7 @@ class Message:
     version: str = "1.1"
     keep_alive: bool = True
     kind: Kind | None = None  # a hot route in its common shape: served by the front
+    # The client waits for a 100 Continue before its body, and has not had it yet.
     expects_continue: bool = False
 
 

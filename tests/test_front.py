@@ -284,3 +284,22 @@ async def test_a_request_without_one_host_is_refused_and_engines_stay_anonymous(
             writer.write(b"GET /health HTTP/1.0\r\n\r\n")
             status, _, _ = await read_response(reader)
             assert status == 200
+
+
+async def test_a_pipelined_request_waiting_for_100_continue_gets_it_in_its_turn(
+    engine_factory: EngineFactory,
+) -> None:
+    async with (
+        router_seen_by_app(engine_factory) as (router, _),
+        connection(router) as (reader, writer),
+    ):
+        waiting = request(b"POST", b"/v1/chat/completions", b"", b"Expect: 100-continue")
+        waiting = waiting.replace(b"Content-Length: 0", b"Content-Length: %d" % len(CHAT))
+        writer.write(request(b"POST", b"/v1/chat/completions", STREAMED) + waiting)
+        status, _, answer = await read_response(reader)  # the first, answered first
+        assert status == 200 and is_stream(answer)
+        interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(CHAT)  # the body, only now
+        status, _, answer = await read_response(reader)
+        assert status == 200 and is_completion(answer)
