@@ -126,13 +126,5 @@ def markdown_table(rounds: Rounds) -> str:
 
 
 def figures_json(rounds: Rounds) -> dict[str, dict[str, Any]]:
-    """Per router: how many rounds, and each figure's median, min and max (None: the
-    router has no such figure)."""
-    out: dict[str, dict[str, Any]] = {}
-    for label, runs in rounds.runs.items():
-        figures: dict[str, Any] = {"rounds": len(runs)}
-        for figure in FIGURES:
-            spread = rounds.spread(label, figure)
-            figures[figure.key] = None if spread is None else spread.as_dict()
-        out[label] = figures
-    return out
+    """Per router: how many rounds, and each of this benchmark's figures' spread."""
+    return rounds.as_dict(FIGURES)

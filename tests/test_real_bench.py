@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -35,24 +34,15 @@ from bench.vllm_cpu import (
 )
 from bench.workloads.trace import group_sessions, text_tokens
 from router.config_loader import load_config
-
-
-def log_line(ts: float, session: str, predicted: int, engine: int) -> dict[str, Any]:
-    return {
-        "ts": ts,
-        "session": session,
-        "outcome": "success",
-        "predicted_cached_tokens": predicted,
-        "engine_cached_tokens": engine,
-    }
+from tests.test_agreement_bench import line
 
 
 def test_agreement_is_held_to_the_engines_32_token_block() -> None:
     lines = [
-        log_line(1.0, "a", 0, 0),  # a first turn: not scored
-        log_line(2.0, "a", 800, 768),  # 32 tokens apart: within one block
-        log_line(3.0, "a", 1000, 960),  # 40 over
-        log_line(4.0, "a", 900, 1024),  # 124 under
+        line(1.0, "a", 0, 0),  # a first turn: not scored
+        line(2.0, "a", 800, 768),  # 32 tokens apart: within one block
+        line(3.0, "a", 1000, 960),  # 40 over
+        line(4.0, "a", 900, 1024),  # 124 under
     ]
     extras = run_extras(lines, requests=4, cpu=RouterCpu(seconds=0.2, wall_s=10.0, idle_per_s=0.01))
     assert extras["later_turns"] == 3

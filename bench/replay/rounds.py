@@ -252,11 +252,13 @@ class Rounds:
         values = [v for v in map(figure.value, self.runs[label]) if v is not None]
         return Spread.of(values)
 
-    def as_dict(self) -> dict[str, dict[str, Any]]:
+    def as_dict(self, figures_shown: Sequence[Figure] = FIGURES) -> dict[str, dict[str, Any]]:
+        """Per router: how many rounds, and each figure's median, min and max (None: the
+        router has no such figure)."""
         out: dict[str, dict[str, Any]] = {}
         for label, runs in self.runs.items():
             figures: dict[str, Any] = {"rounds": len(runs)}
-            for figure in FIGURES:
+            for figure in figures_shown:
                 spread = self.spread(label, figure)
                 figures[figure.key] = None if spread is None else spread.as_dict()
             out[label] = figures
