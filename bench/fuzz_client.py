@@ -53,6 +53,7 @@ class Answer:
     status: int
     content_type: str
     body: bytes
+    cut: bool = False  # the connection ended before the body did
 
 
 def send(host: str, port: int, request: RawRequest, timeout_s: float) -> Answer:
@@ -73,13 +74,20 @@ def send(host: str, port: int, request: RawRequest, timeout_s: float) -> Answer:
 def _read_answer(sock: socket.socket, method: bytes) -> Answer:
     response = http.client.HTTPResponse(sock, method=method.decode("latin-1"))
     try:
-        response.begin()
-        body = response.read(MAX_ANSWER_BYTES)
-    except (http.client.HTTPException, ConnectionResetError):
-        return Answer(NO_ANSWER, "", b"")
+        try:
+            response.begin()
+        except (http.client.HTTPException, ConnectionResetError):
+            return Answer(NO_ANSWER, "", b"")
+        content_type = response.headers.get("Content-Type", "")
+        try:
+            body = response.read(MAX_ANSWER_BYTES)
+        except http.client.IncompleteRead as exc:
+            return Answer(response.status, content_type, exc.partial, cut=True)
+        except (http.client.HTTPException, ConnectionResetError):
+            return Answer(response.status, content_type, b"", cut=True)
     finally:
         response.close()
-    return Answer(response.status, response.headers.get("Content-Type", ""), body)
+    return Answer(response.status, content_type, body)
 
 
 def is_parser_rejection(answer: Answer) -> bool:
@@ -114,6 +122,8 @@ def violation(request: RawRequest, answer: Answer) -> str | None:
         return "connection refused"
     if answer.status == 500:
         return "500"
+    if answer.cut:
+        return f"{answer.status} whose body was cut short"
     if answer.status < 400 or request.method.upper() == b"HEAD" or is_parser_rejection(answer):
         return None
     if not answer.content_type.startswith("application/json"):

@@ -140,6 +140,7 @@ def build_state(
         membership.worker_restarted,
         config.upstream.auth_headers,
         keys_by_tokens=config.prefix.tokenizer is not None,
+        refused=lambda worker, what: metrics.worker_reads_refused.labels(worker, what).inc(),
     )
     state = RouterState(config, router, metrics, membership, session, upstream, admission, prober)
     state.tokens = _token_keys(config, metrics, session, fleet)
@@ -257,6 +258,7 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
             state.config.state,
             PathMetrics(state.metrics.registry),
             lambda: sync.up and sync.has_peers(),
+            sync.repairs,
         )
     try:
         yield

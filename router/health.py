@@ -42,6 +42,10 @@ NO_HEADERS: Mapping[str, str] = MappingProxyType({})
 # A probe's or scrape's body past this is refused: a worker must not be able to fill the
 # router's memory. vLLM's /metrics is tens of KB, with many LoRA adapters a few MB.
 MAX_PROBE_BODY_BYTES = 16 * 1024 * 1024
+# A worker's KV capacity past this is capped: the index is sized by it, so a worker must
+# not claim the router's memory either. Far past any engine (a B200 node keeps a few
+# million tokens of a large model; a data-parallel worker of a small one, tens of millions).
+MAX_CLAIMED_KV_TOKENS = 1 << 28
 
 # Re-read each worker's model list every this many probes.
 MODELS_EVERY = 12
@@ -174,8 +178,10 @@ class HealthProber:
         on_restart: Callable[[Worker], None],
         headers: Mapping[str, str] = NO_HEADERS,
         keys_by_tokens: bool = False,
+        refused: Callable[[str, str], None] = lambda worker, what: None,
     ) -> None:
         self._headers = headers  # the engines' api key, if any
+        self._refused = refused  # (worker, what) of a read that gave nothing usable
         # Prompts keyed by the engines' tokens: the router's blocks must be theirs.
         self._keys_by_tokens = keys_by_tokens
         self._told_block_size: set[str] = set()  # workers whose wrong block size is logged
@@ -217,7 +223,7 @@ class HealthProber:
         await asyncio.gather(*(self._scrape(w) for w in self._fleet.all() if w.healthy))
 
     async def _scrape(self, worker: Worker) -> None:
-        await self._isolated(worker, "scrape", self._read_metrics)
+        await self._isolated(worker, "metrics", self._read_metrics)
 
     async def refresh(self, worker: Worker) -> None:
         """Read ``worker``'s /metrics now (a restart it shows is acted on now)."""
@@ -255,7 +261,7 @@ class HealthProber:
             return
         self._set_health(worker, status == 200, f"status {status}")
         if status == 200:
-            await self._isolated(worker, "probe", self._learn)
+            await self._isolated(worker, "models", self._learn)
 
     async def _learn(self, worker: Worker) -> None:
         """A healthy worker's models, and its metrics until they have been read once."""
@@ -264,15 +270,16 @@ class HealthProber:
         if worker.metrics_at is None:
             await self._read_metrics(worker)
 
-    @staticmethod
     async def _isolated(
-        worker: Worker, what: str, action: Callable[[Worker], Awaitable[None]]
+        self, worker: Worker, what: str, action: Callable[[Worker], Awaitable[None]]
     ) -> None:
         """``action(worker)``; a failure leaves what it would have learnt unknown (stale
-        metrics count as saturated) and never reaches the other workers' probes."""
+        metrics count as saturated), is counted, and never reaches the other workers'
+        probes."""
         try:
             await action(worker)
         except Exception as exc:  # one worker's surprise must not end the fleet's rounds
+            self._refused(worker.name, what)
             _log_unexpected(what, worker, exc)
 
     def _set_health(self, worker: Worker, healthy: bool, why: str) -> None:
@@ -286,20 +293,23 @@ class HealthProber:
 
     async def _learn_models(self, worker: Worker) -> None:
         status, raw = await self._get(worker.url + "/v1/models")
-        if status == 200:
-            body = orjson.loads(raw)
-            data = body.get("data") if isinstance(body, dict) else None
-            if isinstance(data, list):
-                cards = [m for m in data if isinstance(m, dict) and "id" in m]
-                self._fleet.set_models(worker, frozenset(str(m["id"]) for m in cards))
-                # vLLM lists LoRA adapters with their base model as "parent".
-                worker.base_model = next(
-                    (str(m["id"]) for m in cards if m.get("parent") is None), None
-                )
+        if status != 200:
+            self._refused(worker.name, "models")
+            return
+        body = orjson.loads(raw)
+        data = body.get("data") if isinstance(body, dict) else None
+        if not isinstance(data, list):
+            self._refused(worker.name, "models")
+            return
+        cards = [m for m in data if isinstance(m, dict) and "id" in m]
+        self._fleet.set_models(worker, frozenset(str(m["id"]) for m in cards))
+        # vLLM lists LoRA adapters with their base model as "parent".
+        worker.base_model = next((str(m["id"]) for m in cards if m.get("parent") is None), None)
 
     async def _read_metrics(self, worker: Worker) -> None:
         status, raw = await self._get(worker.url + "/metrics")
         if status != 200:
+            self._refused(worker.name, "metrics")
             return
         facts = read_engine_metrics(raw.decode("utf-8", errors="replace"))
         if facts.running is not None or facts.waiting is not None:
@@ -311,12 +321,20 @@ class HealthProber:
             worker.engine_block_tokens = facts.block_tokens
             self._check_block_size(worker, facts.block_tokens)
         if worker.name in self._discover and facts.capacity_tokens:
-            worker.capacity_tokens = facts.capacity_tokens
-            self._index.resize_worker(
-                worker.name, max(1, facts.capacity_tokens // self._block_tokens)
-            )
+            capacity = facts.capacity_tokens
+            if capacity > MAX_CLAIMED_KV_TOKENS:
+                self._refused(worker.name, "capacity")
+                log.warning(
+                    "worker %s claims %d KV tokens; taken as %d",
+                    worker.name,
+                    capacity,
+                    MAX_CLAIMED_KV_TOKENS,
+                )
+                capacity = MAX_CLAIMED_KV_TOKENS
+            worker.capacity_tokens = capacity
+            self._index.resize_worker(worker.name, max(1, capacity // self._block_tokens))
             self._discover.discard(worker.name)
-            log.info("worker %s reports %d KV tokens", worker.name, facts.capacity_tokens)
+            log.info("worker %s reports %d KV tokens", worker.name, capacity)
         if facts.started_at is not None:
             restarted = worker.engine_started_at not in (None, facts.started_at)
             worker.engine_started_at = facts.started_at

@@ -274,7 +274,17 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self.worker_reads_refused = Counter(
+            "kvrouter_worker_reads_refused",
+            "Reads of a worker's /v1/models or /metrics that gave nothing the router could "
+            "use (no answer, not 200, past the size limit, not parseable), by what: models, "
+            "metrics; and capacity: a KV capacity claimed past any engine's, capped.",
+            ["worker", "what"],
+            registry=r,
+        )
         self._per_worker: tuple[Counter | Gauge | LoopCounter | LoopHistogram, ...] = (
+            self.worker_reads_refused,
+            self.engine_usage_rejected,
             self.requests,
             self.retries,
             self.prompt_tokens,

@@ -26,10 +26,10 @@ from router.errors import (
 )
 from router.proxy import (
     FORWARDED_HEADERS,
-    NOT_PASSED_ON,
     REQUEST_ID_HEADER,
     UPSTREAM_ERRORS,
     WORKER_HEADER,
+    passed_on,
 )
 from router.state import STATE_KEY, RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
@@ -96,9 +96,8 @@ async def _relay(
 ) -> web.StreamResponse:
     """The worker's answer, streamed on as it comes."""
     response = web.StreamResponse(status=upstream.status)
-    for name, value in upstream.headers:
-        if name.lower() not in NOT_PASSED_ON:
-            response.headers.add(name.decode("latin-1"), value.decode("latin-1"))
+    for name, value in passed_on(upstream.headers):
+        response.headers.add(name.decode("latin-1"), value.decode("latin-1"))
     if state.config.worker_header:
         response.headers[WORKER_HEADER.decode()] = worker.name
     await response.prepare(http)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,8 +55,14 @@ NOT_PASSED_ON = frozenset(
         b"host",
         b"content-length",
         b"server",  # the engine's software and version are not the client's business
+        # The router's own: an engine's would be a second copy, and could be a false one.
+        headers.WORKER_HEADER.lower().encode(),
+        headers.REQUEST_ID_HEADER.lower().encode(),
     }
 )
+# An engine's headers passed on to a client, at most: vLLM sends four. Past it a client
+# may refuse the whole answer (Python's http.client does past 100 header lines).
+MAX_PASSED_ON = 64
 # Request headers passed on to the engine (lower case); everything else stays here.
 FORWARDED_HEADERS = frozenset(
     {
@@ -208,6 +214,12 @@ async def serve(
     raise failure.error
 
 
+def passed_on(engine_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The engine's headers a client is meant to see (the first ``MAX_PASSED_ON``)."""
+    out = [(k, v) for k, v in engine_headers if k.lower() not in NOT_PASSED_ON]
+    return out[:MAX_PASSED_ON]
+
+
 @dataclass(frozen=True, slots=True)
 class _Client:
     reply: Reply
@@ -218,7 +230,7 @@ class _Client:
 
     def response_headers(self, upstream: UpstreamResponse, worker: str) -> Headers:
         """The worker's headers the client is meant to see, and the router's own."""
-        out = [(k, v) for k, v in upstream.headers if k.lower() not in NOT_PASSED_ON]
+        out = passed_on(upstream.headers)
         if self.worker_header:
             out.append((WORKER_HEADER, worker.encode()))
         out.append((REQUEST_ID_HEADER, self.request_id.encode("latin-1")))

@@ -290,3 +290,27 @@ async def test_a_binding_does_not_outvote_the_index_that_saw_the_session_evicted
     finally:
         await path.close()
         await handle.aclose()
+
+
+async def test_a_response_owner_of_another_type_is_not_found_and_repaired(
+    engine_factory: EngineFactory, redis_url: str
+) -> None:
+    """A hash where the owner of a stored response belongs: the read failed as if Redis
+    were away (503, for as long as the key stayed), and nothing deleted it."""
+    raw = aioredis.from_url(redis_url)
+    key = Keys("kvrouter").response("resp_planted")
+    await raw.hset(key, "x", "y")
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(replica_config(fleet, redis_url, 1)) as a,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.get(f"{a.url}/v1/responses/resp_planted") as response:
+            assert response.status == 404, await response.text()
+
+        async def deleted() -> bool:
+            return await raw.type(key) == b"none"
+
+        await wait_for(deleted)
+        assert await metric(http, a, "kvrouter_redis_bad_entries_total", kind="type") == 1
+    await raw.aclose()

@@ -243,6 +243,7 @@ async def test_a_replica_behind_the_trimmed_stream_notices_and_resyncs(redis_url
                 "redis_error": 0,
                 "stream_gap": 1,
                 "outbox_overflow": 0,
+                "repaired": 0,
             }
 
 
@@ -395,3 +396,105 @@ async def test_a_loop_that_fails_unexpectedly_is_started_again_alone(
         await wait_for(lambda: _true(b.fleet.workers["w1"].remote_requests == 2))
     logged = [r for r in caplog.records if "loop failed" in r.getMessage()]
     assert len(logged) == 1  # once, not once a failure
+
+
+# -- what the Redis-side fuzz found (tests/test_fuzz_redis.py) ------------------------------
+
+
+async def test_a_replica_name_that_is_not_text_is_skipped_and_load_still_shared(
+    redis_url: str,
+) -> None:
+    """It ended the share loop at every round (UnicodeDecodeError) for as long as it
+    stayed in the register: no replica's load was heard again."""
+    raw = aioredis.from_url(redis_url)
+    await raw.zadd(f"kvr:{{{NAMESPACE}}}:replicas", {b"\xff\xfe": time.time() + 3600})
+    async with replica(redis_url) as a, replica(redis_url) as b:
+        a.fleet.workers["w0"].outstanding_requests = 5
+        await wait_for(lambda: _true(b.fleet.workers["w0"].remote_requests == 5))
+        assert b.counter("kvrouter_redis_bad_entries_total", kind="replica") >= 1
+        assert b.counter("kvrouter_redis_loop_failures_total", loop="share") == 0
+    await raw.aclose()
+
+
+async def test_a_register_stuffed_with_names_is_read_only_as_far_as_a_fleet_goes(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """50,000 names "alive" at once: each round asked Redis for every one's load and rate."""
+    raw = aioredis.from_url(redis_url)
+    now = time.time()
+    await raw.zadd(f"kvr:{{{NAMESPACE}}}:replicas", {f"crowd-{i}": now for i in range(50_000)})
+    asked: list[int] = []
+    async with replica(redis_url, running=False) as a:
+        real_apply = a.sync._apply_remote
+
+        def counted(names: list[str], loads: list[object], rates: list[object]) -> None:
+            asked.append(len(rates))
+            real_apply(names, loads, rates)
+
+        monkeypatch.setattr(a.sync, "_apply_remote", counted)
+        await a.sync._share_load()
+    assert asked and asked[0] <= 256
+    assert a.sync.peers <= 256
+    await raw.aclose()
+
+
+@pytest.mark.parametrize("key", ["res:w0", "events", "replicas", "policy", "restarts"])
+async def test_a_key_of_another_type_is_deleted_and_replication_goes_on(
+    redis_url: str, key: str
+) -> None:
+    """A string where kvrouter keeps a set, a stream or a hash failed every command on
+    it, and a pipeline with it: the replica took Redis for unreachable and resynced for
+    as long as the key stayed (for ever: nothing expires it)."""
+    raw = aioredis.from_url(redis_url)
+    full = f"kvr:{{{NAMESPACE}}}:{key}"
+    # A lost stream is noticed at the next look for a gap (a quarter of the retention).
+    async with (
+        replica(redis_url, stream_retention_s=1.0) as a,
+        replica(redis_url, stream_retention_s=1.0) as b,
+    ):
+        await raw.delete(full)
+        await raw.set(full, b"not what kvrouter keeps here")
+        a.index.touch("w0", chain(100, 8))
+        a.index.purge("w1", started_at=time.time())  # PURGE_ONCE reads the restarts hash
+        await wait_for(lambda: _true(b.holds("w0", chain(100, 8))))
+        a.fleet.workers["w1"].outstanding_requests = 3
+        await wait_for(lambda: _true(b.fleet.workers["w1"].remote_requests == 3))
+        kept = await raw.type(full)
+        assert kept != b"string"
+        repaired = a.counter("kvrouter_redis_bad_entries_total", kind="type")
+        repaired += b.counter("kvrouter_redis_bad_entries_total", kind="type")
+        assert repaired >= 1
+        for r in (a, b):
+            assert r.counter("kvrouter_redis_loop_failures_total", loop="publish") == 0
+            assert r.sync.up
+    await raw.aclose()
+
+
+async def test_a_restart_recorded_as_garbage_does_not_stop_the_purges(redis_url: str) -> None:
+    """PURGE_ONCE compared the stored start with tonumber() of garbage (nil): a script
+    error on every publish that carried a purge of that worker."""
+    raw = aioredis.from_url(redis_url)
+    await raw.hset(f"kvr:{{{NAMESPACE}}}:restarts", "w0", "garbage")
+    async with replica(redis_url) as a, replica(redis_url) as b:
+        a.index.touch("w0", chain(1, 4))
+        await wait_for(lambda: _true(b.holds("w0", chain(1, 4))))
+        a.index.purge("w0", started_at=time.time())
+        await wait_for(lambda: _true(not b.holds("w0", chain(1, 1))))
+        assert a.counter("kvrouter_redis_errors_total", op="publish") == 0
+    await raw.aclose()
+
+
+async def test_a_stream_entry_past_any_prompt_is_skipped_before_it_is_unpacked(
+    redis_url: str,
+) -> None:
+    """A million hashes (8 MB) in one entry: unpacked into a million ints and touched
+    into the index, a stall of the loop and a jump in memory for each."""
+    raw = aioredis.from_url(redis_url)
+    async with replica(redis_url) as a:
+        huge = (1).to_bytes(8, "little") * 1_000_000
+        await raw.xadd(STREAM, {"r": "intruder", "o": "t", "w": "w0", "h": huge})
+        await wait_for(
+            lambda: _true(a.counter("kvrouter_redis_bad_entries_total", kind="stream") == 1)
+        )
+        assert not a.holds("w0", [1])
+    await raw.aclose()

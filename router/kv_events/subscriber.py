@@ -43,6 +43,7 @@ from router.kv_events.wire import (
     decode_batch,
     read_message,
 )
+from router.sparse_log import SparseLog
 from router.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class RankSubscriber:
         self.next_seq: int | None = None  # the next batch to apply; None: any
         self._last_live: int | None = None
         self.rejected: str | None = None  # why the worker cannot be exact
+        self._sparse = SparseLog(log)  # what the engine sends wrong, at whatever rate
 
     @property
     def rank(self) -> int:
@@ -190,7 +192,8 @@ class RankSubscriber:
             return  # replayed already
         if expected is not None and seq > expected:
             self._metrics.gaps.labels(self._name).inc()
-            log.warning(
+            self._sparse.warning(
+                "gap",
                 "worker %s rank %d: KV events %d-%d missed",
                 self._name,
                 self._endpoints.rank,
@@ -233,7 +236,7 @@ class RankSubscriber:
             else:
                 result = "failed"
         except (TimeoutError, MalformedEvents, zmq.ZMQError) as exc:
-            log.warning("worker %s: KV event replay failed: %r", self._name, exc)
+            self._sparse.warning("replay", "worker %s: KV event replay failed: %r", self._name, exc)
             result = "failed"
         finally:
             dealer.close(linger=0)
@@ -295,7 +298,8 @@ class RankSubscriber:
 
     def _reset(self, reason: ResetReason, why: str) -> None:
         """Drop what this rank announced; later events rebuild it."""
-        log.warning(
+        self._sparse.warning(
+            reason,
             "worker %s rank %d: dropping its announced blocks (%s: %s)",
             self._name,
             self._endpoints.rank,

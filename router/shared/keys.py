@@ -22,6 +22,23 @@ class Keys:
         self._reserved = f"{ns}:rsv:"
         self._binding = f"{ns}:bind:"
         self._response = f"{ns}:resp:"
+        self.policy = f"{ns}:policy"
+        # What Redis type each key holds, by prefix (the longest first: "res:" and "resp:").
+        self._types = sorted(
+            (
+                (self.stream, b"stream"),
+                (self.replicas, b"zset"),
+                (self.restarts, b"hash"),
+                (self.policy, b"hash"),
+                (self.load_prefix, b"hash"),
+                (self.rate_prefix, b"string"),
+                (self._residency, b"zset"),
+                (self._reserved, b"zset"),
+                (self._binding, b"string"),
+                (self._response, b"string"),
+            ),
+            key=lambda pair: -len(pair[0]),
+        )
 
     def residency(self, worker: str) -> str:
         """The blocks the worker holds: a sorted set scored by last touch (ms)."""
@@ -40,6 +57,12 @@ class Keys:
     def response(self, response_id: str) -> str:
         """The worker that stored a Responses response (``router.response_owners``)."""
         return self._response + response_id
+
+    def kept_type(self, key: str | bytes) -> bytes | None:
+        """The Redis type kvrouter keeps at ``key`` (as TYPE names it); None for a key
+        that is not one of the namespace's."""
+        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else key
+        return next((kind for prefix, kind in self._types if name.startswith(prefix)), None)
 
 
 MEMBER_BYTES = 8  # a block hash in a residency set: 8 bytes, big-endian

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.shared.remote import BadEntries
 
-RESYNC_REASONS = ("start", "redis_error", "outbox_overflow", "stream_gap")
+RESYNC_REASONS = ("start", "redis_error", "outbox_overflow", "stream_gap", "repaired")
 SYNC_LOOPS = ("publish", "subscribe", "share")
 REDIS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 

@@ -46,6 +46,7 @@ from router.parse import ClientRequest
 from router.response_owners import Owner
 from router.shared.keys import Keys, member, touch_scores
 from router.shared.metrics import PathMetrics
+from router.shared.repair import Repairs, is_wrong_type, queued_keys
 from router.shared.scripts import LONGEST_PREFIXES
 from router.shared.sync import REDIS_ERRORS
 from router.workers import Worker
@@ -62,6 +63,7 @@ def _binding_of(worker: Worker) -> str:
 RESERVATION_TTL_S = 60.0
 WITHDRAW_TIMEOUT_S = 1.0
 _UNANSWERED = object()
+_WRONG_TYPE = object()  # a read whose key held another type
 # Writes past the bound left to finish off the request's path, at most (then cancelled).
 MAX_LATE_WRITES = 1024
 
@@ -74,8 +76,10 @@ class SharedPath:
         config: StateConfig,
         metrics: PathMetrics,
         peers: Callable[[], bool],
+        repairs: Repairs | None = None,
     ) -> None:
         self._redis = client
+        self._repairs = repairs  # keys of another type met on the path, deleted off it
         self._peers = peers  # whether other replicas are live
         self._local = local
         self._keys = Keys(config.namespace)
@@ -108,6 +112,7 @@ class SharedPath:
                 LONGEST_PREFIXES, len(keys), *keys, now_ms, *(member(h) for h in hashes)
             ),
             count_ok=False,
+            keys=keys,
         )
         if reply is None:
             return None
@@ -141,7 +146,7 @@ class SharedPath:
         pipe.zremrangebyscore(key, "-inf", now_ms)
         pipe.pexpire(key, int(RESERVATION_TTL_S * 1000))
         write = asyncio.ensure_future(pipe.execute())
-        await self._bounded("reserve", write, finish_late=True)
+        await self._bounded("reserve", write, finish_late=True, keys=(key,))
         if not write.done():  # landing late: what withdraws it must not land first
             reservation = _reservation(worker, hashes)
             self._reserving[reservation] = write
@@ -172,19 +177,24 @@ class SharedPath:
             binding = self._keys.binding(session_key)
             pipe.set(binding, _binding_of(worker), px=self._key_ttl_ms)
         pending = self._reserving.get(_reservation(worker.name, prompt)) if prompt else None
-        await self._bounded("record", _after(pending, pipe.execute), finish_late=True)
+        keys = [k for named in queued_keys(pipe) or () for k in named]
+        await self._bounded("record", _after(pending, pipe.execute), finish_late=True, keys=keys)
 
     async def remember_response(self, response_id: str, owner: Owner) -> None:
         """``owner`` stored ``response_id``: every replica can find it from now."""
         key = self._keys.response(response_id)
         call = self._redis.set(key, owner.encode(), px=self._key_ttl_ms)
-        await self._bounded("remember_response", call, finish_late=True)
+        await self._bounded("remember_response", call, finish_late=True, keys=(key,))
 
     async def response_owner(self, response_id: str) -> Owner | None:
         """The worker another replica saw store ``response_id``; None if none did. Redis
         not answering is not "none did": that is a 503, not the engine's 404."""
         key = self._keys.response(response_id)
-        found = await self._bounded("response_owner", self._redis.get(key), unanswered=_UNANSWERED)
+        found = await self._bounded(
+            "response_owner", self._redis.get(key), unanswered=_UNANSWERED, keys=(key,)
+        )
+        if found is _WRONG_TYPE:
+            return None  # what held the key was not an owner (and is gone now)
         if found is _UNANSWERED:
             raise SharedStateUnavailable("where this response is stored could not be read")
         if not isinstance(found, bytes):
@@ -197,7 +207,13 @@ class SharedPath:
             return
         pending = self._reserving.get(_reservation(worker, hashes))
         key, members = self._keys.reserved(worker), [member(h) for h in hashes]
-        call = _after(pending, lambda: self._redis.zrem(key, *members))
+        self._in_background(_after(pending, lambda: self._redis.zrem(key, *members)))
+
+    def _in_background(self, call: Awaitable[Any]) -> None:
+        """``call`` off the request's path, within ``WITHDRAW_TIMEOUT_S``; its Redis
+        errors are the sync loops' to notice."""
+        if len(self._background) >= MAX_LATE_WRITES:
+            return
         task = asyncio.create_task(self._quietly(call))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
@@ -217,6 +233,7 @@ class SharedPath:
         count_ok: bool = True,
         finish_late: bool = False,
         unanswered: Any = None,
+        keys: Sequence[Any] = (),
     ) -> Any:
         """``call``'s result, or ``unanswered`` past the bound or on a Redis error
         (counted). The wait is observed whatever the result: a slow Redis shows as the
@@ -240,6 +257,10 @@ class SharedPath:
             self._give_up(op, task, finish_late)
             return unanswered
         error = task.exception()
+        if is_wrong_type(error) and keys and self._repairs is not None:
+            self._metrics.operations.labels(op, "error").inc()
+            self._in_background(self._repairs.repair(keys))
+            return _WRONG_TYPE if unanswered is _UNANSWERED else unanswered
         if isinstance(error, REDIS_ERRORS):
             self._metrics.operations.labels(op, "error").inc()
             return unanswered

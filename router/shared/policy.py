@@ -26,16 +26,18 @@ from typing import Any
 
 import orjson
 
+from router.shared.keys import Keys
+
 # KEYS[1]: the hash. ARGV: the replica's own version, policy name, knobs (JSON).
 CHANGE = """
-local stored = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+local stored = tonumber(redis.call('HGET', KEYS[1], 'version')) or 0
 local version = math.max(stored, tonumber(ARGV[1])) + 1
 redis.call('HSET', KEYS[1], 'version', version, 'policy', ARGV[2], 'knobs', ARGV[3])
 return version
 """
 # ARGV: the version to restore, policy name, knobs (JSON). 1 if written.
 RESTORE = """
-local stored = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+local stored = tonumber(redis.call('HGET', KEYS[1], 'version')) or 0
 if tonumber(ARGV[1]) <= stored then return 0 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'policy', ARGV[2], 'knobs', ARGV[3])
 return 1
@@ -43,7 +45,7 @@ return 1
 
 
 def policy_key(namespace: str) -> str:
-    return f"kvr:{{{namespace}}}:policy"
+    return Keys(namespace).policy
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,8 @@ from typing import Any, NamedTuple
 # restart only: a replica that noticed the restart later must not wipe what the others
 # added after it.
 PURGE_ONCE = """
-local last = redis.call('HGET', KEYS[1], ARGV[1])
-if last and tonumber(last) >= tonumber(ARGV[2]) then
+local last = tonumber(redis.call('HGET', KEYS[1], ARGV[1]))
+if last and last >= tonumber(ARGV[2]) then
     return 0
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])

@@ -27,7 +27,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -46,6 +46,7 @@ from router.shared.index import SharedPrefixIndex
 from router.shared.keys import Keys, member, touch_scores
 from router.shared.metrics import RedisMetrics
 from router.shared.remote import block_hashes, parse_load, parse_rate
+from router.shared.repair import KeyRepaired, Repairs, is_wrong_type, queued_keys
 from router.shared.scripts import StreamPosition
 from router.workers import Fleet
 
@@ -58,8 +59,14 @@ PEERS_HOLD_S = 10.0
 # A replica's shared load lives at least this long (ms): a short load_interval_s must
 # not let a busy replica's load lapse between two of its shares.
 LOAD_TTL_MIN_MS = 2_000
+# Replicas read from the register, the latest seen first: far more than any fleet runs,
+# so a register stuffed with names costs a bounded read.
+MAX_REPLICAS = 256
+MAX_REPLICA_NAME = 64  # a replica names itself with 12 hex digits
+MAX_RATE_BYTES = 63  # "tokens_per_s,samples": what is past this is not read
 # RedisClusterException is no RedisError: a cluster whose nodes are all unreachable raises it.
 REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
+# KeyRepaired is one: the loop that met it sends again after a short pause.
 
 
 class RedisSync:
@@ -83,7 +90,8 @@ class RedisSync:
         self.replica = uuid.uuid4().hex[:12]
         self._replica_bytes = self.replica.encode()
         self._keys = Keys(config.namespace)
-        self._policy_key = fleet_policy.policy_key(config.namespace)
+        self._policy_key = self._keys.policy
+        self.repairs = Repairs(client, self._keys, metrics.bad_entries)
         # The fleet's policy hash as last refused (not valid here), so it is warned about once.
         self._refused_policy: dict[bytes, bytes] = {}
         self._cursor = "0-0"
@@ -102,24 +110,49 @@ class RedisSync:
 
     # -- health -------------------------------------------------------------------------
 
-    async def _op(self, name: str, call: Awaitable[Any]) -> Any:
+    async def _op(
+        self, name: str, call: Awaitable[Any], keys: Sequence[Any] = (), empty: Any = None
+    ) -> Any:
+        """``call``'s result. A Redis error marks Redis down and is raised; one for a key
+        of ``keys`` holding another type repairs the key and returns ``empty``."""
         start = time.perf_counter()
         try:
             result = await call
         except REDIS_ERRORS as exc:
-            self._metrics.errors.labels(name).inc()
-            if self.up:
-                log.warning("redis unreachable (%s: %r); routing on local state", name, exc)
-            self._resync_for("redis_error")
-            self.up = False
-            self._metrics.up.set(0)
-            raise
+            if not (keys and is_wrong_type(exc)):
+                self._failed(name, exc)
+                raise
+            if await self.repairs.repair(keys):
+                self._resync_for("repaired")  # what the key held is gone: read the rest
+            return empty
         self._metrics.seconds.labels(name).observe(time.perf_counter() - start)
         if not self.up:
             log.info("redis reachable")
             self.up = True
             self._metrics.up.set(1)
         return result
+
+    def _failed(self, name: str, exc: BaseException) -> None:
+        self._metrics.errors.labels(name).inc()
+        if self.up:
+            log.warning("redis unreachable (%s: %r); routing on local state", name, exc)
+        self._resync_for("redis_error")
+        self.up = False
+        self._metrics.up.set(0)
+
+    async def _execute(self, name: str, pipe: Any, index_writes: bool = False) -> list[Any]:
+        """A pipeline's results (a wrong-typed key's as its error). Keys of another type
+        its commands met are repaired; with ``index_writes`` that raises ``KeyRepaired``,
+        so that the writes are sent again whole. Any other error is a Redis error, raised."""
+        keys = queued_keys(pipe)
+        results: list[Any] = await self._op(name, pipe.execute(raise_on_error=False))
+        repaired, other = await self.repairs.after(results, keys)
+        if repaired and index_writes:
+            raise KeyRepaired(f"{name}: a key of another type was deleted")
+        if other is not None:
+            self._failed(name, other)
+            raise other
+        return results
 
     async def _loop(self, name: str, step: Callable[[], Awaitable[None]], pause: float) -> None:
         backoff = 0.1
@@ -211,14 +244,13 @@ class RedisSync:
         self._snapshots += 1  # a stream read begun before this is out of date
         local = self._index.local
         for worker in local.workers():
-            members = await self._op(
-                "resync", self._redis.zrange(self._keys.residency(worker), 0, -1)
-            )
+            key = self._keys.residency(worker)
+            members = await self._op("resync", self._redis.zrange(key, 0, -1), (key,), [])
             local.restore(worker, block_hashes(members, self._metrics.bad_entries))
         for worker in local.workers():
             own = local.oldest_first(worker)
             if own:
-                await self._op("resync", self._write_residency(worker, own))
+                await self._write_residency(worker, own)
         log.info("shared index synchronised: %d entries", local.size())
 
     async def _write_residency(self, worker: str, oldest_first: list[int]) -> None:
@@ -229,7 +261,7 @@ class RedisSync:
         pipe = self._redis.pipeline(transaction=False)
         pipe.zadd(key, mapping)
         self._trim(pipe, worker, key)
-        await pipe.execute()
+        await self._execute("resync", pipe, index_writes=True)
 
     def _trim(self, pipe: Any, worker: str, key: str) -> None:
         capacity = self._index.local.capacity_blocks(worker)
@@ -263,7 +295,7 @@ class RedisSync:
         pending = len(outbox)
         while pending > 0 and outbox:
             generation, batch = outbox.peek(min(MAX_BATCH, pending))
-            await self._op("publish", self._send(batch))
+            await self._send(batch)
             outbox.sent(generation, len(batch))
             pending -= len(batch)
             self._metrics.events.labels("out").inc(len(batch))
@@ -313,7 +345,7 @@ class RedisSync:
             )
         for worker in list(touched):
             write_touches(worker)
-        await pipe.execute()
+        await self._execute("publish", pipe, index_writes=True)
 
     # -- subscriber -----------------------------------------------------------------------
 
@@ -322,11 +354,11 @@ class RedisSync:
             self._resync_for("stream_gap")
             return
         snapshot = self._snapshots
+        stream = self._keys.stream
         response = await self._op(
             "subscribe",
-            self._redis.xread(
-                {self._keys.stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS
-            ),
+            self._redis.xread({stream: self._cursor}, count=MAX_BATCH, block=READ_BLOCK_MS),
+            (stream,),
         )
         if snapshot != self._snapshots:
             return  # a resync read Redis's copy meanwhile: these entries are in it
@@ -355,7 +387,10 @@ class RedisSync:
         return position.missed(self._read)
 
     async def _stream_position(self, op: str) -> StreamPosition:
-        reply = await self._op(op, self._redis.eval(scripts.STREAM_POSITION, 1, self._keys.stream))
+        stream = self._keys.stream
+        reply = await self._op(
+            op, self._redis.eval(scripts.STREAM_POSITION, 1, stream), (stream,), (0, 0, "0-0")
+        )
         return StreamPosition.from_reply(reply)
 
     # -- load and rates, the policy --------------------------------------------------------
@@ -393,35 +428,59 @@ class RedisSync:
         )
         pipe.zadd(self._keys.replicas, {self.replica: now})
         pipe.zremrangebyscore(self._keys.replicas, 0, now - ttl / 1000)
-        pipe.zrange(self._keys.replicas, 0, -1)
-        results = await self._op("load", pipe.execute())
-        others = [r.decode() for r in results[-1] if r.decode() != self.replica]
+        pipe.zrevrange(self._keys.replicas, 0, MAX_REPLICAS)  # the latest seen first
+        results = await self._execute("load", pipe)
+        others = self._other_replicas(results[-1])
         self.peers = len(others)
         if others:
             self._peers_seen_at = time.monotonic()
         self._metrics.replicas.set(1 + self.peers)
+        # Only the workers this replica has: whatever else a load entry holds is not read.
+        names = [w.name for w in fleet.all()]
         pipe = self._redis.pipeline(transaction=False)
         for other in others:
-            pipe.hgetall(self._keys.load_prefix + other)
-            pipe.get(self._keys.rate_prefix + other)
-        replies = await self._op("load", pipe.execute()) if others else []
-        self._apply_remote(replies[0::2], replies[1::2])
+            if names:
+                pipe.hmget(self._keys.load_prefix + other, names)
+            pipe.getrange(self._keys.rate_prefix + other, 0, MAX_RATE_BYTES)
+        replies = await self._execute("load", pipe) if others else []
+        step = 2 if names else 1
+        loads = replies[0::step] if names else []
+        self._apply_remote(names, loads, replies[step - 1 :: step])
 
-    def _apply_remote(self, loads: list[dict[bytes, bytes]], rates: list[bytes | None]) -> None:
+    def _other_replicas(self, register: object) -> list[str]:
+        """The other live replicas' names, from the register (the latest seen first);
+        a name no replica could have (not text, too long) is skipped and counted."""
+        if not isinstance(register, list):  # the register was of another type: repaired
+            return []
+        others, bad = [], self._metrics.bad_entries
+        for raw in register[:MAX_REPLICAS]:
+            try:
+                name = raw.decode()
+            except UnicodeDecodeError:
+                bad.skipped("replica", raw)
+                continue
+            if len(name) > MAX_REPLICA_NAME or not name.isprintable():
+                bad.skipped("replica", raw)
+            elif name != self.replica:
+                others.append(name)
+        return others
+
+    def _apply_remote(self, names: list[str], loads: list[object], rates: list[object]) -> None:
         """The other replicas' load (requests, tokens, demand, queued prefill) on the
-        workers this replica knows, and their prefill rates."""
+        workers this replica knows (``names``, in the order each load lists them), and
+        their prefill rates. A value of the wrong type (a repaired key) counts as none."""
         bad = self._metrics.bad_entries
-        known = {w.name.encode(): w.name for w in self._fleet.all()}
         totals: dict[str, list[int]] = {}
         for load in loads:
-            for worker, value in load.items():
+            if not isinstance(load, list):
+                continue
+            for name, value in zip(names, load, strict=False):
+                if value is None:
+                    continue
                 parts = parse_load(value)
                 if parts is None:
                     bad.skipped("load", value)
                     continue
-                name = known.get(worker)
-                if name is None:
-                    continue  # a worker another replica has and this one has not
                 acc = totals.setdefault(name, [0, 0, 0, 0])
                 for i, part in enumerate(parts):
                     acc[i] += part
@@ -432,8 +491,8 @@ class RedisSync:
             w.remote_demand.reset(demand, moment)
         shared_rates = []
         for shared in rates:
-            if shared is None:
-                continue
+            if not isinstance(shared, bytes) or not shared:
+                continue  # none, or of another type (repaired)
             rate = parse_rate(shared)
             if rate is None:
                 bad.skipped("rate", shared)
@@ -445,27 +504,26 @@ class RedisSync:
 
     async def publish_policy(self, name: str, knobs: Mapping[str, Any], own_version: int) -> int:
         """Number a policy change for the whole fleet (the ``PolicySlot`` publisher)."""
+        key = self._policy_key
+        version = None
         try:
-            version = await self._op(
-                "policy",
-                self._redis.eval(
-                    fleet_policy.CHANGE,
-                    1,
-                    self._policy_key,
-                    own_version,
-                    name,
-                    fleet_policy.encode_knobs(knobs),
-                ),
-            )
+            for _ in range(2):  # again once if the key was of another type (repaired)
+                change = self._redis.eval(
+                    fleet_policy.CHANGE, 1, key, own_version, name, fleet_policy.encode_knobs(knobs)
+                )
+                version = await self._op("policy", change, (key,))
+                if version is not None:
+                    return int(version)
         except REDIS_ERRORS as exc:
             raise SharedStateUnavailable(
                 f"the shared state (Redis) is unreachable, so the policy was not changed: {exc}"
             ) from exc
-        return int(version)
+        raise SharedStateUnavailable("the fleet's policy key could not be written")
 
     async def _follow_policy(self) -> None:
         slot = self._policies
-        fields = await self._op("policy", self._redis.hgetall(self._policy_key))
+        key = self._policy_key
+        fields = await self._op("policy", self._redis.hgetall(key), (key,), {})
         current = slot.current
         if not fields:
             if current.version > 0:  # Redis lost it: the fleet's policy goes back
