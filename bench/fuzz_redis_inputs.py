@@ -14,12 +14,13 @@ writes expire within ``MAX_TTL_MS``, so the state heals and a long run stays bou
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import orjson
 from hypothesis import strategies as st
 
-from bench.fuzz_inputs import json_values
+from bench.fuzz_engine_inputs import json_values
 from router.shared.keys import Keys
 from router.shared.policy import policy_key
 
@@ -41,15 +42,17 @@ class RedisCase:
         return f"{sorted(self.kinds)}: {'; '.join(shown)[:limit]}"
 
 
+@cache
 def _names() -> Strategy[bytes]:
     return st.one_of(
-        st.from_regex(r"fz-[a-z0-9]{1,8}", fullmatch=True).map(str.encode),
+        st.integers(0, 10**8).map(lambda n: b"fz-%d" % n),
         st.binary(min_size=1, max_size=16),
         st.just(b"\xff\xfe-not-utf8"),
         st.just(b"r" * 100_000),
     )
 
 
+@cache
 def _numbers() -> Strategy[bytes]:
     text = st.one_of(
         st.integers(0, 1000).map(str),
@@ -124,6 +127,7 @@ def _stream_entry(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> Redi
     return RedisCase((("XADD", keys.stream, "*", *flat),), frozenset({"stream"}))
 
 
+@cache
 def _hash_bytes() -> Strategy[bytes]:
     return st.one_of(
         st.integers(0, 64).map(lambda n: bytes(range(8)) * n),
