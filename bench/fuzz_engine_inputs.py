@@ -291,11 +291,14 @@ def labelled_replies(draw: st.DrawFn, stream: bool) -> tuple[Reply, frozenset[st
     body, labels = draw(sse_bodies() if stream else json_bodies())
     status = draw(st.sampled_from(_STATUSES))
     content_type = b"text/event-stream" if stream else b"application/json"
-    content_type = draw(st.sampled_from([content_type] * 8 + [b"text/html", b"\xff/\xfe"]))
+    odd_type = draw(st.sampled_from([None] * 8 + [b"text/html", b"\xff/\xfe"]))
+    if odd_type is not None:
+        content_type, labels = odd_type, labels | {"head"}
     line = b"HTTP/1.1 %d OK" % status
     oddity = draw(st.sampled_from(["none"] * 12 + ["version", "junk", "lf", "empty", "http09"]))
     if oddity == "version":
         line = draw(st.sampled_from([b"HTTP/1.0 200 OK", b"HTTP/2 200", b"HTTP/1.1 200"]))
+        status = 200
     elif oddity == "junk":
         line, status = draw(st.binary(min_size=1, max_size=40)).replace(b"\n", b""), 0
     elif oddity == "http09":

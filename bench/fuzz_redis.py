@@ -23,9 +23,8 @@ from router.shared.keys import Keys
 from router.wire.headers import SESSION_HEADER
 
 SESSIONS = 8
-SHOWN = 20
-# The router's own keys a case may add to but never expires: it would take the router's
-# state with it (the stream, the replicas' register).
+# The router's own keys a case adds to but never expires: it would take the router's
+# state with it (the stream, the replicas' register). An overwrite may still hit them.
 _KEPT = (b":events", b":replicas")
 
 
@@ -34,7 +33,7 @@ class RedisTally:
     cases: int = 0
     kinds: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)  # commands Redis itself refused
-    examples: list[str] = field(default_factory=list)
+    overwrites: int = 0
 
 
 class RedisWriter:
@@ -81,10 +80,11 @@ class RedisWriter:
     def _overwrite(self, how: str) -> None:
         """One of the router's keys (the first a SCAN finds), replaced."""
         found = self._client.scan(0, match=self._pattern, count=200)[1]
-        victims = [k for k in found if isinstance(k, bytes) and not k.endswith(_KEPT)]
+        victims = sorted(k for k in found if isinstance(k, bytes))
         if not victims:
             return
-        key = victims[len(self.tally.examples) % len(victims)]
+        key = victims[self.tally.overwrites % len(victims)]
+        self.tally.overwrites += 1
         self._client.delete(key)
         if how == "string":
             self._client.set(key, b"\xff overwritten")

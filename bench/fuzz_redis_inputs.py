@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from bench.fuzz_engine_inputs import json_values
 from router.shared.keys import Keys
-from router.shared.policy import policy_key
 
 Strategy = st.SearchStrategy
 Command = tuple[Any, ...]
@@ -36,10 +35,6 @@ HUGE_BYTES = 4 * 1024 * 1024
 class RedisCase:
     commands: tuple[Command, ...]
     kinds: frozenset[str]  # which of the router's readers the case aims at
-
-    def describe(self, limit: int = 200) -> str:
-        shown = [" ".join(repr(a)[:60] for a in c[:4]) for c in self.commands]
-        return f"{sorted(self.kinds)}: {'; '.join(shown)[:limit]}"
 
 
 @cache
@@ -155,7 +150,7 @@ def _residency(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCa
 
 
 @st.composite
-def _policy(draw: st.DrawFn, keys_namespace: str) -> RedisCase:
+def _policy(draw: st.DrawFn, keys: Keys) -> RedisCase:
     values = {
         b"version": draw(st.one_of(_numbers(), st.binary(max_size=8))),
         b"policy": draw(st.sampled_from([b"ttft", b"round_robin", b"no-such", b"\xff", b""])),
@@ -163,7 +158,7 @@ def _policy(draw: st.DrawFn, keys_namespace: str) -> RedisCase:
     }
     drop = draw(st.lists(st.sampled_from(sorted(values)), max_size=1))
     flat = [x for name, value in values.items() if name not in drop for x in (name, value)]
-    return RedisCase((("HSET", policy_key(keys_namespace), *flat),), frozenset({"policy"}))
+    return RedisCase((("HSET", keys.policy, *flat),), frozenset({"policy"}))
 
 
 def _json(value: Any) -> bytes:
@@ -192,7 +187,7 @@ def redis_cases(namespace: str, workers: tuple[str, ...]) -> Strategy[RedisCase]
         _stream_entry(keys, workers),
         _stream_entry(keys, workers),
         _residency(keys, workers),
-        _policy(namespace),
+        _policy(keys),
         _restarts(keys, workers),
         _overwrite(),
         _overwrite(),

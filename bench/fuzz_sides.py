@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import os
 import socket
 import sys
 import threading
@@ -29,7 +28,7 @@ from typing import IO, Any
 import orjson
 
 from bench.demo import stop_process
-from bench.fuzz_client import normal_chat
+from bench.fuzz_client import NO_ANSWER, Answer, normal_chat
 from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_redis import RedisWriter, session_turn
 from bench.fuzz_watch import metric_total, metrics_page, watching
@@ -118,7 +117,6 @@ async def router_process(
         "serve",
         "--config",
         str(path),
-        env=dict(os.environ),
         stdout=asyncio.subprocess.DEVNULL,
         stderr=log,
     )
@@ -219,6 +217,9 @@ async def engine_side(args: argparse.Namespace, workdir: Path, log: IO[bytes]) -
                     answer, broken = play_numbered(
                         hostile, port, API_KEY, number, case, args.timeout
                     )
+                except Exception as exc:  # the harness's own failure: counted, not lost
+                    answer, broken = Answer(NO_ANSWER, "", b""), f"harness: {exc!r}"
+                try:
                     with lock:
                         tally.record(case, answer, broken)
                         sample()
@@ -234,8 +235,11 @@ async def engine_side(args: argparse.Namespace, workdir: Path, log: IO[bytes]) -
                 await asyncio.to_thread(pool.shutdown)
             page = await asyncio.to_thread(metrics_page, port)
             _finish(run, router.pid, normal, probe, page, ENGINE_COUNTS)
-    run.statuses, run.violations, run.examples = tally.statuses, tally.violations, tally.examples
+    run.statuses, run.examples = tally.statuses, tally.examples
+    run.violations.update(tally.violations)
     run.aimed = tally.labels
+    if hostile.replies_sent < run.cases:
+        run.violations["cases that never reached the engine"] += run.cases - hostile.replies_sent
     run.notes.append(
         f"hostile engine: {hostile.replies_sent} replies, {hostile.scrapes} scrapes, "
         f"{hostile.published} KV messages, {hostile.replays} replays"

@@ -8,10 +8,11 @@ written piece by piece, and ends the connection as the case says. Its KV events 
 on vLLM's wire (a PUB socket, a ROUTER replaying what it kept), with the case's frames:
 the sequence frame is the next number unless the case bends it.
 
-The fuzz driver sets cases from its own thread (``set_case``): a case replaces the last,
-and its KV messages are published before ``set_case`` returns. Cases played at once are
-told apart by a number in the request (``case_marker``), which every API's conversion to
-chat keeps: a forwarded request carrying one gets that case's answer.
+The fuzz driver adds cases from its own threads (``add_case``), several at once, told
+apart by a number in the request (``case_marker``), which every API's conversion to chat
+keeps: a forwarded request carrying one gets that case's answer; a request with none gets
+``case``'s (a test sets it). A case's KV messages are published before ``add_case``
+returns, and its metrics page is what the next scrapes get.
 """
 
 from __future__ import annotations
@@ -100,11 +101,6 @@ class HostileEngine:
         self._pub.close(linger=0)
         self._replay.close(linger=0)
         self._context.destroy(linger=0)
-
-    def set_case(self, case: EngineCase) -> None:
-        """From another thread: the next answers, and the case's KV messages sent."""
-        assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._set(case), self._loop).result(timeout=30)
 
     def add_case(self, number: int, case: EngineCase) -> None:
         """From another thread: the answer to requests marked ``number``; its metrics page

@@ -34,6 +34,7 @@ from router.config import HealthConfig
 from router.engine_blocks import block_size_advice, divides
 from router.index import PrefixIndex
 from router.loop_metrics import LoopLag
+from router.sparse_log import SparseLog
 from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,7 @@ class HealthProber:
     ) -> None:
         self._headers = headers  # the engines' api key, if any
         self._refused = refused  # (worker, what) of a read that gave nothing usable
+        self._sparse = SparseLog(log)  # restarts: an engine may claim one every scrape
         # Prompts keyed by the engines' tokens: the router's blocks must be theirs.
         self._keys_by_tokens = keys_by_tokens
         self._told_block_size: set[str] = set()  # workers whose wrong block size is logged
@@ -261,14 +263,14 @@ class HealthProber:
             return
         self._set_health(worker, status == 200, f"status {status}")
         if status == 200:
-            await self._isolated(worker, "models", self._learn)
+            await self._learn(worker)
 
     async def _learn(self, worker: Worker) -> None:
         """A healthy worker's models, and its metrics until they have been read once."""
         if not worker.models or self._round % MODELS_EVERY == 0:
-            await self._learn_models(worker)
+            await self._isolated(worker, "models", self._learn_models)
         if worker.metrics_at is None:
-            await self._read_metrics(worker)
+            await self._isolated(worker, "metrics", self._read_metrics)
 
     async def _isolated(
         self, worker: Worker, what: str, action: Callable[[Worker], Awaitable[None]]
@@ -339,8 +341,10 @@ class HealthProber:
             restarted = worker.engine_started_at not in (None, facts.started_at)
             worker.engine_started_at = facts.started_at
             if restarted:
-                log.warning(
-                    "worker %s restarted; its cache is gone, purging its entries", worker.name
+                self._sparse.warning(
+                    worker.name,
+                    "worker %s restarted; its cache is gone, purging its entries",
+                    worker.name,
                 )
                 self._on_restart(worker)
 

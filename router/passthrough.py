@@ -98,6 +98,9 @@ async def _relay(
     response = web.StreamResponse(status=upstream.status)
     for name, value in passed_on(upstream.headers):
         response.headers.add(name.decode("latin-1"), value.decode("latin-1"))
+    request_id = http.headers.get(REQUEST_ID_HEADER.decode())
+    if request_id is not None:  # the client's own, as the engine was sent it
+        response.headers[REQUEST_ID_HEADER.decode()] = request_id
     if state.config.worker_header:
         response.headers[WORKER_HEADER.decode()] = worker.name
     await response.prepare(http)

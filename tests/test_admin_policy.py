@@ -22,7 +22,7 @@ from router.metrics import RouterMetrics
 from router.parse import parse_request
 from router.policy_slot import ActivePolicy, PolicySlot
 from router.routing import Router
-from router.shared.policy import policy_key
+from router.shared.keys import Keys
 from router.workers import Fleet, Worker
 from tests.conftest import (
     EngineFactory,
@@ -347,7 +347,7 @@ async def test_an_emptied_redis_gets_the_fleets_policy_back(
                 redis_server.flush()  # as a Redis restarted without persistence
 
                 async def restored() -> bool:
-                    return bool(await client.hgetall(policy_key("kvrouter")))
+                    return bool(await client.hgetall(Keys("kvrouter").policy))
 
                 await wait_for(restored)
                 async with serve_router(replica(fleet, redis_url)) as later:
@@ -368,7 +368,7 @@ async def test_a_fleet_policy_unknown_here_is_ignored(
     ):
         client = aioredis.Redis.from_url(redis_url)
         try:
-            key = policy_key("kvrouter")
+            key = Keys("kvrouter").policy
             await client.hset(
                 key, mapping={"version": 5, "policy": "from_the_future", "knobs": "{}"}
             )

@@ -12,6 +12,7 @@ router's counters.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from bench.fuzz_client import normal_chat
-from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_case
+from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_engine_inputs import EngineCase, engine_cases
 from bench.fuzz_watch import metric_total, metrics_page, watching
 from bench.hostile_engine import HostileEngine, hostile_engine
@@ -35,7 +36,7 @@ from tests.test_fuzz import check_all
 from tests.token_model import build_model_dir
 
 API_KEY = "fuzz-key"
-CASES = 250
+CASES = 150
 
 
 @pytest.fixture(scope="module")
@@ -88,9 +89,11 @@ async def test_a_hostile_engine_never_costs_the_other_models_traffic_nor_gets_a_
     hostile, router = fleet
     port = _port(router)
     tally = EngineTally()
+    numbers = itertools.count()
 
     def check(case: EngineCase) -> None:
-        answer, broken = play_case(hostile, port, API_KEY, case, timeout_s=30.0)
+        # Numbered as the long run's concurrent cases are: the engine answers by number.
+        answer, broken = play_numbered(hostile, port, API_KEY, next(numbers), case, 30.0)
         tally.record(case, answer, broken)
         assert broken is None, (broken, answer.status, answer.body[:300])
 

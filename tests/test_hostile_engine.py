@@ -154,3 +154,28 @@ async def test_metrics_pages_the_router_cannot_use_are_counted() -> None:
                 return metric_total(page, "kvrouter_worker_reads_refused_total", what="metrics") > 1
 
             await wait_for(counted)
+
+
+async def test_a_passed_through_answer_carries_the_clients_request_id_not_the_engines(
+    hostile: tuple[HostileEngine, RunningRouter],
+) -> None:
+    engine, router = hostile
+    body = orjson.dumps({"tokens": [1, 2], "count": 2})
+    engine.case = EngineCase(_answer([b"X-Request-Id: the-engines"], body))
+    host, port = router.url.removeprefix("http://").split(":")
+
+    def tokenize() -> list[tuple[str, str]]:
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            payload = orjson.dumps({"model": HOSTILE_MODEL, "prompt": "x"})
+            headers = {"Content-Type": "application/json", "X-Request-Id": "the-clients"}
+            connection.request("POST", "/tokenize", payload, headers)
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 200
+            return [(k.lower(), v) for k, v in response.getheaders()]
+        finally:
+            connection.close()
+
+    headers = await asyncio.to_thread(tokenize)
+    assert [v for k, v in headers if k == "x-request-id"] == ["the-clients"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
@@ -24,6 +25,8 @@ from router.shared.connect import connect
 from router.shared.keys import Keys
 from router.shared.metrics import PathMetrics
 from router.shared.path import SharedPath
+from router.shared.remote import BadEntries
+from router.shared.repair import Repairs
 from router.workers import Worker
 from tests.conftest import (
     EngineFactory,
@@ -314,3 +317,38 @@ async def test_a_response_owner_of_another_type_is_not_found_and_repaired(
         await wait_for(deleted)
         assert await metric(http, a, "kvrouter_redis_bad_entries_total", kind="type") == 1
     await raw.aclose()
+
+
+@pytest.mark.parametrize("planted", ["rsv", "res"])
+async def test_the_paths_writes_repair_a_key_of_another_type(redis_url: str, planted: str) -> None:
+    """A reservation or residency key holding a hash failed the path's pipeline, wrapped
+    by redis-py ("Command # 1 ... caused error: ('WRONGTYPE ...')"): taken for a plain
+    Redis error, counted, and left there for every later request."""
+    local = LocalPrefixIndex()
+    worker = Worker("w0", "http://w0", 64 * 1000)
+    local.add_worker(worker.name, 1000)
+    handle = connect(redis_url)
+    registry = CollectorRegistry()
+    bad = BadEntries(registry)
+    keys = Keys("kvrouter")
+    repairs = Repairs(handle.client, keys, bad)
+    path = SharedPath(
+        handle.client, local, StateConfig(url=redis_url, path_timeout_s=1.0),
+        PathMetrics(registry), lambda: True, repairs,
+    )  # fmt: skip
+    key = keys.reserved("w0") if planted == "rsv" else keys.residency("w0")
+    await handle.client.hset(key, "x", "y")
+    try:
+        if planted == "rsv":
+            await path.reserve("w0", [1, 2, 3])
+        else:
+            await path.record(worker, [1, 2, 3], [], "s" * 32)
+
+        async def repaired() -> bool:
+            return await handle.client.type(key) != b"hash"
+
+        await wait_for(repaired)
+        assert registry.get_sample_value("kvrouter_redis_bad_entries_total", {"kind": "type"}) == 1
+    finally:
+        await path.close()
+        await handle.aclose()

@@ -193,7 +193,7 @@ class RankSubscriber:
         if expected is not None and seq > expected:
             self._metrics.gaps.labels(self._name).inc()
             self._sparse.warning(
-                "gap",
+                "missed",
                 "worker %s rank %d: KV events %d-%d missed",
                 self._name,
                 self._endpoints.rank,
@@ -299,7 +299,7 @@ class RankSubscriber:
     def _reset(self, reason: ResetReason, why: str) -> None:
         """Drop what this rank announced; later events rebuild it."""
         self._sparse.warning(
-            reason,
+            ("reset", reason),
             "worker %s rank %d: dropping its announced blocks (%s: %s)",
             self._name,
             self._endpoints.rank,

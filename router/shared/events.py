@@ -8,11 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from router.shared.keys import MEMBER_BYTES
+
 Op = Literal["touch", "forget", "purge"]
 # Hashes one change may carry: a prompt's blocks (a 1M-token prompt at 16 tokens a block
 # is 65,536). A larger one is no replica's, and unpacking it would cost the loop.
 MAX_EVENT_HASHES = 1 << 17
-HASH_BYTES = 8
 _OPS: dict[bytes, Op] = {b"t": "touch", b"f": "forget", b"p": "purge"}
 _CODES: dict[Op, bytes] = {v: k for k, v in _OPS.items()}
 
@@ -53,7 +54,7 @@ def decode(fields: Mapping[bytes, bytes]) -> tuple[str, IndexEvent] | None:
     """The sending replica and the event; None for a malformed entry."""
     try:
         op = _OPS[fields[b"o"]]
-        if len(fields[b"h"]) > MAX_EVENT_HASHES * HASH_BYTES:
+        if len(fields[b"h"]) > MAX_EVENT_HASHES * MEMBER_BYTES:
             return None
         started = fields.get(b"s")
         if started is not None and not math.isfinite(float(started)):

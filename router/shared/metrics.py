@@ -85,7 +85,8 @@ class PathMetrics:
             "local worker held the session's history), reserve (the decision, before "
             "forwarding), record (the reply's blocks, before the final chunk); by result "
             "(timeout: past state.path_timeout_s, the request went on without it; late: a "
-            "write that timed out and then landed, off the request's path).",
+            "write that timed out and then landed, off the request's path); and "
+            "background/dropped: a withdrawal or repair not sent, with too many waiting.",
             ["op", "result"],
             registry=registry,
         )

@@ -33,7 +33,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -209,10 +209,13 @@ class SharedPath:
         key, members = self._keys.reserved(worker), [member(h) for h in hashes]
         self._in_background(_after(pending, lambda: self._redis.zrem(key, *members)))
 
-    def _in_background(self, call: Awaitable[Any]) -> None:
+    def _in_background(self, call: Coroutine[Any, Any, Any]) -> None:
         """``call`` off the request's path, within ``WITHDRAW_TIMEOUT_S``; its Redis
-        errors are the sync loops' to notice."""
+        errors are the sync loops' to notice. Past ``MAX_LATE_WRITES`` waiting (Redis
+        not keeping up) it is dropped: a reservation it would withdraw lapses by itself."""
         if len(self._background) >= MAX_LATE_WRITES:
+            call.close()
+            self._metrics.operations.labels("background", "dropped").inc()
             return
         task = asyncio.create_task(self._quietly(call))
         self._background.add(task)

@@ -26,26 +26,32 @@ from typing import Any
 
 import orjson
 
-from router.shared.keys import Keys
-
+# A stored version that is not a whole number from 0 to 2^53 (written by something
+# else: "nan", "inf", "1e300", "x") counts as 0, so the next change writes a good one.
+_STORED = """
+local stored = tonumber(redis.call('HGET', KEYS[1], 'version'))
+if not stored or stored ~= stored or stored < 0 or stored > 2^53 or stored % 1 ~= 0 then
+    stored = 0
+end
+"""
 # KEYS[1]: the hash. ARGV: the replica's own version, policy name, knobs (JSON).
-CHANGE = """
-local stored = tonumber(redis.call('HGET', KEYS[1], 'version')) or 0
+CHANGE = (
+    _STORED
+    + """
 local version = math.max(stored, tonumber(ARGV[1])) + 1
 redis.call('HSET', KEYS[1], 'version', version, 'policy', ARGV[2], 'knobs', ARGV[3])
 return version
 """
+)
 # ARGV: the version to restore, policy name, knobs (JSON). 1 if written.
-RESTORE = """
-local stored = tonumber(redis.call('HGET', KEYS[1], 'version')) or 0
+RESTORE = (
+    _STORED
+    + """
 if tonumber(ARGV[1]) <= stored then return 0 end
 redis.call('HSET', KEYS[1], 'version', ARGV[1], 'policy', ARGV[2], 'knobs', ARGV[3])
 return 1
 """
-
-
-def policy_key(namespace: str) -> str:
-    return Keys(namespace).policy
+)
 
 
 @dataclass(frozen=True, slots=True)

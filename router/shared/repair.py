@@ -10,7 +10,7 @@ entry of kind ``type`` and logged once.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis.asyncio import Redis
@@ -23,13 +23,33 @@ from router.shared.remote import BadEntries
 _SCRIPTS = frozenset({"EVAL", "EVALSHA"})
 
 
+# KEYS: the keys to look at; ARGV[i]: the type kvrouter keeps at KEYS[i]. Deletes each
+# key holding another type (in one step, so a key another replica has just written
+# again as its own is left alone); returns how many it deleted. The keys share the
+# namespace's hash tag: one slot on a cluster.
+_DELETE_WRONG_TYPES = """
+local deleted = 0
+for i, key in ipairs(KEYS) do
+    local kind = redis.call('TYPE', key).ok
+    if kind ~= 'none' and kind ~= ARGV[i] then
+        redis.call('DEL', key)
+        deleted = deleted + 1
+    end
+end
+return deleted
+"""
+
+
 class KeyRepaired(RedisError):
-    """Writes met a key of another type, now deleted: they are to be sent again."""
+    """Writes met a key of another type, now deleted: they are to be sent again (a loop
+    that meets it pauses briefly and sends again; what it resends is idempotent: touches,
+    forgets, and purges that wipe once per restart)."""
 
 
 def is_wrong_type(result: object) -> bool:
-    """A command's error for a key of the wrong type (Redis 7 passes it out of scripts)."""
-    return isinstance(result, ResponseError) and str(result).startswith("WRONGTYPE")
+    """A command's error for a key of the wrong type: as Redis says it, out of a script
+    (Redis 7), or wrapped by a pipeline that raised it."""
+    return isinstance(result, ResponseError) and "WRONGTYPE" in str(result)
 
 
 def command_keys(args: Sequence[Any]) -> tuple[Any, ...]:
@@ -54,37 +74,37 @@ def queued_keys(pipeline: Any) -> list[tuple[Any, ...]] | None:
 
 
 class Repairs:
-    def __init__(self, client: Redis | RedisCluster, keys: Keys, bad: BadEntries) -> None:
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        keys: Keys,
+        bad: BadEntries,
+        on_repaired: Callable[[], None] = lambda: None,
+    ) -> None:
         self._client = client
         self._keys = keys
         self._bad = bad
+        self._on_repaired = on_repaired  # what a deleted key held is gone: write it anew
 
     async def repair(self, candidates: Iterable[Any]) -> int:
         """Delete those of ``candidates`` that hold another type than kvrouter keeps
         there; how many were."""
-        keys = list(dict.fromkeys(k for k in candidates if self._keys.kept_type(k)))
-        if not keys:
+        kept = {k: kind for k in candidates if (kind := self._keys.kept_type(k)) is not None}
+        if not kept:
             return 0
-        pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.type(key)
-        types = await pipe.execute()
-        wrong = [
-            key
-            for key, kind in zip(keys, types, strict=True)
-            if _name(kind) not in (b"none", self._keys.kept_type(key))
-        ]
-        if wrong:
-            self._bad.skipped("type", wrong[0], len(wrong))
-            for key in wrong:  # one at a time: on a cluster, each in its own slot
-                await self._client.delete(key)
-        return len(wrong)
+        keys, types = list(kept), list(kept.values())
+        deleted = int(await self._client.eval(_DELETE_WRONG_TYPES, len(keys), *keys, *types))
+        if deleted:
+            self._bad.skipped("type", keys[0], deleted)
+            self._on_repaired()
+        return deleted
 
     async def after(
         self, results: Sequence[Any], keys: Sequence[tuple[Any, ...]] | None
     ) -> tuple[bool, ResponseError | None]:
-        """After a pipeline's ``execute(raise_on_error=False)``: whether wrong-typed keys
-        its commands met were repaired, and the first other error among its results (a
+        """After a pipeline's ``execute(raise_on_error=False)``: whether its commands met
+        keys of another type (repaired now, here or by whoever got there first: either
+        way those commands did nothing), and the first other error among its results (a
         wrong type too, when the commands' keys are not known)."""
         if keys is None or len(keys) != len(results):
             first = next((r for r in results if isinstance(r, ResponseError)), None)
@@ -98,10 +118,6 @@ class Repairs:
         other = next(
             (r for r in results if isinstance(r, ResponseError) and not is_wrong_type(r)), None
         )
-        return (await self.repair(met) > 0 if met else False), other
-
-
-def _name(kind: object) -> bytes | None:
-    if isinstance(kind, str):
-        return kind.encode()
-    return kind if isinstance(kind, bytes) else None
+        if met:
+            await self.repair(met)
+        return bool(met), other

@@ -14,6 +14,9 @@ from typing import Any, NamedTuple
 # added after it.
 PURGE_ONCE = """
 local last = tonumber(redis.call('HGET', KEYS[1], ARGV[1]))
+if last and (last ~= last or last == math.huge) then
+    last = nil  -- not a start time: something else wrote it
+end
 if last and last >= tonumber(ARGV[2]) then
     return 0
 end

@@ -63,10 +63,11 @@ LOAD_TTL_MIN_MS = 2_000
 # so a register stuffed with names costs a bounded read.
 MAX_REPLICAS = 256
 MAX_REPLICA_NAME = 64  # a replica names itself with 12 hex digits
-MAX_RATE_BYTES = 63  # "tokens_per_s,samples": what is past this is not read
+MAX_RATE_BYTES = 64  # "tokens_per_s,samples": a longer value is no replica's
+# How far ahead of this replica's clock another's may run.
+CLOCK_SKEW_S = 60.0
 # RedisClusterException is no RedisError: a cluster whose nodes are all unreachable raises it.
 REDIS_ERRORS = (RedisError, RedisClusterException, OSError, asyncio.TimeoutError)
-# KeyRepaired is one: the loop that met it sends again after a short pause.
 
 
 class RedisSync:
@@ -91,7 +92,9 @@ class RedisSync:
         self._replica_bytes = self.replica.encode()
         self._keys = Keys(config.namespace)
         self._policy_key = self._keys.policy
-        self.repairs = Repairs(client, self._keys, metrics.bad_entries)
+        self.repairs = Repairs(
+            client, self._keys, metrics.bad_entries, lambda: self._resync_for("repaired")
+        )
         # The fleet's policy hash as last refused (not valid here), so it is warned about once.
         self._refused_policy: dict[bytes, bytes] = {}
         self._cursor = "0-0"
@@ -122,8 +125,7 @@ class RedisSync:
             if not (keys and is_wrong_type(exc)):
                 self._failed(name, exc)
                 raise
-            if await self.repairs.repair(keys):
-                self._resync_for("repaired")  # what the key held is gone: read the rest
+            await self._repair(name, keys)
             return empty
         self._metrics.seconds.labels(name).observe(time.perf_counter() - start)
         if not self.up:
@@ -140,14 +142,27 @@ class RedisSync:
         self.up = False
         self._metrics.up.set(0)
 
+    async def _repair(self, name: str, keys: Sequence[Any]) -> None:
+        """Keys of another type deleted (and the index written anew: ``Repairs``)."""
+        try:
+            await self.repairs.repair(keys)
+        except REDIS_ERRORS as exc:
+            self._failed(name, exc)
+            raise
+
     async def _execute(self, name: str, pipe: Any, index_writes: bool = False) -> list[Any]:
         """A pipeline's results (a wrong-typed key's as its error). Keys of another type
         its commands met are repaired; with ``index_writes`` that raises ``KeyRepaired``,
-        so that the writes are sent again whole. Any other error is a Redis error, raised."""
+        so that the writes are sent again whole, the stream's entries among them. Any
+        other error is a Redis error, raised."""
         keys = queued_keys(pipe)
         results: list[Any] = await self._op(name, pipe.execute(raise_on_error=False))
-        repaired, other = await self.repairs.after(results, keys)
-        if repaired and index_writes:
+        try:
+            met, other = await self.repairs.after(results, keys)
+        except REDIS_ERRORS as exc:
+            self._failed(name, exc)
+            raise
+        if met and index_writes:
             raise KeyRepaired(f"{name}: a key of another type was deleted")
         if other is not None:
             self._failed(name, other)
@@ -426,10 +441,17 @@ class RedisSync:
         pipe.set(
             self._keys.rate_prefix + self.replica, f"{rate.tokens_per_s},{rate.samples}", px=ttl
         )
-        pipe.zadd(self._keys.replicas, {self.replica: now})
-        pipe.zremrangebyscore(self._keys.replicas, 0, now - ttl / 1000)
-        pipe.zrevrange(self._keys.replicas, 0, MAX_REPLICAS)  # the latest seen first
+        register = self._keys.replicas
+        pipe.zadd(register, {self.replica: now})
+        pipe.zremrangebyscore(register, "-inf", now - ttl / 1000)
+        # No replica is seen in the future: such a name would never lapse.
+        pipe.zremrangebyscore(register, f"({now + CLOCK_SKEW_S}", "+inf")
+        pipe.zrevrangebyscore(register, "+inf", "-inf", start=0, num=MAX_REPLICAS)
         results = await self._execute("load", pipe)
+        if isinstance(results[-2], int) and results[-2]:
+            self._metrics.bad_entries.skipped(
+                "replica", "a replica seen in the future", results[-2]
+            )
         others = self._other_replicas(results[-1])
         self.peers = len(others)
         if others:
@@ -441,7 +463,7 @@ class RedisSync:
         for other in others:
             if names:
                 pipe.hmget(self._keys.load_prefix + other, names)
-            pipe.getrange(self._keys.rate_prefix + other, 0, MAX_RATE_BYTES)
+            pipe.getrange(self._keys.rate_prefix + other, 0, MAX_RATE_BYTES)  # one byte more
         replies = await self._execute("load", pipe) if others else []
         step = 2 if names else 1
         loads = replies[0::step] if names else []
@@ -453,7 +475,7 @@ class RedisSync:
         if not isinstance(register, list):  # the register was of another type: repaired
             return []
         others, bad = [], self._metrics.bad_entries
-        for raw in register[:MAX_REPLICAS]:
+        for raw in register:
             try:
                 name = raw.decode()
             except UnicodeDecodeError:
@@ -493,7 +515,7 @@ class RedisSync:
         for shared in rates:
             if not isinstance(shared, bytes) or not shared:
                 continue  # none, or of another type (repaired)
-            rate = parse_rate(shared)
+            rate = parse_rate(shared) if len(shared) <= MAX_RATE_BYTES else None
             if rate is None:
                 bad.skipped("rate", shared)
             else:
@@ -505,7 +527,6 @@ class RedisSync:
     async def publish_policy(self, name: str, knobs: Mapping[str, Any], own_version: int) -> int:
         """Number a policy change for the whole fleet (the ``PolicySlot`` publisher)."""
         key = self._policy_key
-        version = None
         try:
             for _ in range(2):  # again once if the key was of another type (repaired)
                 change = self._redis.eval(
