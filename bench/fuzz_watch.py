@@ -39,11 +39,17 @@ class TrafficTally:
 
 
 class NormalTraffic:
-    """Well-formed requests, one after another, each of which must get a 200."""
+    """Well-formed requests, one after another (at most one every ``every_s``), each of
+    which must get a 200."""
 
     def __init__(
-        self, port: int, requests: Callable[[int], RawRequest], timeout_s: float = 30.0
+        self,
+        port: int,
+        requests: Callable[[int], RawRequest],
+        timeout_s: float = 30.0,
+        every_s: float = 0.05,
     ) -> None:
+        self._every_s = every_s
         self._port = port
         self._requests = requests
         self._timeout_s = timeout_s
@@ -61,7 +67,7 @@ class NormalTraffic:
     def _run(self) -> None:
         n = 0
         begun = time.monotonic()
-        while not self._stop.is_set():
+        while not self._stop.wait(self._every_s):
             request = self._requests(n)
             n += 1
             started = time.monotonic()
