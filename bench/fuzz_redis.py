@@ -101,7 +101,10 @@ class RedisWriter:
     def _take_back(self, now: float) -> None:
         while self._undo and self._undo[0][0] <= now:
             _, command = self._undo.popleft()
-            self._client.execute_command(*command)  # type: ignore[no-untyped-call]
+            try:  # the register may since have been overwritten with another type
+                self._client.execute_command(*command)  # type: ignore[no-untyped-call]
+            except redis.ResponseError as exc:
+                self.tally.refused[str(exc).split(" ")[0]] += 1
 
     def metrics_snapshot(self) -> dict[str, Any]:
         return {
