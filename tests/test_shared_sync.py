@@ -497,3 +497,19 @@ async def test_a_stream_entry_past_any_prompt_is_skipped_before_it_is_unpacked(
         )
         assert not a.holds("w0", [1])
     await raw.aclose()
+
+
+async def test_a_policy_hash_rewritten_with_garbage_is_not_logged_each_time(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each new garbage was a new WARNING: anyone writing to Redis could fill the log."""
+    raw = aioredis.from_url(redis_url)
+    async with replica(redis_url) as a:
+        for i in range(5):
+            await raw.hset(f"kvr:{{{NAMESPACE}}}:policy", mapping={"version": f"x{i}"})
+            # Until a load round has read it (they run every load_interval_s).
+            await asyncio.sleep(0.3)
+        assert a.task is not None and not a.task.done()
+    logged = [r for r in caplog.records if "policy is not valid here" in r.getMessage()]
+    assert len(logged) == 1
+    await raw.aclose()

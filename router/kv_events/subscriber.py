@@ -144,7 +144,9 @@ class RankSubscriber:
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())
                     if event["event"] == zmq.EVENT_DISCONNECTED:
-                        log.warning("worker %s: KV event stream disconnected", self._name)
+                        self._sparse.warning(
+                            "disconnected", "worker %s: KV event stream disconnected", self._name
+                        )
                         return
                 if sub in ready:
                     await self._drain(queued)

@@ -278,6 +278,9 @@ class SharedPath:
         there is room (Redis not keeping up: dropped)."""
         if not finish_late or len(self._background) >= MAX_LATE_WRITES:
             task.cancel()
+            # It may have failed meanwhile (cancel() cannot undo that): retrieved, or
+            # asyncio logs "Task exception was never retrieved" with Redis's error.
+            task.add_done_callback(_retrieved)
             return
         self._background.add(task)
         task.add_done_callback(functools.partial(self._finished_late, op))
@@ -292,6 +295,11 @@ class SharedPath:
         with contextlib.suppress(*REDIS_ERRORS):
             async with asyncio.timeout(WITHDRAW_TIMEOUT_S):
                 await call
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _reservation(worker: str, hashes: Sequence[int]) -> tuple[str, int, int, int]:

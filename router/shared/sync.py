@@ -48,6 +48,7 @@ from router.shared.metrics import RedisMetrics
 from router.shared.remote import block_hashes, parse_load, parse_rate
 from router.shared.repair import KeyRepaired, Repairs, is_wrong_type, queued_keys
 from router.shared.scripts import StreamPosition
+from router.sparse_log import SparseLog
 from router.workers import Fleet
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,7 @@ class RedisSync:
         self._publishing = asyncio.Lock()
         self._stopping = asyncio.Event()
         self._failed_loops: set[str] = set()  # loops whose failure has been logged
+        self._sparse = SparseLog(log)  # what anyone writing to Redis can make it say
 
     # -- health -------------------------------------------------------------------------
 
@@ -567,7 +569,8 @@ class RedisSync:
             candidate = slot.build(fleet.name, fleet.knobs, fleet.version)
         except ValueError as exc:  # PolicyConfigError too: another kvrouter version's policy
             if fields != self._refused_policy:
-                log.warning(
+                self._sparse.warning(
+                    "policy",
                     "the fleet's routing policy is not valid here; keeping %s: %s",
                     current.name,
                     exc,
