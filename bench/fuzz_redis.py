@@ -41,7 +41,8 @@ class RedisWriter:
     leave to a TTL (members it added to the replicas' register)."""
 
     def __init__(self, url: str, namespace: str) -> None:
-        self._client = redis.Redis.from_url(url)
+        # Large writes (a 100,000-member set) on a busy machine: patience, not failure.
+        self._client = redis.Redis.from_url(url, socket_timeout=120)
         self._keys = Keys(namespace)
         self._pattern = f"kvr:{{{namespace}}}:*"
         self._undo: deque[tuple[float, Command]] = deque()
@@ -59,6 +60,8 @@ class RedisWriter:
                 self._one(command)
             except redis.ResponseError as exc:
                 self.tally.refused[str(exc).split(" ")[0]] += 1
+            except redis.RedisError as exc:  # the harness's own trouble: counted, run on
+                self.tally.refused[type(exc).__name__] += 1
 
     def finish(self) -> None:
         self._take_back(float("inf"))

@@ -169,6 +169,8 @@ def _sampler(run: SideRun, pid: int, warmup: int) -> Callable[[], None]:
             rss = rss_kib(pid)
             if rss is not None:
                 run.rss_kib.append((run.cases, rss))
+                # As it goes: a run cut short still says how far it got.
+                print(f"{run.cases} cases, RSS {rss / 1024:.0f} MiB", flush=True)
 
     return sample
 
