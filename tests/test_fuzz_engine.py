@@ -36,7 +36,7 @@ from tests.test_fuzz import check_all
 from tests.token_model import build_model_dir
 
 API_KEY = "fuzz-key"
-CASES = 150
+CASES = 100
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from tests.test_fuzz import check_all
 
 API_KEY = "fuzz-key"
 NAMESPACE = "kvrouter"
-CASES = 200
+CASES = 150
 
 
 async def test_nothing_written_to_redis_costs_a_normal_turn_or_a_sync_loop(
