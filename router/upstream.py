@@ -179,8 +179,13 @@ class _Connection(asyncio.Protocol):
             self._delimited_by_close = False
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            # The router sends no Expect and asks no upgrade: an interim answer is none.
+            # Passed on as the status, the client would wait for a final one never sent.
+            raise _HeadRefused(f"an interim response ({status}) where a final one belongs")
         self.headers_done = True
-        if self._parser.get_status_code() in (204, 304):
+        if status in (204, 304):
             self._delimited_by_close = False
         self._wake_head()
 

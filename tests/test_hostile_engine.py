@@ -179,3 +179,17 @@ async def test_a_passed_through_answer_carries_the_clients_request_id_not_the_en
 
     headers = await asyncio.to_thread(tokenize)
     assert [v for k, v in headers if k == "x-request-id"] == ["the-clients"]
+
+
+async def test_an_interim_answer_is_a_failed_attempt_not_the_clients_answer(
+    hostile: tuple[HostileEngine, RunningRouter],
+) -> None:
+    """The long engine-side fuzz: "HTTP/1.1 100 OK" and then nothing was passed on as
+    the status; the client (waiting, as HTTP says, for a final answer) got none."""
+    engine, router = hostile
+    engine.case = EngineCase(
+        Reply((b"HTTP/1.1 100 OK\r\nContent-Type: application/json\r\nContent-Length: 0\r\n\r\n",))
+    )
+    status, _, body = await asyncio.to_thread(_chat, router.url)
+    assert status == 502, body
+    assert orjson.loads(body)["error"]["message"]
