@@ -19,32 +19,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any, Literal
 
 import msgspec
 from hypothesis import strategies as st
 
-from bench.fuzz_inputs import json_values as _json_values
-from bench.fuzz_inputs import serialize
+from bench.fuzz_inputs import ints, json_values, pick, serialize
 
 Strategy = st.SearchStrategy
-
-
-# Strategies drawn inside composites, built once per distinct argument: building one
-# anew at every draw cost more than the draw (validation of the whole tree).
-@lru_cache(maxsize=4096)
-def _picked(options: tuple[Any, ...]) -> Strategy[Any]:
-    return st.sampled_from(options)
-
-
-def _pick(options: Any) -> Strategy[Any]:
-    return _picked(tuple(options))
-
-
-@lru_cache(maxsize=4096)
-def _ints(low: int | None = None, high: int | None = None) -> Strategy[int]:
-    return st.integers(low, high)
 
 
 End = Literal["close", "reset", "silent", "keep"]
@@ -81,12 +64,6 @@ class EngineCase:
     labels: frozenset[str] = field(default_factory=frozenset)  # what was hostile in it
 
 
-@cache
-def json_values() -> Strategy[Any]:
-    """Any JSON value (built once: a recursive strategy costs to build)."""
-    return _json_values()
-
-
 # -- numbers ---------------------------------------------------------------------------------
 
 
@@ -94,13 +71,13 @@ def json_values() -> Strategy[Any]:
 def odd_numbers() -> Strategy[Any]:
     """What an engine may put where a count belongs."""
     return st.one_of(
-        _ints(0, 5000),
-        _ints(-(2**63), -1),
-        _ints(2**31, 2**64 - 1),
+        ints(0, 5000),
+        ints(-(2**63), -1),
+        ints(2**31, 2**64 - 1),
         st.floats(allow_nan=False, allow_infinity=False),
         # Serialized as numbers no serializer writes (bench.fuzz_inputs' markers).
-        _pick(["\x00huge-int\x00", "\x00big-float\x00", "\x00nan\x00"]),
-        _pick(["\x00past-u64\x00", "\x00minus-inf\x00", "12", ""]),
+        pick(["\x00huge-int\x00", "\x00big-float\x00", "\x00nan\x00"]),
+        pick(["\x00past-u64\x00", "\x00minus-inf\x00", "12", ""]),
         st.none(),
         json_values(),
     )
@@ -109,10 +86,10 @@ def odd_numbers() -> Strategy[Any]:
 @cache
 def _usage() -> Strategy[Any]:
     honest = st.fixed_dictionaries(
-        {"prompt_tokens": _ints(1, 5000), "completion_tokens": _ints(1, 50)},
+        {"prompt_tokens": ints(1, 5000), "completion_tokens": ints(1, 50)},
         optional={
-            "prompt_tokens_details": st.fixed_dictionaries({"cached_tokens": _ints(0, 5000)}),
-            "total_tokens": _ints(1, 6000),
+            "prompt_tokens_details": st.fixed_dictionaries({"cached_tokens": ints(0, 5000)}),
+            "total_tokens": ints(1, 6000),
         },
     )
     hostile = st.fixed_dictionaries(
@@ -172,14 +149,14 @@ def _texts() -> Strategy[str]:
 def json_bodies(draw: st.DrawFn) -> tuple[bytes, frozenset[str]]:
     """A non-streamed answer's body, and what is hostile in it."""
     usage = draw(_usage())
-    body = _completion(usage, draw(_texts()), draw(_pick(["stop", "length", None, 7])))
+    body = _completion(usage, draw(_texts()), draw(pick(["stop", "length", None, 7])))
     labels = {"usage"}
-    choice = draw(_pick(["valid"] * 4 + ["junk", "cut", "huge", "array"]))
+    choice = draw(pick(["valid"] * 4 + ["junk", "cut", "huge", "array"]))
     raw = serialize(body)
     if choice == "junk":
         raw, labels = serialize(draw(json_values())), {"body"}
     elif choice == "cut":
-        raw, labels = raw[: draw(_ints(0, max(0, len(raw) - 1)))], {"body"}
+        raw, labels = raw[: draw(ints(0, max(0, len(raw) - 1)))], {"body"}
     elif choice == "huge":
         body["choices"][0]["message"]["content"] = "y" * ENDLESS_BYTES
         raw, labels = serialize(body), {"body", "huge"}
@@ -201,14 +178,14 @@ def sse_bodies(draw: st.DrawFn) -> tuple[bytes, frozenset[str]]:
     events.append(_event(serialize(_chunk({}, finish="stop"))))
     events.append(_event(serialize(_chunk({}, usage=draw(_usage())))))
     labels = {"usage"}
-    odd = draw(st.lists(_pick(_SSE_ODDITIES), max_size=3))
+    odd = draw(st.lists(pick(_SSE_ODDITIES), max_size=3))
     for oddity in odd:
-        at = draw(_ints(0, len(events)))
+        at = draw(ints(0, len(events)))
         events.insert(at, _sse_oddity(oddity, draw))
         labels.add("sse")
-    if draw(_ints(0, 9)):
+    if draw(ints(0, 9)):
         events.append(b"data: [DONE]\n\n")
-    if draw(_ints(0, 19)) == 0:  # one event that never ends
+    if draw(ints(0, 19)) == 0:  # one event that never ends
         events.append(b"data: {" + b"z" * ENDLESS_BYTES)
         labels |= {"sse", "huge"}
     return b"".join(events), frozenset(labels)
@@ -255,13 +232,13 @@ _STATUSES = (200,) * 12 + (100, 101, 204, 304, 400, 404, 429, 500, 503, 999)
 @st.composite
 def _header_lines(draw: st.DrawFn) -> tuple[list[bytes], frozenset[str]]:
     """Extra header lines, and what is hostile in them."""
-    choice = draw(_pick(["none"] * 6 + ["odd", "many", "long", "endless"]))
+    choice = draw(pick(["none"] * 6 + ["odd", "many", "long", "endless"]))
     if choice == "none":
         return [], frozenset()
     if choice == "odd":
         lines = draw(
             st.lists(
-                _pick(
+                pick(
                     [
                         b"X-Odd: \xff\xfe",
                         b"Server: evil",
@@ -281,17 +258,17 @@ def _header_lines(draw: st.DrawFn) -> tuple[list[bytes], frozenset[str]]:
         )
         return lines, frozenset({"head"})
     if choice == "many":
-        count = draw(_pick([99, 101, 5000]))
+        count = draw(pick([99, 101, 5000]))
         return [b"X-H%d: v" % i for i in range(count)], frozenset({"head"})
     if choice == "long":
-        size = draw(_pick([8 * 1024, 9 * 1024, 70 * 1024]))
+        size = draw(pick([8 * 1024, 9 * 1024, 70 * 1024]))
         return [b"X-Long: " + b"v" * size], frozenset({"head"})
     return [b"X-Endless: " + b"e" * ENDLESS_BYTES], frozenset({"head", "huge"})
 
 
 def _chunked(body: bytes, draw: st.DrawFn) -> tuple[bytes, frozenset[str]]:
     pieces = [body[i : i + 4096] for i in range(0, len(body), 4096)] or [b""]
-    framing = draw(_pick(["good"] * 6 + ["bad_size", "no_end", "huge_size", "trailer"]))
+    framing = draw(pick(["good"] * 6 + ["bad_size", "no_end", "huge_size", "trailer"]))
     out = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces if p)
     if framing == "bad_size":
         return b"zz\r\n" + out, frozenset({"framing"})
@@ -307,15 +284,15 @@ def _chunked(body: bytes, draw: st.DrawFn) -> tuple[bytes, frozenset[str]]:
 @st.composite
 def labelled_replies(draw: st.DrawFn, stream: bool) -> tuple[Reply, frozenset[str]]:
     body, labels = draw(sse_bodies() if stream else json_bodies())
-    status = draw(_pick(_STATUSES))
+    status = draw(pick(_STATUSES))
     content_type = b"text/event-stream" if stream else b"application/json"
-    odd_type = draw(_pick([None] * 8 + [b"text/html", b"\xff/\xfe"]))
+    odd_type = draw(pick([None] * 8 + [b"text/html", b"\xff/\xfe"]))
     if odd_type is not None:
         content_type, labels = odd_type, labels | {"head"}
     line = b"HTTP/1.1 %d OK" % status
-    oddity = draw(_pick(["none"] * 12 + ["version", "junk", "lf", "empty", "http09"]))
+    oddity = draw(pick(["none"] * 12 + ["version", "junk", "lf", "empty", "http09"]))
     if oddity == "version":
-        line = draw(_pick([b"HTTP/1.0 200 OK", b"HTTP/2 200", b"HTTP/1.1 200"]))
+        line = draw(pick([b"HTTP/1.0 200 OK", b"HTTP/2 200", b"HTTP/1.1 200"]))
         status = 200
     elif oddity == "junk":
         line, status = draw(st.binary(min_size=1, max_size=40)).replace(b"\n", b""), 0
@@ -327,7 +304,7 @@ def labelled_replies(draw: st.DrawFn, stream: bool) -> tuple[Reply, frozenset[st
     extra, extra_labels = draw(_header_lines())
     headers += extra
     labels |= extra_labels
-    framing = draw(_pick(["length"] * 5 + ["chunked"] * 3 + ["close", "lie", "both"]))
+    framing = draw(pick(["length"] * 5 + ["chunked"] * 3 + ["close", "lie", "both"]))
     if framing == "length":
         headers.append(b"Content-Length: %d" % len(body))
     elif framing == "chunked":
@@ -335,7 +312,7 @@ def labelled_replies(draw: st.DrawFn, stream: bool) -> tuple[Reply, frozenset[st
         body, framing_labels = _chunked(body, draw)
         labels |= framing_labels
     elif framing == "lie":
-        headers.append(b"Content-Length: %d" % draw(_pick([0, len(body) + 100, -1])))
+        headers.append(b"Content-Length: %d" % draw(pick([0, len(body) + 100, -1])))
         labels |= {"framing"}
     elif framing == "both":
         headers += [b"Content-Length: 3", b"Transfer-Encoding: chunked"]
@@ -346,13 +323,13 @@ def labelled_replies(draw: st.DrawFn, stream: bool) -> tuple[Reply, frozenset[st
         head = b""
     wire = head + body
     end: End = "close" if framing == "close" else "keep"
-    end = draw(_pick([end] * 30 + ["close"] * 4 + ["reset"] * 4 + ["silent"]))
+    end = draw(pick([end] * 30 + ["close"] * 4 + ["reset"] * 4 + ["silent"]))
     if end != "keep":
         labels |= {"connection"}
         if end != "close" or framing != "close":
-            wire = wire[: draw(_ints(0, len(wire)))]
-    pieces = _split(wire, draw(st.lists(_ints(0, len(wire)), max_size=4)))
-    pause = draw(_pick([0.0] * 9 + [0.01, MAX_PAUSE_S]))
+            wire = wire[: draw(ints(0, len(wire)))]
+    pieces = _split(wire, draw(st.lists(ints(0, len(wire)), max_size=4)))
+    pause = draw(pick([0.0] * 9 + [0.01, MAX_PAUSE_S]))
     if pause:
         labels |= {"slow"}
     return Reply(pieces, pause, end, status), frozenset(labels)
@@ -369,10 +346,10 @@ def _split(wire: bytes, cuts: list[int]) -> tuple[bytes, ...]:
 def _sample_value(draw: st.DrawFn) -> bytes:
     value = draw(
         st.one_of(
-            _ints(0, 100),
-            _ints(-(2**63), 2**80),
+            ints(0, 100),
+            ints(-(2**63), 2**80),
             st.floats(),
-            _pick(["NaN", "+Inf", "-Inf", "1e400", "x", ""]),
+            pick(["NaN", "+Inf", "-Inf", "1e400", "x", ""]),
         )
     )
     return str(value).encode()
@@ -381,7 +358,7 @@ def _sample_value(draw: st.DrawFn) -> bytes:
 @st.composite
 def metrics_lines(draw: st.DrawFn) -> bytes:
     kind = draw(
-        _pick(
+        pick(
             [
                 "running",
                 "waiting",
@@ -419,12 +396,12 @@ def metrics_pages(draw: st.DrawFn) -> Reply:
     a body that is not text, or a bent head."""
     lines = draw(st.lists(metrics_lines(), max_size=8))
     page = b"\n".join(lines) + b"\n"
-    size = draw(_pick(["small"] * 30 + ["big", "over"]))
+    size = draw(pick(["small"] * 30 + ["big", "over"]))
     if size == "big":
         page = page * max(1, (1024 * 1024) // max(1, len(page)))
     elif size == "over":
         page = b"# " + b"m" * (17 * 1024 * 1024) + b"\n"
-    if draw(_ints(0, 9)) == 0:
+    if draw(ints(0, 9)) == 0:
         reply, _ = draw(labelled_replies(stream=False))
         return reply
     head = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(page)
@@ -437,8 +414,8 @@ _GOOD_BLOCK = 16
 
 
 def _hashes(draw: st.DrawFn, count: int) -> list[Any]:
-    start = draw(_ints(0, 2**64 - 1 - count))
-    kind = draw(_pick(["int"] * 6 + ["bytes", "mixed", "junk"]))
+    start = draw(ints(0, 2**64 - 1 - count))
+    kind = draw(pick(["int"] * 6 + ["bytes", "mixed", "junk"]))
     if kind == "int":
         return list(range(start, start + count))
     if kind == "bytes":
@@ -451,16 +428,16 @@ def _hashes(draw: st.DrawFn, count: int) -> list[Any]:
 @st.composite
 def kv_events(draw: st.DrawFn) -> Any:
     """One event, as vLLM writes it (a tagged map, or an older positional array), or not."""
-    kind = draw(_pick(["stored"] * 4 + ["removed", "cleared", "junk"]))
+    kind = draw(pick(["stored"] * 4 + ["removed", "cleared", "junk"]))
     if kind == "junk":
         return draw(json_values())
     if kind == "cleared":
         return {"type": "AllBlocksCleared"}
-    count = draw(_pick([1, 2, 8, 100] * 4 + [5_000]))
+    count = draw(pick([1, 2, 8, 100] * 4 + [5_000]))
     if kind == "removed":
         return {"type": "BlockRemoved", "block_hashes": _hashes(draw, count), "medium": "GPU"}
-    block_size = draw(_pick([_GOOD_BLOCK] * 6 + [32, 0, -16, 7, 2**40]))
-    tokens = draw(_pick(["whole", "short", "junk"]))
+    block_size = draw(pick([_GOOD_BLOCK] * 6 + [32, 0, -16, 7, 2**40]))
+    tokens = draw(pick(["whole", "short", "junk"]))
     if tokens == "whole" and 0 < block_size <= 64:
         ids: Any = list(range(count * block_size))
     elif tokens == "short":
@@ -470,13 +447,13 @@ def kv_events(draw: st.DrawFn) -> Any:
     event = {
         "type": "BlockStored",
         "block_hashes": _hashes(draw, count),
-        "parent_block_hash": draw(st.one_of(st.none(), _ints(0, 2**64 - 1), json_values())),
+        "parent_block_hash": draw(st.one_of(st.none(), ints(0, 2**64 - 1), json_values())),
         "token_ids": ids,
         "block_size": block_size,
         "lora_id": None,
-        "medium": draw(_pick(["GPU", "CPU", None, 5])),
+        "medium": draw(pick(["GPU", "CPU", None, 5])),
     }
-    if draw(_ints(0, 4)) == 0:
+    if draw(ints(0, 4)) == 0:
         return ["BlockStored", *list(event.values())[1:]]
     return event
 
@@ -487,20 +464,20 @@ def kv_messages(draw: st.DrawFn) -> tuple[bytes, ...]:
     unless the message sets its own (``seq_override``-style frames: a jump, a step back,
     the end-of-replay marker, a frame that is not 8 bytes)."""
     events = draw(st.lists(kv_events(), max_size=4))
-    payload_kind = draw(_pick(["batch"] * 8 + ["junk", "cut", "huge", "not_list"]))
+    payload_kind = draw(pick(["batch"] * 8 + ["junk", "cut", "huge", "not_list"]))
     if payload_kind == "batch":
-        payload = msgspec.msgpack.encode([1.0, events, draw(_pick([0, None, 3, "x"]))])
+        payload = msgspec.msgpack.encode([1.0, events, draw(pick([0, None, 3, "x"]))])
     elif payload_kind == "junk":
         payload = draw(st.binary(max_size=64))
     elif payload_kind == "cut":
         whole = msgspec.msgpack.encode([1.0, events, 0])
-        payload = whole[: draw(_ints(0, len(whole)))]
+        payload = whole[: draw(ints(0, len(whole)))]
     elif payload_kind == "huge":
         payload = msgspec.msgpack.encode([1.0, [], 0]) + b"\x00" * (17 * 1024 * 1024)
     else:
         payload = msgspec.msgpack.encode({"ts": 1.0, "events": events})
-    seq = draw(_pick([b"next"] * 8 + [b"jump", b"back", b"end", b"short"]))
-    frames = draw(_pick(["three"] * 10 + ["one", "two", "five"]))
+    seq = draw(pick([b"next"] * 8 + [b"jump", b"back", b"end", b"short"]))
+    frames = draw(pick(["three"] * 10 + ["one", "two", "five"]))
     if frames == "one":
         return (payload,)
     if frames == "two":
@@ -516,5 +493,5 @@ def engine_cases(draw: st.DrawFn) -> EngineCase:
     reply, labels = draw(labelled_replies(stream))
     metrics = draw(st.one_of(st.none(), metrics_pages()))
     messages = tuple(draw(st.lists(kv_messages(), max_size=3)))
-    api = draw(_pick(["chat"] * 4 + ["completions", "messages", "responses"]))
+    api = draw(pick(["chat"] * 4 + ["completions", "messages", "responses"]))
     return EngineCase(reply, metrics, messages, stream, api, labels)

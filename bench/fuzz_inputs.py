@@ -18,7 +18,7 @@ import gzip
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 from urllib.parse import quote
 
@@ -94,6 +94,7 @@ def _scalars() -> Strategy[Any]:
     )
 
 
+@cache
 def json_values() -> Strategy[Any]:
     return st.recursive(
         _scalars(),
@@ -716,3 +717,21 @@ def requests(target: Target) -> Strategy[RawRequest]:
         admin_requests(target, hostile_headers=True),
         wild_requests(target),
     )
+
+
+# Strategies drawn inside composites, built once per distinct argument: building one
+# anew at every draw cost more than the draw (validation of the whole tree).
+@lru_cache(maxsize=4096)
+def _picked(options: tuple[Any, ...]) -> Strategy[Any]:
+    return st.sampled_from(options)
+
+
+def pick(options: Any) -> Strategy[Any]:
+    """``st.sampled_from(options)``, built once per distinct ``options``."""
+    return _picked(tuple(options))
+
+
+@lru_cache(maxsize=4096)
+def ints(low: int | None = None, high: int | None = None) -> Strategy[int]:
+    """``st.integers(low, high)``, built once per distinct bounds."""
+    return st.integers(low, high)

@@ -14,32 +14,16 @@ writes expire within ``MAX_TTL_MS``, so the state heals and a long run stays bou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any
 
 import orjson
 from hypothesis import strategies as st
 
-from bench.fuzz_engine_inputs import json_values
+from bench.fuzz_inputs import ints, json_values, pick
 from router.shared.keys import Keys
 
 Strategy = st.SearchStrategy
-
-
-# Strategies drawn inside composites, built once per distinct argument: building one
-# anew at every draw cost more than the draw (validation of the whole tree).
-@lru_cache(maxsize=4096)
-def _picked(options: tuple[Any, ...]) -> Strategy[Any]:
-    return st.sampled_from(options)
-
-
-def _pick(options: Any) -> Strategy[Any]:
-    return _picked(tuple(options))
-
-
-@lru_cache(maxsize=4096)
-def _ints(low: int | None = None, high: int | None = None) -> Strategy[int]:
-    return st.integers(low, high)
 
 
 Command = tuple[Any, ...]
@@ -58,7 +42,7 @@ class RedisCase:
 @cache
 def _names() -> Strategy[bytes]:
     return st.one_of(
-        _ints(0, 10**8).map(lambda n: b"fz-%d" % n),
+        ints(0, 10**8).map(lambda n: b"fz-%d" % n),
         st.binary(min_size=1, max_size=16),
         st.just(b"\xff\xfe-not-utf8"),
         st.just(b"r" * 100_000),
@@ -68,19 +52,19 @@ def _names() -> Strategy[bytes]:
 @cache
 def _numbers() -> Strategy[bytes]:
     text = st.one_of(
-        _ints(0, 1000).map(str),
-        _ints(-(2**70), 2**70).map(str),
+        ints(0, 1000).map(str),
+        ints(-(2**70), 2**70).map(str),
         st.floats().map(repr),
-        _pick(["inf", "-inf", "nan", "1e400", "", " 1", "0x10", "١٢"]),
+        pick(["inf", "-inf", "nan", "1e400", "", " 1", "0x10", "١٢"]),
     )
     return text.map(str.encode)
 
 
 @st.composite
 def _load_values(draw: st.DrawFn) -> bytes:
-    count = draw(_ints(0, 6))
+    count = draw(ints(0, 6))
     parts = [draw(_numbers()) for _ in range(count)]
-    if draw(_ints(0, 9)) == 0:
+    if draw(ints(0, 9)) == 0:
         return draw(st.binary(max_size=40))
     return b",".join(parts)
 
@@ -88,10 +72,10 @@ def _load_values(draw: st.DrawFn) -> bytes:
 @st.composite
 def _replica(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCase:
     name = draw(_names())
-    score = draw(_pick([NOW] * 6 + [LATER, 0.0, -1.0, 1e300]))
+    score = draw(pick([NOW] * 6 + [LATER, 0.0, -1.0, 1e300]))
     commands: list[Command] = [("ZADD", keys.replicas, score, name)]
     load_key = keys.load_prefix.encode() + name
-    fields = draw(_pick(["workers", "junk", "many", "wrong_type", "none"]))
+    fields = draw(pick(["workers", "junk", "many", "wrong_type", "none"]))
     if fields == "workers":
         for worker in workers:
             commands.append(("HSET", load_key, worker, draw(_load_values())))
@@ -103,7 +87,7 @@ def _replica(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCase
     elif fields == "wrong_type":
         commands.append(("RPUSH", load_key, b"1,2"))
     rate_key = keys.rate_prefix.encode() + name
-    rate = draw(_pick(["valid", "junk", "wrong_type", "huge", "none"]))
+    rate = draw(pick(["valid", "junk", "wrong_type", "huge", "none"]))
     if rate == "valid":
         commands.append(("SET", rate_key, draw(_numbers()) + b"," + draw(_numbers())))
     elif rate == "junk":
@@ -117,7 +101,7 @@ def _replica(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCase
 
 @st.composite
 def _crowd(draw: st.DrawFn, keys: Keys) -> RedisCase:
-    count = draw(_pick([1_000, 50_000]))
+    count = draw(pick([1_000, 50_000]))
     members = [x for i in range(count) for x in (NOW, f"crowd-{i}")]
     return RedisCase((("ZADD", keys.replicas, *members),), frozenset({"replicas"}))
 
@@ -126,13 +110,13 @@ def _crowd(draw: st.DrawFn, keys: Keys) -> RedisCase:
 def _stream_entry(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCase:
     fields: dict[bytes, Any] = {
         b"r": draw(_names()),
-        b"o": draw(_pick([b"t", b"f", b"p", b"x", b""])),
-        b"w": draw(st.one_of(_pick(workers).map(str.encode), _names())),
+        b"o": draw(pick([b"t", b"f", b"p", b"x", b""])),
+        b"w": draw(st.one_of(pick(workers).map(str.encode), _names())),
         b"h": draw(_hash_bytes()),
     }
     if draw(st.booleans()):
         fields[b"s"] = draw(_numbers())
-    for name in draw(st.lists(_pick(sorted(fields)), max_size=2)):
+    for name in draw(st.lists(pick(sorted(fields)), max_size=2)):
         fields.pop(name, None)
     if not fields:
         fields[b"z"] = b"1"
@@ -143,26 +127,26 @@ def _stream_entry(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> Redi
 @cache
 def _hash_bytes() -> Strategy[bytes]:
     return st.one_of(
-        _ints(0, 64).map(lambda n: bytes(range(8)) * n),
+        ints(0, 64).map(lambda n: bytes(range(8)) * n),
         st.binary(max_size=30),
-        _pick([b"\x01" * 8 * 1_000_000, b"\x02" * 9]),
+        pick([b"\x01" * 8 * 1_000_000, b"\x02" * 9]),
     )
 
 
 @st.composite
 def _residency(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCase:
-    worker = draw(_pick(workers))
-    key = draw(_pick([keys.residency(worker), keys.reserved(worker)]))
-    shape = draw(_pick(["members", "odd_members", "many", "wrong_type"]))
+    worker = draw(pick(workers))
+    key = draw(pick([keys.residency(worker), keys.reserved(worker)]))
+    shape = draw(pick(["members", "odd_members", "many", "wrong_type"]))
     if shape == "wrong_type":
         return RedisCase((("SET", key, b"not a set"),), frozenset({"residency"}))
     members: list[float | bytes]
     if shape == "many":
         members = [x for i in range(100_000) for x in (float(i), i.to_bytes(8, "big"))]
     else:
-        size = 8 if shape == "members" else draw(_pick([0, 1, 7, 9, 64]))
+        size = 8 if shape == "members" else draw(pick([0, 1, 7, 9, 64]))
         items = draw(st.lists(st.binary(min_size=size, max_size=size), min_size=1, max_size=8))
-        score = draw(_pick([0.0, 1e15, -1e300, 1e300]))
+        score = draw(pick([0.0, 1e15, -1e300, 1e300]))
         members = [x for m in items for x in (score, m)]
     return RedisCase((("ZADD", key, *members),), frozenset({"residency"}))
 
@@ -171,10 +155,10 @@ def _residency(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCa
 def _policy(draw: st.DrawFn, keys: Keys) -> RedisCase:
     values = {
         b"version": draw(st.one_of(_numbers(), st.binary(max_size=8))),
-        b"policy": draw(_pick([b"ttft", b"round_robin", b"no-such", b"\xff", b""])),
+        b"policy": draw(pick([b"ttft", b"round_robin", b"no-such", b"\xff", b""])),
         b"knobs": draw(st.one_of(json_values().map(_json), st.binary(max_size=20), st.just(b"{}"))),
     }
-    drop = draw(st.lists(_pick(sorted(values)), max_size=1))
+    drop = draw(st.lists(pick(sorted(values)), max_size=1))
     flat = [x for name, value in values.items() if name not in drop for x in (name, value)]
     return RedisCase((("HSET", keys.policy, *flat),), frozenset({"policy"}))
 
@@ -185,7 +169,7 @@ def _json(value: Any) -> bytes:
 
 @st.composite
 def _restarts(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCase:
-    worker = draw(_pick(workers))
+    worker = draw(pick(workers))
     value = draw(st.one_of(_numbers(), st.binary(max_size=10)))
     return RedisCase((("HSET", keys.restarts, worker, value),), frozenset({"restarts"}))
 
@@ -193,7 +177,7 @@ def _restarts(draw: st.DrawFn, keys: Keys, workers: tuple[str, ...]) -> RedisCas
 @st.composite
 def _overwrite(draw: st.DrawFn) -> RedisCase:
     """Any key the router wrote (picked when the case is applied) made another type."""
-    how = draw(_pick(["string", "hash", "list", "zset", "huge", "delete"]))
+    how = draw(pick(["string", "hash", "list", "zset", "huge", "delete"]))
     return RedisCase((("OVERWRITE", how),), frozenset({"overwrite"}))
 
 
@@ -209,7 +193,7 @@ def redis_cases(namespace: str, workers: tuple[str, ...]) -> Strategy[RedisCase]
         _restarts(keys, workers),
         _overwrite(),
         _overwrite(),
-        _ints(0, 49).flatmap(lambda n: _crowd(keys) if n == 0 else _replica(keys, workers)),
+        ints(0, 49).flatmap(lambda n: _crowd(keys) if n == 0 else _replica(keys, workers)),
     )
     return st.lists(one, min_size=1, max_size=3).map(
         lambda cases: RedisCase(

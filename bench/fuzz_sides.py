@@ -28,6 +28,7 @@ from typing import IO, Any
 import orjson
 
 from bench.demo import stop_process
+from bench.fuzz import rss_kib
 from bench.fuzz_client import NO_ANSWER, Answer, normal_chat
 from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_redis import RedisWriter, session_turn
@@ -92,14 +93,6 @@ def free_ports(count: int) -> int:
                 continue
         return first
     raise RuntimeError(f"no {count} free ports in a row")
-
-
-def rss_kib(pid: int) -> int | None:
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return None
 
 
 @contextlib.asynccontextmanager

@@ -38,7 +38,25 @@ class TrafficTally:
         return self.sent - self.statuses.get("200", 0)
 
 
-class NormalTraffic:
+class _Watcher:
+    """A daemon thread running ``_run`` until ``stop``."""
+
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class NormalTraffic(_Watcher):
     """Well-formed requests, one after another (at most one every ``every_s``), each of
     which must get a 200."""
 
@@ -54,15 +72,7 @@ class NormalTraffic:
         self._requests = requests
         self._timeout_s = timeout_s
         self.tally = TrafficTally()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="normal-traffic", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        super().__init__("normal-traffic")
 
     def _run(self) -> None:
         n = 0
@@ -84,7 +94,7 @@ class NormalTraffic:
                 )
 
 
-class LoopProbe:
+class LoopProbe(_Watcher):
     """``GET /health`` every ``PROBE_EVERY_S``: the slowest answer is the longest the
     router's event loop was held (plus a loopback round trip)."""
 
@@ -93,15 +103,7 @@ class LoopProbe:
         self.worst_s = 0.0
         self.probes = 0
         self.failures = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="loop-probe", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
+        super().__init__("loop-probe")
 
     def _run(self) -> None:
         request = RawRequest(b"GET", b"/health", ())
