@@ -63,7 +63,7 @@ def _describe(state: RouterState, worker: Worker) -> dict[str, Any]:
         "url": worker.url,
         "healthy": worker.healthy,
         "draining": worker.draining,
-        "circuit": worker.breaker.state.name.lower(),
+        "circuit": worker.breaker.reported_state.name.lower(),
         "models": sorted(worker.models),
         "outstanding_requests": worker.outstanding_requests,
         "outstanding_tokens": worker.outstanding_tokens,

@@ -75,6 +75,14 @@ class CircuitBreaker:
             return not self._trial_out
         return self.state is BreakerState.CLOSED
 
+    @property
+    def reported_state(self) -> BreakerState:
+        """What the next request would meet, for operators: an open circuit whose cooldown
+        is over is half-open (``state`` moves only when a request asks)."""
+        if self.state is BreakerState.OPEN and self._clock() - self._opened_at >= self._cooldown:
+            return BreakerState.HALF_OPEN
+        return self.state
+
     def on_dispatch(self) -> int:
         """A request was sent; returns its ticket for the outcome."""
         if self.state is BreakerState.HALF_OPEN:

@@ -90,7 +90,7 @@ class _FleetCollector(Collector):
                 ("resident", resident),
                 ("capacity", w.capacity_tokens),
                 ("healthy", 1 if w.healthy else 0),
-                ("circuit", int(w.breaker.state)),
+                ("circuit", int(w.breaker.reported_state)),
                 ("engine_running", w.engine_running),
                 ("engine_waiting", w.engine_waiting),
             ):

@@ -22,6 +22,10 @@ def state(breaker: CircuitBreaker) -> BreakerState:
     return breaker.state
 
 
+def reported(breaker: CircuitBreaker) -> BreakerState:
+    return breaker.reported_state
+
+
 def fail(breaker: CircuitBreaker) -> None:
     breaker.on_failure(breaker.on_dispatch())
 
@@ -48,6 +52,25 @@ def test_opens_after_consecutive_failures_and_half_opens_after_cooldown() -> Non
     assert breaker.allows()
     breaker.on_success(breaker.on_dispatch())
     assert state(breaker) is BreakerState.CLOSED and breaker.allows()
+
+
+def test_an_open_circuit_past_its_cooldown_is_reported_half_open() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, cooldown_s=1.0, clock=clock)
+    fail(breaker)
+    assert reported(breaker) is BreakerState.OPEN
+    clock.now = 1.0
+    # No request has asked yet, but the next one would be the trial.
+    assert state(breaker) is BreakerState.OPEN
+    assert reported(breaker) is BreakerState.HALF_OPEN
+    assert breaker.allows()
+    breaker.on_failure(breaker.on_dispatch())  # open again for 2 s
+    clock.now = 2.5
+    assert reported(breaker) is BreakerState.OPEN
+    clock.now = 3.0
+    assert reported(breaker) is BreakerState.HALF_OPEN
+    breaker.on_success(breaker.on_dispatch())
+    assert reported(breaker) is BreakerState.CLOSED
 
 
 def test_an_abandoned_trial_frees_the_slot() -> None:
@@ -110,9 +133,16 @@ async def test_a_worker_failing_fast_is_cut_off_then_readmitted(
         # Idle and failing fast, w0 would win every least-load pick: only the breaker
         # keeps it to its threshold of failed attempts.
         assert await metric(http, router, "kvrouter_retries_total") == 3
-        assert await metric(http, router, "kvrouter_worker_circuit_state", worker="w0") == 2
+        # Open, or half-open if its cooldown has passed meanwhile: not closed.
+        assert await metric(http, router, "kvrouter_worker_circuit_state", worker="w0") in (1, 2)
 
         await set_faults(http, fleet[0], fail_requests=False)
+
+        async def reported_half_open() -> bool:  # with no request coming to try it
+            state = await metric(http, router, "kvrouter_worker_circuit_state", worker="w0")
+            return state == 1
+
+        await wait_for(reported_half_open, timeout_s=5)
 
         async def readmitted() -> bool:
             result = await post(http, router.url, body)
