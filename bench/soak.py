@@ -282,6 +282,7 @@ async def observe(config: SoakConfig, console: Console, clock: Callable[[], floa
             await fleet.start_all()
             async with serving_router(config, fleet, config.out / "router.log") as router:
                 url = fleet.router_url
+                await scrape(sampling, url)  # its one connection, open in every count
                 await asyncio.sleep(SETTLE_S)
                 before = await take(router.pid, sampling, url, clock, "idle-before")
                 seen.samples.append(before)

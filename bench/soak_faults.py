@@ -162,13 +162,14 @@ class SoakFleet:
             response.raise_for_status()
             return await response.json()
 
-    async def in_rotation(self) -> set[str]:
-        """Workers the router would route to now: healthy, not draining, circuit closed."""
+    async def circuits(self) -> dict[str, str]:
+        """The circuit of each worker the router would route to, given a request: healthy,
+        not draining, its circuit closed or half-open (waiting for a request to try)."""
         listed = await self.admin("GET", "/admin/workers")
         return {
-            w["name"]
+            w["name"]: w["circuit"]
             for w in listed["workers"]
-            if w["healthy"] and not w["draining"] and w["circuit"] == "closed"
+            if w["healthy"] and not w["draining"] and w["circuit"] != "open"
         }
 
     async def ready(self) -> bool:
@@ -229,23 +230,38 @@ FAULTS: dict[str, tuple[Action, Action]] = {
 }
 
 
-async def _wait_back(fleet: SoakFleet, event: FaultEvent, clock: Clock) -> None:
-    """Sets ``serving`` and ``recovered`` as the router takes the workers back."""
+async def _wait_back(
+    fleet: SoakFleet, event: FaultEvent, clock: Clock, traffic_ends: float
+) -> None:
+    """Sets ``serving`` and ``recovered`` as the router takes the workers back (their
+    circuits closed). Once the traffic has ended, a half-open circuit stays so (no request
+    comes to try it): that ends the wait, with a note."""
     deadline = clock() + RECOVERY_TIMEOUT_S
+    workers = set(event.workers)
     while clock() < deadline:
         with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-            back = await fleet.in_rotation() & set(event.workers)
+            circuits = await fleet.circuits()
+            back = {w for w in workers if circuits.get(w) == "closed"}
             if back and event.serving is None:
                 event.serving = clock()
-            if back == set(event.workers):
+            if back == workers:
                 event.recovered = clock()
+                return
+            if clock() >= traffic_ends and workers <= circuits.keys():
+                event.note = "half-open after the traffic ended: no request came to try it"
                 return
         await asyncio.sleep(POLL_S)
     event.note = f"not all back in rotation {RECOVERY_TIMEOUT_S:g} s after the fault was lifted"
 
 
 async def disturb(
-    fleet: SoakFleet, kind: str, i: int, duration_s: float, event: FaultEvent, clock: Clock
+    fleet: SoakFleet,
+    kind: str,
+    i: int,
+    duration_s: float,
+    event: FaultEvent,
+    clock: Clock,
+    traffic_ends: float,
 ) -> None:
     begin, lift = FAULTS[kind]
     try:
@@ -254,10 +270,12 @@ async def disturb(
     finally:
         await lift(fleet, i)
         event.lifted = clock()
-    await _wait_back(fleet, event, clock)
+    await _wait_back(fleet, event, clock, traffic_ends)
 
 
-async def outage(fleet: SoakFleet, duration_s: float, event: FaultEvent, clock: Clock) -> None:
+async def outage(
+    fleet: SoakFleet, duration_s: float, event: FaultEvent, clock: Clock, traffic_ends: float
+) -> None:
     """Every engine killed at once, all started again after ``duration_s``; ``serving``
     is when the router answers /ready again."""
     try:
@@ -273,7 +291,7 @@ async def outage(fleet: SoakFleet, duration_s: float, event: FaultEvent, clock: 
                 event.serving = clock()
                 break
         await asyncio.sleep(POLL_S / 2)
-    await _wait_back(fleet, event, clock)
+    await _wait_back(fleet, event, clock, traffic_ends)
 
 
 async def run_faults(
@@ -303,13 +321,13 @@ async def run_faults(
         if is_outage:
             next_outage += plan.outage_every_s
             event = FaultEvent(OUTAGE, names, clock())
-            action = outage(fleet, duration, event, clock)
+            action = outage(fleet, duration, event, clock, stop_at)
         else:
             if not rotation:
                 rotation = rng.sample(plan.kinds, len(plan.kinds))
             kind, i = rotation.pop(), rng.randrange(len(fleet))
             event = FaultEvent(kind, (names[i],), clock())
-            action = disturb(fleet, kind, i, duration, event, clock)
+            action = disturb(fleet, kind, i, duration, event, clock, stop_at)
         events.append(event)
         try:
             await action
