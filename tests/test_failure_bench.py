@@ -131,14 +131,14 @@ def test_reprefilled_tokens_are_the_excess_over_the_same_turns_without_a_failure
 
 
 def small_workload(config: DemoConfig) -> list[Turn]:
-    """Four sessions of three turns, each turn's reply followed by a pause of 110-130 s
+    """Four sessions of two turns, the first turn's reply followed by a pause of 110-130 s
     simulated: a worker killed soon after their first turns is replaced (a process start
     and a migration: 1 s of wall clock on an idle machine, 2.5 s seen under load, 20-50 s
     simulated) well before their second turns, ~90 s after the kill."""
     params = AgentParams(
         sessions=4,
         rate=0.5,
-        turns=LogNormal(median=3, sigma=0.1, low=3, high=3),
+        turns=LogNormal(median=2, sigma=0.1, low=2, high=2),
         tool_result=LogNormal(median=800, sigma=0.5, low=100, high=3000),
         tool_time=LogNormal(median=120.0, sigma=0.05, low=110.0, high=130.0),
         output=LogNormal(median=60, sigma=0.3, low=20, high=120),
@@ -150,7 +150,7 @@ def small_workload(config: DemoConfig) -> list[Turn]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_a_short_run_kills_restores_and_reports(tmp_path: Path) -> None:
-    """End to end (~60 s wall; slow): two engines, four short sessions, one round of
+    """End to end (~35 s wall; slow): two engines, four short sessions, one round of
     every scenario; the restore's checkpoint, migrate and removal go through the admin
     API."""
     base = free_ports_below_ephemeral(4)
