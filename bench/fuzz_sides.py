@@ -190,7 +190,8 @@ async def engine_side(args: argparse.Namespace, workdir: Path, log: IO[bytes]) -
                 },
                 {"url": engines[0].url, "name": "normal"},
             ],
-            "prefix": {"tokenizer": str(model_dir)},
+            # Small enough to fill during the warm-up: what grows after it is not a cache.
+            "prefix": {"tokenizer": str(model_dir), "tokenizer_cache_tokens": 1_000_000},
             "health": {
                 "interval_s": 0.5,
                 "timeout_s": 1.0,

@@ -26,7 +26,7 @@ from router.tokens.conversation import (
     template_conversation,
     template_tools,
 )
-from router.tokens.incremental import IncrementalEncoder
+from router.tokens.incremental import PROMPT_OVERHEAD_TOKENS, IncrementalEncoder
 from router.tokens.keys import MAX_TOKENIZED_ITEMS, TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
 from router.wire.kinds import Kind
@@ -212,11 +212,22 @@ def test_held_ids_are_bounded(model: ModelTokenizer) -> None:
     template = model.template()
     for s in range(20):
         encoder.encode(template.render([{"role": "user", "content": text_for(f"s{s}", 300)}]))
-        assert encoder.held_tokens <= 2_000 + 400
+        assert encoder.charged_tokens <= 2_000 + 400 + PROMPT_OVERHEAD_TOKENS
     # What is held still serves: the newest session's next turn reuses its first.
     messages = [{"role": "user", "content": text_for("s19", 300)}]
     again = encoder.encode(template.render([*messages, *messages]))
     assert again.reused > 0
+
+
+def test_short_prompts_are_charged_their_bookkeeping_too(model: ModelTokenizer) -> None:
+    """A prompt of a few ids costs more in digests and arrays than in ids: counting ids
+    alone, a budget of ~64 MB held ~600 MB of short prompts."""
+    encoder = IncrementalEncoder(model, max_tokens=20 * PROMPT_OVERHEAD_TOKENS)
+    template = model.template()
+    for s in range(200):
+        encoder.encode(template.render([{"role": "user", "content": f"question {s}"}]))
+    assert 1 < encoder.held_prompts <= 20
+    assert encoder.charged_tokens <= 20 * PROMPT_OVERHEAD_TOKENS
 
 
 def test_a_start_sensitive_tokenizer_is_encoded_whole(model_dir: Path, tmp_path: Path) -> None:

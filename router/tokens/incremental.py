@@ -12,8 +12,10 @@ space); anything else is encoded whole.
 Kept: for each prompt encoded, its ids and, at its last few cuts, a digest of the text
 up to the cut. A prompt looks up the digests of its own cuts (one pass of xxh3 over the
 text) from the last backwards; the longest found gives the ids to reuse. Nothing is
-keyed by session: two sessions that share a system prompt share its cut too. Held ids
-are bounded (least recently used dropped first), so the cache never grows without end.
+keyed by session: two sessions that share a system prompt share its cut too. What is
+held is bounded (least recently used dropped first), so the cache never grows without
+end: each prompt is charged its ids and, for its digests and arrays, as many again as
+``PROMPT_OVERHEAD_TOKENS`` (short prompts cost more in bookkeeping than in ids).
 
 A template that rewrites earlier turns (Qwen3 drops old reasoning, for one) renders a
 text that no longer starts with the cut's text: its digest is not found and the prompt
@@ -35,7 +37,10 @@ from router.tokens.model import ModelTokenizer
 # where the next turn diverges (a generation prompt, a thinking block), the ones before
 # it are not.
 CUTS_KEPT = 4
-DEFAULT_MAX_TOKENS = 16_000_000  # ids held, ~64 MB
+DEFAULT_MAX_TOKENS = 16_000_000  # ids charged, ~64 MB
+# What a held prompt's digests, arrays and entries cost beyond its ids (~0.8 KiB,
+# measured), in ids of 4 bytes.
+PROMPT_OVERHEAD_TOKENS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,13 +59,18 @@ class IncrementalEncoder:
         # digest of the text up to a cut -> (ids of some prompt, how many are the cut's)
         self._cuts: OrderedDict[int, tuple[array[int], int]] = OrderedDict()
         # every ids array the cuts point into, by id(), with its cuts' digests; each
-        # counted once against max_tokens
+        # charged once against max_tokens
         self._held: OrderedDict[int, tuple[array[int], list[int]]] = OrderedDict()
-        self._held_tokens = 0
+        self._charged_tokens = 0
 
     @property
-    def held_tokens(self) -> int:
-        return self._held_tokens
+    def charged_tokens(self) -> int:
+        """The held prompts' ids, each prompt with its ``PROMPT_OVERHEAD_TOKENS``."""
+        return self._charged_tokens
+
+    @property
+    def held_prompts(self) -> int:
+        return len(self._held)
 
     def encode(self, text: str) -> Encoded:
         if self._pattern is None:
@@ -109,13 +119,13 @@ class IncrementalEncoder:
             kept.append(digest)
         if kept:
             self._held[id(ids)] = (ids, kept)
-            self._held_tokens += len(ids)
+            self._charged_tokens += len(ids) + PROMPT_OVERHEAD_TOKENS
             self._trim()
 
     def _trim(self) -> None:
-        while self._held_tokens > self.max_tokens and len(self._held) > 1:
+        while self._charged_tokens > self.max_tokens and len(self._held) > 1:
             _, (dropped, digests) = self._held.popitem(last=False)
-            self._held_tokens -= len(dropped)
+            self._charged_tokens -= len(dropped) + PROMPT_OVERHEAD_TOKENS
             for digest in digests:
                 found = self._cuts.get(digest)
                 if found is not None and found[0] is dropped:
