@@ -138,6 +138,10 @@ async def test_without_retries_a_failing_worker_costs_lost_requests(tmp_path: Pa
         assert f"fail {failed['workers'][0]}" in lost["during"]
     assert summary["checks"]["no_lost_requests"] is False
     assert summary["passed"] is False
+    # Idle again, the router holds no more descriptors than idle before (the sampler's
+    # own connection in both counts).
+    idle = [s for s in summary["samples"] if s["phase"].startswith("idle")]
+    assert idle[-1]["fds"] <= idle[0]["fds"], idle
 
 
 async def test_the_task_metric_counts_the_loops_tasks() -> None:
