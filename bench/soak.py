@@ -63,6 +63,9 @@ ROUTER_SETTINGS: dict[str, Any] = {
     "upstream": {"first_byte_timeout_s": 4.0, "read_timeout_s": 6.0},
 }
 SETTLE_S = 3.0  # idle before the first sample, so the probes' connections are pooled
+# The sampler's one connection outlives any pause between samples (aiohttp's default,
+# 15 s, would close it between two and leave it out of one count).
+SAMPLER_KEEPALIVE_S = 3600.0
 IDLE_TIMEOUT_S = 45.0  # for the router to close what the load left open (pools: 15 s)
 RATE_WINDOW_S = 60.0
 
@@ -229,7 +232,7 @@ async def _load(
     sampler = asyncio.create_task(
         sample_until(
             pid,
-            fleet.control,
+            sampling,
             fleet.router_url,
             clock,
             config.sample_every_s,
@@ -237,8 +240,9 @@ async def _load(
             seen.samples,
         )
     )
+    traffic_done = asyncio.Event()
     faulting = asyncio.create_task(
-        run_faults(config.faults, fleet, clock, stop_at, config.seed, seen.events)
+        run_faults(config.faults, fleet, clock, stop_at, traffic_done, config.seed, seen.events)
     )
     try:
         async with open_http(config.clients) as http:
@@ -249,6 +253,7 @@ async def _load(
                 )
             )
         seen.load_end = clock()
+        traffic_done.set()
         await faulting
     finally:
         faulting.cancel()
@@ -265,7 +270,10 @@ async def observe(config: SoakConfig, console: Console, clock: Callable[[], floa
     seen = Observed()
     timeout = aiohttp.ClientTimeout(total=30)
     async with (
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=timeout) as sampling,
+        aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1, keepalive_timeout=SAMPLER_KEEPALIVE_S),
+            timeout=timeout,
+        ) as sampling,
         aiohttp.ClientSession(timeout=timeout) as control,
         contextlib.AsyncExitStack() as stack,
     ):

@@ -231,10 +231,10 @@ FAULTS: dict[str, tuple[Action, Action]] = {
 
 
 async def _wait_back(
-    fleet: SoakFleet, event: FaultEvent, clock: Clock, traffic_ends: float
+    fleet: SoakFleet, event: FaultEvent, clock: Clock, traffic_done: asyncio.Event
 ) -> None:
     """Sets ``serving`` and ``recovered`` as the router takes the workers back (their
-    circuits closed). Once the traffic has ended, a half-open circuit stays so (no request
+    circuits closed). Once the traffic is done, a half-open circuit stays so (no request
     comes to try it): that ends the wait, with a note."""
     deadline = clock() + RECOVERY_TIMEOUT_S
     workers = set(event.workers)
@@ -247,7 +247,7 @@ async def _wait_back(
             if back == workers:
                 event.recovered = clock()
                 return
-            if clock() >= traffic_ends and workers <= circuits.keys():
+            if traffic_done.is_set() and workers <= circuits.keys():
                 event.note = "half-open after the traffic ended: no request came to try it"
                 return
         await asyncio.sleep(POLL_S)
@@ -261,7 +261,7 @@ async def disturb(
     duration_s: float,
     event: FaultEvent,
     clock: Clock,
-    traffic_ends: float,
+    traffic_done: asyncio.Event,
 ) -> None:
     begin, lift = FAULTS[kind]
     try:
@@ -270,11 +270,15 @@ async def disturb(
     finally:
         await lift(fleet, i)
         event.lifted = clock()
-    await _wait_back(fleet, event, clock, traffic_ends)
+    await _wait_back(fleet, event, clock, traffic_done)
 
 
 async def outage(
-    fleet: SoakFleet, duration_s: float, event: FaultEvent, clock: Clock, traffic_ends: float
+    fleet: SoakFleet,
+    duration_s: float,
+    event: FaultEvent,
+    clock: Clock,
+    traffic_done: asyncio.Event,
 ) -> None:
     """Every engine killed at once, all started again after ``duration_s``; ``serving``
     is when the router answers /ready again."""
@@ -291,7 +295,7 @@ async def outage(
                 event.serving = clock()
                 break
         await asyncio.sleep(POLL_S / 2)
-    await _wait_back(fleet, event, clock, traffic_ends)
+    await _wait_back(fleet, event, clock, traffic_done)
 
 
 async def run_faults(
@@ -299,11 +303,13 @@ async def run_faults(
     fleet: SoakFleet,
     clock: Clock,
     stop_at: float,
+    traffic_done: asyncio.Event,
     seed: int,
     events: list[FaultEvent],
 ) -> None:
     """Faults one after another until ``stop_at`` (none starts that could not be lifted
-    and recovered from before it); each is appended to ``events`` when it starts."""
+    and recovered from before it); each is appended to ``events`` when it starts.
+    ``traffic_done``: the clients have stopped and their last requests ended."""
     rng = random.Random(f"{seed}-faults")
     await asyncio.sleep(plan.first_at_s)
     next_outage = (
@@ -321,13 +327,13 @@ async def run_faults(
         if is_outage:
             next_outage += plan.outage_every_s
             event = FaultEvent(OUTAGE, names, clock())
-            action = outage(fleet, duration, event, clock, stop_at)
+            action = outage(fleet, duration, event, clock, traffic_done)
         else:
             if not rotation:
                 rotation = rng.sample(plan.kinds, len(plan.kinds))
             kind, i = rotation.pop(), rng.randrange(len(fleet))
             event = FaultEvent(kind, (names[i],), clock())
-            action = disturb(fleet, kind, i, duration, event, clock, stop_at)
+            action = disturb(fleet, kind, i, duration, event, clock, traffic_done)
         events.append(event)
         try:
             await action

@@ -68,7 +68,7 @@ class CircuitBreaker:
 
     def allows(self) -> bool:
         """May a request be sent now? (Moves open -> half-open when the cooldown is over.)"""
-        if self.state is BreakerState.OPEN and self._clock() - self._opened_at >= self._cooldown:
+        if self._cooled_down():
             self.state = BreakerState.HALF_OPEN
             self._trial_out = False
         if self.state is BreakerState.HALF_OPEN:
@@ -79,9 +79,10 @@ class CircuitBreaker:
     def reported_state(self) -> BreakerState:
         """What the next request would meet, for operators: an open circuit whose cooldown
         is over is half-open (``state`` moves only when a request asks)."""
-        if self.state is BreakerState.OPEN and self._clock() - self._opened_at >= self._cooldown:
-            return BreakerState.HALF_OPEN
-        return self.state
+        return BreakerState.HALF_OPEN if self._cooled_down() else self.state
+
+    def _cooled_down(self) -> bool:
+        return self.state is BreakerState.OPEN and self._clock() - self._opened_at >= self._cooldown
 
     def on_dispatch(self) -> int:
         """A request was sent; returns its ticket for the outcome."""

@@ -117,8 +117,8 @@ class PrefixConfig:
     engine_timeout_s: float = 2.0  # tokenizer: engine; a slower answer keys by text
     # How messages' content reaches the template (vLLM's --chat-template-content-format).
     content_format: str = "auto"
-    # Earlier prompts' ids kept to encode less, each prompt charged 256 more for its
-    # bookkeeping: ~64 MB at most.
+    # Earlier prompts' ids kept to encode less; each prompt is also charged for its
+    # bookkeeping (router.tokens.incremental's PROMPT_OVERHEAD_TOKENS).
     tokenizer_cache_tokens: int = 16_000_000
     # A request body larger than this is keyed by its text, not tokenized: the tokenizer's
     # work for one request, and what it can hold the event loop for, is bounded.

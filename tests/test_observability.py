@@ -292,6 +292,28 @@ def _quiet(name: str, eval_time: str) -> dict[str, Any]:
     return {"eval_time": eval_time, "alertname": name, "exp_alerts": []}
 
 
+def test_a_worker_failing_every_trial_is_alerted_though_it_reads_half_open_between(
+    tmp_path: Path,
+) -> None:
+    def circuit(worker: str, values: str) -> dict[str, str]:
+        return {
+            "series": f'kvrouter_worker_circuit_state{{worker="{worker}",instance="r1"}}',
+            "values": values,
+        }
+
+    fires = _fires("KvrouterWorkerEjected", "6m", "w0")
+    fires["exp_alerts"][0]["exp_labels"]["instance"] = "r1"
+    _promtool_test(
+        tmp_path,
+        [
+            circuit("w0", "2 1 2 1 2 1 2 1 2 1"),  # each trial fails
+            circuit("w1", "2 0 0 0 0 0 0 0 0 0"),  # the first trial closed it
+            circuit("w2", "2 1 1 1 1 1 1 1 1 1"),  # recovered, no request since to try it
+        ],
+        [fires],
+    )
+
+
 def test_the_kv_event_alerts_name_the_worker_that_is_not_exact(tmp_path: Path) -> None:
     def mode(worker: str, mode: str, values: str) -> dict[str, str]:
         return {

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 import orjson
@@ -26,7 +26,7 @@ from aiohttp import web
 from rich.console import Console
 
 from bench.soak import SoakConfig, run_soak
-from bench.soak_faults import FaultPlan
+from bench.soak_faults import FaultEvent, FaultPlan, SoakFleet, _wait_back
 from router.config import HealthConfig, WorkerConfig
 from router.index import LocalPrefixIndex
 from router.loop_metrics import TASKS_METRIC, EventLoopCollector
@@ -73,6 +73,35 @@ def soak_config(tmp_path: Path, **overrides: Any) -> SoakConfig:
 
 def _records(out: Path) -> int:
     return len((out / "records.jsonl").read_bytes().splitlines())
+
+
+class ReportedCircuits:
+    """A fleet whose router reports these circuits, one answer a call, the last kept."""
+
+    def __init__(self, *answers: dict[str, str]) -> None:
+        self._answers = list(answers)
+
+    async def circuits(self) -> dict[str, str]:
+        return self._answers.pop(0) if len(self._answers) > 1 else self._answers[0]
+
+
+async def test_a_circuit_left_half_open_when_the_traffic_is_done_ends_the_wait() -> None:
+    done = asyncio.Event()
+    done.set()
+    event = FaultEvent("fail", ("w0",), 0.0)
+    fleet = cast(SoakFleet, ReportedCircuits({"w0": "half_open"}))
+    await asyncio.wait_for(_wait_back(fleet, event, time.monotonic, done), timeout=10)
+    assert event.recovered is None
+    assert "no request came to try it" in event.note
+
+
+async def test_while_the_traffic_goes_on_the_wait_is_for_the_circuit_to_close() -> None:
+    event = FaultEvent("fail", ("w0",), 0.0)
+    answers = ({"w0": "open"}, {"w0": "half_open"}, {"w0": "closed"})
+    fleet = cast(SoakFleet, ReportedCircuits(*answers))
+    await asyncio.wait_for(_wait_back(fleet, event, time.monotonic, asyncio.Event()), timeout=10)
+    assert event.serving is not None and event.recovered is not None
+    assert event.note == ""
 
 
 @pytest.mark.slow

@@ -39,8 +39,9 @@ from router.tokens.model import ModelTokenizer
 from router.wire.blocks import token_bytes
 
 T = TypeVar("T")
-# Ids of earlier prompts the incremental encoder keeps to start later ones from (~16 MB).
-HELD_TOKENS = 4_000_000
+# What the incremental encoder keeps of earlier prompts to start later ones from, in
+# charged tokens (ids, and each prompt's PROMPT_OVERHEAD_TOKENS): ~16 MB.
+CACHE_TOKENS = 4_000_000
 # transformers' marker for the end of the message ``continue_final_message`` leaves open.
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # Request fields this module reads itself; ``template_kwargs_of`` (the router's, which
@@ -51,11 +52,11 @@ _READ_HERE = ("continue_final_message", "add_special_tokens", "chat_template")
 class ModelPrompts:
     """``bench.sim.prompts.Prompts`` with a model's tokenizer and chat template."""
 
-    def __init__(self, model: ModelTokenizer, held_tokens: int = HELD_TOKENS) -> None:
+    def __init__(self, model: ModelTokenizer, cache_tokens: int = CACHE_TOKENS) -> None:
         self.model = model
         self.vocab_size: int = model.tokenizer.get_vocab_size(with_added_tokens=True)
         self.reply_words: ReplyWords = ModelWords.of(model)
-        self._encoder = IncrementalEncoder(model, held_tokens)
+        self._encoder = IncrementalEncoder(model, cache_tokens)
         # One thread: the encoder's cache of earlier prompts needs no lock.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-tokenizer")
 
