@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -496,6 +496,41 @@ async def test_a_stream_entry_past_any_prompt_is_skipped_before_it_is_unpacked(
             lambda: _true(a.counter("kvrouter_redis_bad_entries_total", kind="stream") == 1)
         )
         assert not a.holds("w0", [1])
+    await raw.aclose()
+
+
+async def test_a_policy_key_retyped_while_it_is_being_restored_is_repaired_again(
+    redis_url: str,
+) -> None:
+    """The long Redis fuzz: the policy key repaired (it held another type), then written
+    as another type again before this replica restored the fleet's policy into it; the
+    restore met WRONGTYPE and the replica took Redis for unreachable."""
+    raw = aioredis.from_url(redis_url)
+    key = f"kvr:{{{NAMESPACE}}}:policy"
+    async with replica(redis_url) as a:
+        await raw.hset(key, mapping={"version": 3, "policy": "round_robin", "knobs": "{}"})
+        await wait_for(lambda: _true(a.sync._policies.current.version == 3))
+        repair = a.sync.repairs.repair
+        retyped = 0
+
+        async def repair_then_retype(keys: Sequence[Any]) -> None:
+            nonlocal retyped
+            await repair(keys)
+            if retyped == 0:
+                retyped += 1
+                await raw.set(key, b"written between the repair and the restore")
+
+        a.sync.repairs.repair = repair_then_retype  # type: ignore[method-assign]
+        await raw.delete(key)
+        await raw.set(key, b"not a hash")
+
+        async def restored() -> bool:
+            return await raw.type(key) == b"hash" and await raw.hget(key, "version") == b"3"
+
+        await wait_for(restored)
+        assert retyped == 1
+        assert a.counter("kvrouter_redis_errors_total", op="policy") == 0
+        assert a.sync.up
     await raw.aclose()
 
 

@@ -560,6 +560,7 @@ class RedisSync:
                         current.name,
                         fleet_policy.encode_knobs(current.knobs),
                     ),
+                    (key,),  # written as another type again since: repaired again
                 )
             return
         try:
