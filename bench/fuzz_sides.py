@@ -32,7 +32,7 @@ from bench.fuzz import rss_kib
 from bench.fuzz_client import NO_ANSWER, Answer, normal_chat
 from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_redis import RedisWriter, session_turn
-from bench.fuzz_watch import metric_total, metrics_page, watching
+from bench.fuzz_watch import STALL_LIMIT_S, metric_total, metrics_page, watching
 from bench.hostile_engine import free_port, hostile_engine
 from bench.replicas import redis_server
 from bench.sim.fleet import fleet, wait_healthy
@@ -43,7 +43,6 @@ MODEL = "fuzz-model"
 NAMESPACE = "kvrouter"
 ENGINE_FLAGS = ("--kv-tokens", "50000", "--time-scale", "1000", "--served-model-name", MODEL)
 RSS_GROWTH_LIMIT = 0.10
-STALL_LIMIT_S = 1.0
 SAMPLE_EVERY = 5_000
 # What the router logs of its own failures: a traceback under any of these.
 TRACEBACK = "Traceback (most recent call last)"
@@ -308,6 +307,9 @@ def _finish(
         f"worst /health stall: {probe.worst_s:.3f} s over {probe.probes} probes "
         f"({probe.failures} failed; limit {STALL_LIMIT_S} s)"
     )
+    for at, took in probe.slow:
+        shown = time.strftime("%H:%M:%S", time.localtime(at))
+        run.notes.append(f"  /health took {took:.3f} s at {shown}")
     if probe.failures or probe.worst_s > STALL_LIMIT_S:
         run.violations["event loop stalled"] += 1
     for name, labels in counts:

@@ -94,6 +94,10 @@ class NormalTraffic(_Watcher):
                 )
 
 
+STALL_LIMIT_S = 1.0  # a /health answer slower than this: the loop was held too long
+SLOW_KEPT = 20
+
+
 class LoopProbe(_Watcher):
     """``GET /health`` every ``PROBE_EVERY_S``: the slowest answer is the longest the
     router's event loop was held (plus a loopback round trip)."""
@@ -103,6 +107,9 @@ class LoopProbe(_Watcher):
         self.worst_s = 0.0
         self.probes = 0
         self.failures = 0
+        # The first SLOW_KEPT answers over STALL_LIMIT_S: (wall-clock time, seconds), to
+        # set beside the router's log and whatever else the machine was doing then.
+        self.slow: list[tuple[float, float]] = []
         super().__init__("loop-probe")
 
     def _run(self) -> None:
@@ -110,7 +117,10 @@ class LoopProbe(_Watcher):
         while not self._stop.wait(PROBE_EVERY_S):
             started = time.monotonic()
             answer = send("127.0.0.1", self._port, request, 60.0)
-            self.worst_s = max(self.worst_s, time.monotonic() - started)
+            took = time.monotonic() - started
+            self.worst_s = max(self.worst_s, took)
+            if took > STALL_LIMIT_S and len(self.slow) < SLOW_KEPT:
+                self.slow.append((time.time() - took, took))
             self.probes += 1
             if answer.status != 200:
                 self.failures += 1
