@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -513,12 +513,13 @@ async def test_a_policy_key_retyped_while_it_is_being_restored_is_repaired_again
         repair = a.sync.repairs.repair
         retyped = 0
 
-        async def repair_then_retype(keys: Sequence[Any]) -> None:
+        async def repair_then_retype(candidates: Iterable[Any]) -> int:
             nonlocal retyped
-            await repair(keys)
+            repaired = await repair(candidates)
             if retyped == 0:
                 retyped += 1
                 await raw.set(key, b"written between the repair and the restore")
+            return repaired
 
         a.sync.repairs.repair = repair_then_retype  # type: ignore[method-assign]
         await raw.delete(key)
