@@ -32,8 +32,9 @@ from bench.fuzz import rss_kib
 from bench.fuzz_client import NO_ANSWER, Answer, normal_chat
 from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_redis import RedisWriter, session_turn
-from bench.fuzz_watch import STALL_LIMIT_S, metric_total, metrics_page, watching
+from bench.fuzz_watch import metric_total, metrics_page, watching
 from bench.hostile_engine import free_port, hostile_engine
+from bench.loop_probe import STALL_LIMIT_S
 from bench.replicas import redis_server
 from bench.sim.fleet import fleet, wait_healthy
 from bench.tokenize_cost import qwen3_dir

@@ -1,16 +1,19 @@
 """What runs beside a fuzz of the engine or Redis side: normal traffic that must keep
 being served, and a probe of how long the router's loop stalls.
 
-Both are plain threads with blocking sockets, so they measure the router from outside
-whether it runs in this process (the tests) or in its own (``kvrouter bench fuzz``);
-``watching`` starts and stops them without blocking the caller's event loop (which may be
-the router's).
+The traffic is a plain thread with blocking sockets, so it measures the router from
+outside whether it runs in this process (the tests) or in its own (``kvrouter bench
+fuzz``); the probe is a process of its own (``bench.loop_probe``). ``watching`` starts and
+stops them without blocking the caller's event loop (which may be the router's).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -19,7 +22,6 @@ from dataclasses import dataclass, field
 
 from bench.fuzz_client import RawRequest, describe, send, status_label, violation
 
-PROBE_EVERY_S = 0.05
 SHOWN = 10
 
 
@@ -94,36 +96,33 @@ class NormalTraffic(_Watcher):
                 )
 
 
-STALL_LIMIT_S = 1.0  # a /health answer slower than this: the loop was held too long
-SLOW_KEPT = 20
-
-
-class LoopProbe(_Watcher):
-    """``GET /health`` every ``PROBE_EVERY_S``: the slowest answer is the longest the
-    router's event loop was held (plus a loopback round trip)."""
+class LoopProbe:
+    """``bench.loop_probe`` in a process of its own: the slowest ``/health`` answer is
+    the longest the router's event loop was held (plus a loopback round trip)."""
 
     def __init__(self, port: int) -> None:
         self._port = port
+        self._process: subprocess.Popen[str] | None = None
         self.worst_s = 0.0
         self.probes = 0
         self.failures = 0
-        # The first SLOW_KEPT answers over STALL_LIMIT_S: (wall-clock time, seconds), to
-        # set beside the router's log and whatever else the machine was doing then.
-        self.slow: list[tuple[float, float]] = []
-        super().__init__("loop-probe")
+        self.slow: list[tuple[float, float]] = []  # (wall-clock time, seconds)
 
-    def _run(self) -> None:
-        request = RawRequest(b"GET", b"/health", ())
-        while not self._stop.wait(PROBE_EVERY_S):
-            started = time.monotonic()
-            answer = send("127.0.0.1", self._port, request, 60.0)
-            took = time.monotonic() - started
-            self.worst_s = max(self.worst_s, took)
-            if took > STALL_LIMIT_S and len(self.slow) < SLOW_KEPT:
-                self.slow.append((time.time() - took, took))
-            self.probes += 1
-            if answer.status != 200:
-                self.failures += 1
+    def start(self) -> None:
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "bench.loop_probe", str(self._port)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def stop(self) -> None:
+        assert self._process is not None
+        out, _ = self._process.communicate(input="", timeout=120)  # closes its stdin
+        summary = json.loads(out.splitlines()[-1])
+        self.worst_s, self.probes = summary["worst_s"], summary["probes"]
+        self.failures = summary["failures"]
+        self.slow = [(at, took) for at, took in summary["slow"]]
 
 
 @contextlib.asynccontextmanager
