@@ -40,25 +40,7 @@ class TrafficTally:
         return self.sent - self.statuses.get("200", 0)
 
 
-class _Watcher:
-    """A daemon thread running ``_run`` until ``stop``."""
-
-    def __init__(self, name: str) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        raise NotImplementedError
-
-
-class NormalTraffic(_Watcher):
+class NormalTraffic:
     """Well-formed requests, one after another (at most one every ``every_s``), each of
     which must get a 200."""
 
@@ -74,7 +56,15 @@ class NormalTraffic(_Watcher):
         self._requests = requests
         self._timeout_s = timeout_s
         self.tally = TrafficTally()
-        super().__init__("normal-traffic")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="normal-traffic", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
     def _run(self) -> None:
         n = 0
