@@ -21,7 +21,8 @@ import orjson
 
 from bench.fuzz_client import Answer, RawRequest, send, status_label, violation
 from bench.fuzz_engine_inputs import EngineCase
-from bench.hostile_engine import HostileEngine, case_marker
+from bench.hostile_engine import case_marker
+from bench.hostile_process import HostileEngineProcess
 
 HOSTILE_MODEL = "hostile-model"
 # What may make the router cut a reply it had begun to pass on: the engine's own break.
@@ -99,7 +100,12 @@ def describe_case(case: EngineCase, limit: int = 300) -> str:
 
 
 def play_numbered(
-    engine: HostileEngine, port: int, api_key: str, number: int, case: EngineCase, timeout_s: float
+    engine: HostileEngineProcess,
+    port: int,
+    api_key: str,
+    number: int,
+    case: EngineCase,
+    timeout_s: float,
 ) -> tuple[Answer, str | None]:
     """One case, from a driver's thread (one of several at once): set it, send its
     request, judge the answer."""

@@ -33,7 +33,8 @@ from bench.fuzz_client import NO_ANSWER, Answer, normal_chat
 from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_redis import RedisWriter, session_turn
 from bench.fuzz_watch import metric_total, metrics_page, watching
-from bench.hostile_engine import free_port, hostile_engine
+from bench.hostile_engine import free_port
+from bench.hostile_process import hostile_engine_process
 from bench.loop_probe import STALL_LIMIT_S
 from bench.replicas import redis_server
 from bench.sim.fleet import fleet, wait_healthy
@@ -175,7 +176,7 @@ async def engine_side(args: argparse.Namespace, workdir: Path, log: IO[bytes]) -
     port = args.port or free_port()
     model_dir = args.model_dir or qwen3_dir()
     async with (
-        hostile_engine(HOSTILE_MODEL) as hostile,
+        hostile_engine_process(HOSTILE_MODEL) as hostile,
         fleet(1, "127.0.0.1", free_port(), ENGINE_FLAGS) as engines,
     ):
         config = _common(port) | {
@@ -231,14 +232,16 @@ async def engine_side(args: argparse.Namespace, workdir: Path, log: IO[bytes]) -
                 await asyncio.to_thread(pool.shutdown)
             page = await asyncio.to_thread(metrics_page, port)
             _finish(run, router.pid, normal, probe, page, ENGINE_COUNTS)
+        hostile_counts = await asyncio.to_thread(hostile.counts)
     run.statuses, run.examples = tally.statuses, tally.examples
     run.violations.update(tally.violations)
     run.aimed = tally.labels
-    if hostile.replies_sent < run.cases:
-        run.violations["cases that never reached the engine"] += run.cases - hostile.replies_sent
+    replies = hostile_counts["replies_sent"]
+    if replies < run.cases:
+        run.violations["cases that never reached the engine"] += run.cases - replies
     run.notes.append(
-        f"hostile engine: {hostile.replies_sent} replies, {hostile.scrapes} scrapes, "
-        f"{hostile.published} KV messages, {hostile.replays} replays"
+        f"hostile engine: {replies} replies, {hostile_counts['scrapes']} scrapes, "
+        f"{hostile_counts['published']} KV messages, {hostile_counts['replays']} replays"
     )
     return run
 

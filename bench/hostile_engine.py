@@ -8,11 +8,12 @@ written piece by piece, and ends the connection as the case says. Its KV events 
 on vLLM's wire (a PUB socket, a ROUTER replaying what it kept), with the case's frames:
 the sequence frame is the next number unless the case bends it.
 
-The fuzz driver adds cases from its own threads (``add_case``), several at once, told
-apart by a number in the request (``case_marker``), which every API's conversion to chat
-keeps: a forwarded request carrying one gets that case's answer; a request with none gets
-``case``'s (a test sets it). A case's KV messages are published before ``add_case``
-returns, and its metrics page is what the next scrapes get.
+The fuzz driver runs it in a process of its own (``bench.hostile_process``) and adds
+cases there (``set_numbered``), several at once, told apart by a number in the request
+(``case_marker``), which every API's conversion to chat keeps: a forwarded request
+carrying one gets that case's answer; a request with none gets ``case``'s (a test sets
+it). A case's KV messages are published before ``set_numbered`` returns, and its metrics
+page is what the next scrapes get.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ class HostileEngine:
         self.port = free_port()
         self.kv_port, self.replay_port = free_port(), free_port()
         self._server: asyncio.Server | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._context = zmq.asyncio.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._replay = self._context.socket(zmq.ROUTER)
@@ -84,7 +84,6 @@ class HostileEngine:
         return f"tcp://127.0.0.1:{self.replay_port}"
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
         self._pub.bind(self.kv_endpoint)
         self._replay.bind(self.replay_endpoint)
         self._server = await asyncio.start_server(
@@ -102,21 +101,14 @@ class HostileEngine:
         self._replay.close(linger=0)
         self._context.destroy(linger=0)
 
-    def add_case(self, number: int, case: EngineCase) -> None:
-        """From another thread: the answer to requests marked ``number``; its metrics page
-        the next scrapes', its KV messages sent."""
-        assert self._loop is not None
-        asyncio.run_coroutine_threadsafe(self._set(case, number), self._loop).result(timeout=30)
-
     def drop_case(self, number: int) -> None:
         self.numbered.pop(number, None)
 
-    async def _set(self, case: EngineCase, number: int | None = None) -> None:
-        if number is None:
-            self.case = case
-        else:
-            self.numbered[number] = case
-            self.case = EngineCase(case.reply, case.metrics)  # for the scrapes
+    async def set_numbered(self, number: int, case: EngineCase) -> None:
+        """The answer to requests marked ``number``; its metrics page the next scrapes',
+        its KV messages sent."""
+        self.numbered[number] = case
+        self.case = EngineCase(case.reply, case.metrics)  # for the scrapes
         for frames in case.kv_messages:
             await self.publish(frames)
 

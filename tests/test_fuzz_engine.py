@@ -23,7 +23,7 @@ from bench.fuzz_client import normal_chat
 from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_engine_inputs import EngineCase, engine_cases
 from bench.fuzz_watch import metric_total, metrics_page, watching
-from bench.hostile_engine import HostileEngine, hostile_engine
+from bench.hostile_process import HostileEngineProcess, hostile_engine_process
 from router.config import (
     HealthConfig,
     KvEventsEndpoints,
@@ -47,9 +47,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 async def fleet(
     engine_factory: EngineFactory, model_dir: Path
-) -> AsyncIterator[tuple[HostileEngine, RunningRouter]]:
+) -> AsyncIterator[tuple[HostileEngineProcess, RunningRouter]]:
     async with (
-        hostile_engine(HOSTILE_MODEL) as hostile,
+        hostile_engine_process(HOSTILE_MODEL) as hostile,
         engine_factory(time_scale=1000.0, max_model_len=4096) as normal,
     ):
         endpoints = KvEventsEndpoints(hostile.kv_endpoint, hostile.replay_endpoint)
@@ -84,7 +84,7 @@ def _port(router: RunningRouter) -> int:
 
 
 async def test_a_hostile_engine_never_costs_the_other_models_traffic_nor_gets_a_non_answer(
-    fleet: tuple[HostileEngine, RunningRouter], caplog: pytest.LogCaptureFixture
+    fleet: tuple[HostileEngineProcess, RunningRouter], caplog: pytest.LogCaptureFixture
 ) -> None:
     hostile, router = fleet
     port = _port(router)
@@ -103,7 +103,8 @@ async def test_a_hostile_engine_never_costs_the_other_models_traffic_nor_gets_a_
     page = await asyncio.to_thread(metrics_page, port)
 
     assert normal.tally.sent > 0 and normal.tally.failed == 0, normal.tally
-    assert hostile.replies_sent >= CASES and hostile.scrapes > 0 and hostile.published > 0
+    counts = await asyncio.to_thread(hostile.counts)
+    assert counts["replies_sent"] >= CASES and counts["scrapes"] > 0 and counts["published"] > 0
     assert probe.failures == 0
     unexpected = [r for r in caplog.records if r.exc_info and r.name.startswith("router")]
     assert not unexpected, unexpected[0].getMessage()
