@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from bench.replay.runner import ReplayConfig, replay, select_sessions
 from bench.sim.fleet import EngineProcess, fleet, wait_healthy
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.trace import Turn, group_sessions, write_trace
+from router.help_format import DefaultsHelpFormatter
 
 log = logging.getLogger(__name__)
 
@@ -337,7 +339,11 @@ async def run_comparison(
     rounds.save(config.out / "rounds.json")
     from bench.replay.plots import write_plots  # matplotlib: only when drawing
 
-    write_plots([last_round[label] for label in labels], labels, config.out)
+    plots = write_plots([last_round[label] for label in labels], labels, config.out)
+    console.print(
+        f"results: {config.out}/rounds.json; plots: {', '.join(str(p) for p in plots)}",
+        soft_wrap=True,
+    )
     return rounds
 
 
@@ -350,19 +356,30 @@ async def run_demo(config: DemoConfig, console: Console) -> Rounds:
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", type=int, default=DEFAULT_ENGINES)
-    parser.add_argument("--sessions", type=int, default=DEFAULT_SESSIONS)
+    parser.add_argument(
+        "--engines", type=int, default=DEFAULT_ENGINES, help="simulated engines in the fleet"
+    )
+    parser.add_argument(
+        "--sessions", type=int, default=DEFAULT_SESSIONS, help="coding-agent sessions replayed"
+    )
     parser.add_argument(
         "--rate",
         type=float,
         default=DEFAULT_RATE,
         help="agent sessions arriving per simulated second",
     )
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--seed", type=int, default=7, help="the workload's seed (round i uses seed + i)"
+    )
     parser.add_argument(
         "--kv-tokens", type=int, default=DEFAULT_KV_TOKENS, help="KV cache per engine, in tokens"
     )
-    parser.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE)
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=DEFAULT_TIME_SCALE,
+        help="--clock real: the engines run this many times faster than real time",
+    )
     parser.add_argument(
         "--policies",
         default=",".join(DEFAULT_POLICIES),
@@ -371,8 +388,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help="directory for the trace, results and plots"
     )
-    parser.add_argument("--base-port", type=int, default=8100)
-    parser.add_argument("--router-port", type=int, default=8000)
+    parser.add_argument(
+        "--base-port",
+        type=int,
+        default=8100,
+        help="engine i listens on this port + i (on loopback, in virtual time too)",
+    )
+    parser.add_argument(
+        "--router-port", type=int, default=8000, help="the router's port (on loopback)"
+    )
     parser.add_argument(
         "--repeat",
         type=int,
@@ -420,14 +444,36 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "demo",
         help="simulated fleet + router: compare policies on an agent workload",
         description=__doc__,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_workload_arguments(parser)
     parser.set_defaults(func=run)
 
 
+class PortTaken(Exception):
+    """A port the comparison needs is in use: say which and how to choose others."""
+
+
+def check_ports(config: DemoConfig) -> None:
+    """The engines' and the router's ports are free (the engines listen on loopback
+    ports even in virtual time)."""
+    wanted = [config.base_port + i for i in range(config.engines)] + [config.router_port]
+    for port in wanted:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+            try:
+                probe.bind((config.host, port))
+            except OSError as exc:
+                raise PortTaken(
+                    f"port {port} is taken ({exc.strerror}): choose others with "
+                    f"--base-port (engines: {config.engines} ports from it) and --router-port"
+                ) from None
+
+
 def run_on_clock(config: DemoConfig, main: Callable[[], Coroutine[Any, Any, Any]]) -> None:
     """Run ``main()`` on the event loop ``config.clock`` asks for (in virtual time, with
     the fixed hash seed it needs, re-executing this command if it must)."""
+    check_ports(config)
     if config.virtual:
         ensure_hash_seed(sys.argv[1:])
         run_virtual(main())
@@ -437,5 +483,9 @@ def run_on_clock(config: DemoConfig, main: Callable[[], Coroutine[Any, Any, Any]
 
 def run(args: argparse.Namespace) -> int:
     config = demo_config(args)
-    run_on_clock(config, lambda: run_demo(config, Console()))
+    try:
+        run_on_clock(config, lambda: run_demo(config, Console()))
+    except PortTaken as exc:
+        print(f"error: {exc}")
+        return 2
     return 0

@@ -206,13 +206,18 @@ def _client_options(parser: argparse.ArgumentParser, suppress: bool) -> None:
         return argparse.SUPPRESS if suppress else value
 
     parser.add_argument(
-        "--url", default=default(None), help=f"the router (KVROUTER_URL; {DEFAULT_URL})"
+        "--url",
+        default=default(None),
+        help=f"the router (default: $KVROUTER_URL, else {DEFAULT_URL})",
     )
     parser.add_argument(
-        "--token", default=default(None), help="the admin token (KVROUTER_ADMIN_TOKEN)"
+        "--token", default=default(None), help="the admin token (default: $KVROUTER_ADMIN_TOKEN)"
     )
     parser.add_argument(
-        "--timeout", type=float, default=default(DEFAULT_TIMEOUT_S), help="seconds per request"
+        "--timeout",
+        type=float,
+        default=default(DEFAULT_TIMEOUT_S),
+        help=f"seconds per request (default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--json", action="store_true", default=default(False), help="print the raw JSON"
@@ -249,10 +254,14 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         ("drain", _drain, _worker_text, "no new requests; in-flight ones finish"),
         ("undrain", _undrain, _worker_text, "back in rotation"),
     ):
-        leaf(sub, name, command, show, summary).add_argument("name", metavar="NAME")
+        leaf(sub, name, command, show, summary).add_argument(
+            "name", metavar="NAME", help="the worker's name (kvrouter admin list)"
+        )
     migrate = leaf(sub, "migrate", _migrate, _moved, "NAME's KV state was restored on --to")
-    migrate.add_argument("name", metavar="NAME")
-    migrate.add_argument("--to", required=True, metavar="OTHER")
+    migrate.add_argument("name", metavar="NAME", help="the worker whose state was checkpointed")
+    migrate.add_argument(
+        "--to", required=True, metavar="OTHER", help="the worker it was restored on"
+    )
     migrate.add_argument(
         "--taken-at",
         type=float,

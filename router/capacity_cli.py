@@ -15,6 +15,7 @@ from router.capacity import (
     plan,
     preset_names,
 )
+from router.help_format import DefaultsHelpFormatter
 from router.interruption import (
     DEFAULT_PREFILL_MFU,
     DEFAULT_RESTORE_GBPS,
@@ -32,6 +33,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         help="plan KV-cache capacity in resident tokens and sessions",
         description="Bytes per token, tokens that fit after the weights, and sessions of a "
         "given context that fit, for a model on a set of GPUs.",
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--model-config",
@@ -40,12 +42,12 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     )
     parser.add_argument("--gpu", default="h100", help=f"one of {', '.join(GPUS)}")
     parser.add_argument("--gpus", type=int, default=1, help="GPUs the model is spread over")
-    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: the model's)")
+    parser.add_argument("--kv-dtype", default=None, help="KV cache dtype (none: the model's)")
     parser.add_argument(
         "--weights-gb",
         type=float,
         default=None,
-        help="weights in GB (default: counted from the config)",
+        help="weights in GB (none: counted from the config)",
     )
     parser.add_argument("--context", type=int, default=DEFAULT_CONTEXT, help="tokens per session")
     parser.add_argument(
@@ -77,7 +79,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "--restore-gbps",
         type=float,
         default=DEFAULT_RESTORE_GBPS,
-        help="GB/s each GPU reads a KV checkpoint back at (default: PCIe Gen5 x16, effective)",
+        help="GB/s each GPU reads a KV checkpoint back at (PCIe Gen5 x16, effective)",
     )
     parser.set_defaults(func=run)
 

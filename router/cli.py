@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, NoReturn
 
 from router import __version__
 
@@ -20,6 +20,13 @@ from router import __version__
 # point group (the workbench adds bench, demo and sim: pyproject.toml), so the router never
 # imports them and runs without them: an install without the workbench lacks those commands.
 COMMANDS_GROUP = "kvrouter.commands"
+DESCRIPTION = (
+    "kvrouter: a cache-aware load balancer for vLLM and SGLang fleets. 'kvrouter serve' "
+    "runs it; 'kvrouter COMMAND --help' says more of each command."
+)
+WORKBENCH_HINT = "pip install 'kvrouter[bench]' from a checkout of the repository"
+# Libraries the CLI uses that log a line per HTTP request at INFO.
+QUIET_LIBRARIES = ("httpx", "httpcore")
 
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
@@ -42,12 +49,24 @@ def add_installed_commands(commands: argparse._SubParsersAction[Any]) -> dict[st
     return absent
 
 
+class _Parser(argparse.ArgumentParser):
+    """Says how to install a command group that is absent rather than 'invalid choice'."""
+
+    absent: dict[str, str]
+
+    def error(self, message: str) -> NoReturn:
+        for name in getattr(self, "absent", {}):
+            if f"invalid choice: '{name}'" in message:
+                message = f"'{name}' is part of the workbench, not installed here: {WORKBENCH_HINT}"
+        super().error(message)
+
+
 def build_parser(*, installed: bool = True) -> argparse.ArgumentParser:
     """The parser for every command; with ``installed=False``, the router's own commands
     only (as in the router's image, which has no workbench)."""
     from router import admin_cli, capacity_cli, serve_cli, top
 
-    parser = argparse.ArgumentParser(prog="kvrouter", description=__doc__)
+    parser = _Parser(prog="kvrouter", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"kvrouter {__version__}")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -56,11 +75,11 @@ def build_parser(*, installed: bool = True) -> argparse.ArgumentParser:
     capacity_cli.register(commands)
     admin_cli.register(commands)
     absent = add_installed_commands(commands) if installed else {}
+    parser.absent = absent
     if absent:
         missing = ", ".join(sorted(set(absent.values())))
         parser.epilog = (
-            f"Not installed here: {', '.join(absent)} (needs {missing}: "
-            "pip install 'kvrouter[bench]')."
+            f"Not installed here: {', '.join(absent)} (needs {missing}: {WORKBENCH_HINT})."
         )
     return parser
 
@@ -73,6 +92,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if logging.getLogger().level > logging.DEBUG:
+        for name in QUIET_LIBRARIES:
+            logging.getLogger(name).setLevel(logging.WARNING)
     result: int = args.func(args)
     return result
 

@@ -11,7 +11,7 @@ import dataclasses
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             value = [v for v in value.split(",") if v]
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{where}: expected a list")
-        return tuple(_convert(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(_each(lambda i, v: _convert(v, item, f"{where}[{i}]"), enumerate(value)))
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping")
@@ -79,22 +79,45 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+def _each(convert: Callable[[Any, Any], Any], pairs: Iterable[tuple[Any, Any]]) -> list[Any]:
+    """``convert(key, value)`` for every pair, raising one ``ConfigError`` with every
+    pair's problems."""
+    converted: list[Any] = []
+    problems: list[str] = []
+    for key, value in pairs:
+        try:
+            converted.append(convert(key, value))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(*problems)
+    return converted
+
+
 def build(cls: type[Any], values: Mapping[str, Any], where: str = "") -> Any:
-    """Build dataclass ``cls`` from a mapping, checking names and types."""
+    """Build dataclass ``cls`` from a mapping, checking names and types; every wrong
+    setting is named at once."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     prefix = f"{where}." if where else ""
-    unknown = sorted(set(values) - names)
+    unknown = [
+        f"{prefix}{name}: unknown setting; known: {', '.join(sorted(names))}"
+        for name in sorted(set(values) - names)
+    ]
+    known = [(k, v) for k, v in values.items() if k in names]
+    try:
+        converted = _each(lambda k, v: _convert(v, hints[k], f"{prefix}{k}"), known)
+    except ConfigError as exc:
+        raise ConfigError(*unknown, *exc.problems) from None
     if unknown:
-        raise ConfigError(
-            f"{prefix}{unknown[0]}: unknown setting; known: {', '.join(sorted(names))}"
-        )
-    kwargs = {k: _convert(v, hints[k], f"{prefix}{k}") for k, v in values.items()}
+        raise ConfigError(*unknown)
+    kwargs = {k: value for (k, _), value in zip(known, converted, strict=True)}
     try:
         return cls(**kwargs)
     except ConfigError as exc:
-        message = str(exc)
-        raise ConfigError(message if message.startswith(prefix) else f"{prefix}{message}") from None
+        raise ConfigError(
+            *(m if m.startswith(prefix) else f"{prefix}{m}" for m in exc.problems)
+        ) from None
     except TypeError as exc:
         raise ConfigError(f"{where or 'config'}: {exc}") from None
 

@@ -159,4 +159,19 @@ class UpstreamTimeout(UpstreamError):
 
 
 class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the field."""
+    """Configuration values that cannot be used: one problem or several (a file is
+    checked whole, so ``check-config`` names every one), each naming its field."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def failure_text(exc: BaseException) -> str:
+    """One readable line for a failure worth a log line, not its repr:
+    ``Cannot connect to host 10.0.0.7:8000 ssl:default [Connect call failed ...]``
+    rather than ``ClientConnectorError(ConnectionKey(host=..., ...), ...)``."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "no answer in time"
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__

@@ -32,6 +32,7 @@ import orjson
 from router.clock import monotonic
 from router.config import HealthConfig
 from router.engine_blocks import block_size_advice, divides
+from router.errors import failure_text
 from router.index import PrefixIndex
 from router.loop_metrics import LoopLag
 from router.sparse_log import SparseLog
@@ -259,7 +260,7 @@ class HealthProber:
                 )
                 return
             _log_unexpected("health probe", worker, exc)
-            self._set_health(worker, False, repr(exc))
+            self._set_health(worker, False, failure_text(exc))
             return
         self._set_health(worker, status == 200, f"status {status}")
         if status == 200:
@@ -369,6 +370,6 @@ class HealthProber:
 def _log_unexpected(what: str, worker: Worker, exc: Exception) -> None:
     """Expected failures show in the health transitions; a surprise gets its traceback."""
     if isinstance(exc, EXPECTED_ERRORS):
-        log.debug("%s of worker %s failed: %r", what, worker.name, exc)
+        log.debug("%s of worker %s failed: %s", what, worker.name, failure_text(exc))
     else:
         log.warning("%s of worker %s failed: %r", what, worker.name, exc, exc_info=exc)

@@ -42,8 +42,13 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "which override the config file.",
     )
     serve.add_argument("--config", type=Path, help="YAML config file")
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
+    defaults = RouterConfig()
+    serve.add_argument(
+        "--host",
+        help=f"address to listen on (default {defaults.host}: every interface; "
+        "127.0.0.1 for this machine only)",
+    )
+    serve.add_argument("--port", type=int, help=f"port to listen on (default {defaults.port})")
     serve.add_argument(
         "--worker",
         action="append",
@@ -51,7 +56,9 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         metavar="URL",
         help="an engine's base URL (repeat for each worker)",
     )
-    serve.add_argument("--policy", help=f"one of {', '.join(policy_names())}")
+    serve.add_argument(
+        "--policy", help=f"one of {', '.join(policy_names())} (default {defaults.policy})"
+    )
     serve.add_argument(
         "--policy-knob",
         action="append",
@@ -78,8 +85,14 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         "and tokenizer_config.json, or 'engine' to ask a worker's /tokenize "
         "(prefix.tokenizer)",
     )
-    serve.add_argument("--max-attempts", type=int, help="workers tried before the first byte")
-    serve.add_argument("--seed", type=int, help="seed for policies that draw at random")
+    serve.add_argument(
+        "--max-attempts",
+        type=int,
+        help=f"workers tried before the first byte (default {defaults.upstream.max_attempts})",
+    )
+    serve.add_argument(
+        "--seed", type=int, help="seed for policies that draw at random (default: unseeded)"
+    )
     serve.add_argument(
         "--admin-token",
         metavar="TOKEN",
@@ -125,8 +138,13 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     serve.add_argument("--process-slot", metavar="INDEX:DIR", help=argparse.SUPPRESS)
     serve.set_defaults(func=run_serve)
 
-    check = commands.add_parser("check-config", help="validate a config file and exit")
-    check.add_argument("file", type=Path)
+    check = commands.add_parser(
+        "check-config",
+        help="validate a config file and exit",
+        description="Validate a config file and name every setting that is wrong; exit 0 "
+        "when it is valid, 1 when it is not.",
+    )
+    check.add_argument("file", type=Path, help="the YAML config file")
     check.set_defaults(func=run_check)
 
 
@@ -166,7 +184,8 @@ def run_check(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file, environ={})
     except ConfigError as exc:
-        print(f"{args.file}: invalid: {exc}")
+        for problem in exc.problems:
+            print(f"{args.file}: invalid: {problem}")
         return 1
     print(f"{args.file}: ok ({len(config.workers)} workers, policy {config.policy})")
     return 0
@@ -211,18 +230,29 @@ async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
     if slot is not None:  # last: the supervisor counts a process up once this accepts
         await web.UnixSite(runner, str(slot.own_socket)).start()
     tune_gc()
-    log.info(
-        "kvrouter%s on http://%s:%d routing to %d workers with policy %s",
-        "" if slot is None else f" process {slot.index}",
-        config.host,
-        config.port,
-        len(config.workers),
-        config.policy,
-    )
+    log.info("%s", started_line(config, slot))
     try:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+def started_line(config: RouterConfig, slot: ProcessSlot | None = None) -> str:
+    """What an operator needs to know once the router listens: where, in front of
+    what, and who may use it."""
+    where = f"http://{config.host}:{config.port}"
+    if config.host in ("0.0.0.0", "::", ""):
+        where += " (every interface)"
+    keys = len(config.api_keys)
+    clients = (
+        f"client keys on ({keys})"
+        if keys
+        else "client keys off: anyone who reaches the port is served (set api_keys)"
+    )
+    return (
+        f"kvrouter{'' if slot is None else f' process {slot.index}'} listening on {where}, "
+        f"routing to {len(config.workers)} workers with policy {config.policy}; {clients}"
+    )
 
 
 def _process_slot(args: argparse.Namespace) -> tuple[RouterConfig, ProcessSlot | None]:

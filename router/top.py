@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+
+from router.help_format import DefaultsHelpFormatter
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -95,17 +98,13 @@ def _secs(value: float | None) -> str:
 
 
 def render(now: Snapshot, before: Snapshot | None) -> Group:
-    workers = Table(title="workers")
-    for column in (
-        "worker",
-        "healthy",
-        "circuit",
-        "outstanding",
-        "engine run/wait",
-        "resident / capacity",
-    ):
-        workers.add_column(column, justify="right" if column != "worker" else "left")
     healthy = now.seen("kvrouter_worker_healthy", "worker", worst=True)
+    workers = Table(title="workers")
+    # Whole names: the other columns wrap before a worker's name is cut.
+    longest = max((len(name) for name in healthy), default=6)
+    workers.add_column("worker", no_wrap=True, min_width=longest)
+    for column in ("healthy", "circuit", "outstanding", "engine run/wait", "resident / capacity"):
+        workers.add_column(column, justify="right")
     circuit = now.seen("kvrouter_worker_circuit_state", "worker")
     outstanding = now.by("kvrouter_worker_outstanding_requests", "worker")
     resident = now.seen("kvrouter_worker_resident_tokens", "worker")
@@ -178,10 +177,24 @@ async def watch(url: str, interval_s: float, once: bool, console: Console) -> No
                 live.update(render(now, before))
 
 
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    parser = commands.add_parser("top", help="a live view of a running router")
-    parser.add_argument("url", nargs="?", default="http://127.0.0.1:8000")
-    parser.add_argument("--interval", type=float, default=2.0)
+    parser = commands.add_parser(
+        "top",
+        help="a live view of a running router",
+        description="A live view of a running router, read from its /metrics: workers, "
+        "hit rates, turns by outcome, lost prefixes by cause, TTFT of hits and misses.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "url",
+        nargs="?",
+        default=os.environ.get("KVROUTER_URL", DEFAULT_URL),
+        help="the router's base URL (KVROUTER_URL)",
+    )
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between reads")
     parser.add_argument("--once", action="store_true", help="print one view and exit")
     parser.set_defaults(func=run)
 

@@ -21,7 +21,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     fi
     echo "scripts/test.sh: installing ${missing[*]}: ${apt_get[*]}" >&2
     "${apt_get[@]}" update -qq
-    "${apt_get[@]}" install -y -qq "${missing[@]}"
+    "${apt_get[@]}" install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
 python3 -m pip install -e '.[test]'

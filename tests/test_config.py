@@ -8,9 +8,10 @@ import pytest
 
 from policies.registry import policy_names
 from router.cli import main as cli_main
-from router.config import RouterConfig
+from router.config import RouterConfig, WorkerConfig
 from router.config_loader import load_config
 from router.errors import ConfigError
+from router.serve_cli import started_line
 
 GOOD_YAML = """\
 workers:
@@ -129,3 +130,36 @@ def test_check_config_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert out.startswith(f"{bad}: invalid: upstream.max_atempts: unknown setting")
     assert cli_main(["check-config", str(tmp_path / "missing.yaml")]) == 1
     assert "No such file" in capsys.readouterr().out
+
+
+def test_check_config_names_every_wrong_setting_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "port: eighty\n"
+        "colour: blue\n"
+        "upstream: {max_atempts: 3, connect_timeout_s: soon}\n"
+        "workers: [{url: http://a:8000, kv_tokens: many}, {url: http://b:8000, kv_tokens: x}]\n"
+    )
+    assert cli_main(["check-config", str(bad)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.removeprefix(f"{bad}: invalid: ").split(":")[0] for line in lines] == [
+        "colour",
+        "port",
+        "upstream.max_atempts",
+        "upstream.connect_timeout_s",
+        "workers[0].kv_tokens",
+        "workers[1].kv_tokens",
+    ]
+
+
+def test_serve_says_where_it_listens_and_whether_clients_need_a_key() -> None:
+    open_router = RouterConfig(workers=(WorkerConfig("http://a:8000"),))
+    line = started_line(open_router)
+    assert "http://0.0.0.0:8000 (every interface)" in line
+    assert "client keys off: anyone who reaches the port is served" in line
+    local = RouterConfig(host="127.0.0.1", port=9000, api_keys=("k1", "k2"))
+    line = started_line(local)
+    assert "http://127.0.0.1:9000," in line and "every interface" not in line
+    assert "client keys on (2)" in line

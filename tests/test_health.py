@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -247,3 +248,20 @@ async def _probe_through_a_stall(http: aiohttp.ClientSession, ok_url: str, silen
         assert not fleet.workers["hung"].healthy
     finally:
         prober.lag.stop()
+
+
+async def test_a_dead_worker_is_one_readable_log_line(
+    engine_factory: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Found: the transition was logged as ClientConnectorError(ConnectionKey(host=...)).
+    with socket.socket() as s:  # a port nothing listens on once it is closed
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    async with engines(engine_factory, 1) as fleet:
+        workers = (WorkerConfig(fleet[0].url, name="w0"), WorkerConfig(dead, name="dead"))
+        async with serve_router(router_config([], workers=workers, health=FAST_PROBES)) as router:
+            await wait_for(lambda: _healthy_are(router, {"w0"}))
+    said = [r.getMessage() for r in caplog.records if "worker dead is unhealthy" in r.getMessage()]
+    assert said, [r.getMessage() for r in caplog.records]
+    assert "Cannot connect to host 127.0.0.1" in said[0], said[0]
+    assert "ConnectionKey" not in said[0] and "\n" not in said[0], said[0]

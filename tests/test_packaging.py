@@ -105,6 +105,16 @@ def test_the_router_runs_without_the_workbench() -> None:
     listed = set(re.findall(r"^ {4}(\S+)", result.stdout, re.MULTILINE))
     assert "serve" in listed and not listed & BENCH_COMMANDS
     assert "Not installed here: bench, demo, sim (needs bench" in " ".join(result.stdout.split())
+    assert "Each command group lives" not in result.stdout  # the module's notes, not help
+
+
+def test_a_workbench_command_without_the_workbench_says_how_to_get_it() -> None:
+    code = "import sys; sys.modules['bench'] = None\nfrom router.cli import main\nmain(['demo'])\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "'demo' is part of the workbench, not installed here: pip install" in result.stderr
 
 
 def stub(bin_dir: Path, name: str, body: str = "") -> None:
@@ -131,15 +141,19 @@ PIP_PYTEST = [
             [
                 f"sudo {APT} update -qq",
                 "apt-get update -qq",
-                f"sudo {APT} install -y -qq redis-server prometheus",
-                "apt-get install -y -qq redis-server prometheus",
+                f"sudo {APT} install -y -qq --no-install-recommends redis-server prometheus",
+                "apt-get install -y -qq --no-install-recommends redis-server prometheus",
                 *PIP_PYTEST,
             ],
         ),
         (
             0,
             ("redis-server", "redis-cli", "prometheus"),  # promtool missing
-            ["apt-get update -qq", "apt-get install -y -qq prometheus", *PIP_PYTEST],
+            [
+                "apt-get update -qq",
+                "apt-get install -y -qq --no-install-recommends prometheus",
+                *PIP_PYTEST,
+            ],
         ),
         (0, ("redis-server", "redis-cli", "prometheus", "promtool"), PIP_PYTEST),
     ],

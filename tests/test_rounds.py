@@ -85,3 +85,20 @@ def test_cells_show_median_then_range() -> None:
     print_rounds(console, rounds)
     text = console.export_text()
     assert "52.5% (45.0%-60.0%)" in text and "over 2 round(s)" in text
+
+
+def test_an_80_column_table_never_cuts_a_figure() -> None:
+    rounds = Rounds()
+    for label in ("round_robin", "cache_aware", "ttft"):
+        for cached, ttft in ((61, 12.25), (83, 0.437), (72, 3.312)):
+            rounds.add(label, _run(cached, ttft, reference=0.77))
+    console = Console(width=80, record=True)
+    print_rounds(console, rounds)
+    lines = console.export_text().splitlines()
+    for figure in FIGURE_BY_KEY.values():
+        spread = rounds.spread("ttft", figure)
+        if spread is None:
+            continue
+        median, _, range_ = show_spread(spread, figure).partition(" (")
+        assert any(median in line for line in lines), (median, lines)
+        assert not range_ or any(f"({range_}" in line for line in lines), (range_, lines)

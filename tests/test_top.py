@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import socket
 
 import aiohttp
@@ -30,8 +31,11 @@ def test_quantiles_come_from_the_increase_between_reads() -> None:
 
 
 async def test_top_once_shows_workers_and_hit_rates(
-    engine_factory: EngineFactory, capsys: pytest.CaptureFixture[str]
+    engine_factory: EngineFactory,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO)
     async with (
         engines(engine_factory, 2) as fleet,
         serve_router(router_config(fleet)) as router,
@@ -51,6 +55,8 @@ async def test_top_once_shows_workers_and_hit_rates(
     assert "w0" in out and "w1" in out
     assert "turns: first_turn" in out and "turns: hit" in out
     assert "hit rate, engine-reported" in out
+    # A command line tool's output, not a log line per HTTP request it made.
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
 
 
 def test_what_every_process_sees_of_a_worker_is_counted_once() -> None:
@@ -86,3 +92,22 @@ def test_an_unreachable_router_is_one_line_and_exit_1(capsys: pytest.CaptureFixt
     assert args.func(args) == 1
     out = capsys.readouterr().out.strip()
     assert out.startswith(f"error: cannot read http://127.0.0.1:{port}/metrics") and "\n" not in out
+
+
+def test_whole_worker_names_in_an_80_column_terminal() -> None:
+    name = "vllm-decode-0.vllm-headless.inference.svc"
+    text = "".join(
+        f'kvrouter_worker_{metric}{{worker="{name}"}} {value}\n'
+        for metric, value in (("healthy", 1), ("capacity_tokens", 400000), ("resident_tokens", 1))
+    )
+    console = Console(width=80, record=True)
+    console.print(render(Snapshot.parse(text), None))
+    assert name in console.export_text()
+
+
+def test_the_router_url_comes_from_kvrouter_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTER_URL", "http://router.example:9000")
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command", required=True))
+    assert parser.parse_args(["top"]).url == "http://router.example:9000"
+    assert parser.parse_args(["top", "http://other:1"]).url == "http://other:1"

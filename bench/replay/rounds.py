@@ -277,22 +277,32 @@ def show_spread(spread: Spread | None, figure: Figure) -> str:
     return f"{figure.show(spread.median)} ({low}-{high})"
 
 
-def rounds_table(rounds: Rounds, title: str | None = None) -> Table:
-    table = Table(title=title)
-    table.add_column("metric")
-    for label in rounds.labels:
-        table.add_column(label, justify="right")
+def rounds_table(rounds: Rounds, title: str | None = None, width: int | None = None) -> Table:
+    """The figures side by side; where one line a cell would be wider than ``width``, each
+    median above its range, so a narrow terminal never cuts a figure in two."""
+    rows = []
     for figure in FIGURES:
         spreads = [rounds.spread(label, figure) for label in rounds.labels]
         if all(spread is None for spread in spreads):
             continue  # a figure none of these runs has (e.g. Redis's, without replicas)
-        table.add_row(figure.title, *(show_spread(spread, figure) for spread in spreads))
+        rows.append([figure.title, *(show_spread(spread, figure) for spread in spreads)])
+    columns = ["metric", *rounds.labels]
+    one_line = sum(max(len(cell) for cell in [name, *(r[i] for r in rows)]) + 3
+                   for i, name in enumerate(columns)) + 1  # fmt: skip
+    if width is not None and one_line > width:
+        rows = [[row[0], *(cell.replace(" (", "\n(", 1) for cell in row[1:])] for row in rows]
+    table = Table(title=title)
+    table.add_column("metric")
+    for label in rounds.labels:
+        table.add_column(label, justify="right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
     return table
 
 
 def print_rounds(console: Console, rounds: Rounds, title: str | None = None) -> None:
     count = max((len(runs) for runs in rounds.runs.values()), default=0)
-    console.print(rounds_table(rounds, title))
+    console.print(rounds_table(rounds, title, console.width))
     console.print(
         f"median (min-max) over {count} round(s), routers interleaved within each; "
         "times are simulated seconds. Capacity reference: every session pinned to "

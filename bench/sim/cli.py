@@ -22,6 +22,7 @@ from bench.sim.config import (
 from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
 from router.errors import ConfigError
+from router.help_format import DefaultsHelpFormatter
 from router.tokens.model import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,13 @@ DEFAULT_BASE_PORT = 8100
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--flavor", choices=["vllm", "sglang"], default="vllm")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--flavor",
+        choices=["vllm", "sglang"],
+        default="vllm",
+        help="whose API extras and metric names to serve",
+    )
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -53,7 +59,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV cache size in tokens (overrides the GPU-memory computation)",
     )
     parser.add_argument(
-        "--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="as vLLM's: the share of GPU memory for weights and KV cache",
     )
     parser.add_argument(
         "--block-size",
@@ -61,11 +70,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_BLOCK_TOKENS,
         help="tokens per KV block, as vLLM's (CPU vLLM takes multiples of 32 only)",
     )
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS
+        "--max-num-seqs",
+        type=int,
+        default=DEFAULT_MAX_NUM_SEQS,
+        help="as vLLM's: requests running at once",
     )
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        help="as vLLM's: tokens a step schedules (longer prefills are chunked)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="as vLLM's: the longest prompt plus output (none: the model's)",
+    )
     parser.add_argument(
         "--time-scale",
         type=float,
@@ -80,7 +102,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="while decoding, send tokens at least this often (wall-clock "
         "ms) instead of every step; 0 sends every step",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed for the generated text")
     parser.add_argument(
         "--api-key", default=None, help="as vLLM's: /v1 routes want 'Authorization: Bearer KEY'"
     )
@@ -92,7 +114,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         '(SGLang: \'{"publisher": "zmq", "endpoint": "tcp://*:5557"}\')',
     )
     parser.add_argument(
-        "--prefix-caching-hash-algo", choices=sorted(HASH_FUNCTIONS), default="sha256"
+        "--prefix-caching-hash-algo",
+        choices=sorted(HASH_FUNCTIONS),
+        default="sha256",
+        help="as vLLM's: how block hashes are computed (they name blocks in KV events)",
     )
     parser.add_argument(
         "--tokenizer",
@@ -203,8 +228,12 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def register(commands: argparse._SubParsersAction[Any]) -> None:
     sim = commands.add_parser("sim", help="simulated vLLM / SGLang engines")
     sub = sim.add_subparsers(dest="sim_command", required=True, metavar="SIM_COMMAND")
-    engine = sub.add_parser("engine", help="one simulated engine on one port")
-    engine.add_argument("--port", type=int, default=8000)
+    engine = sub.add_parser(
+        "engine",
+        help="one simulated engine on one port",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    engine.add_argument("--port", type=int, default=8000, help="port to listen on")
     engine.add_argument("--engine-id", default="0", help="the 'engine' metric label")
     engine.add_argument(
         "--restore",
@@ -215,9 +244,15 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     )
     add_engine_arguments(engine)
     engine.set_defaults(func=run_engine)
-    fleet = sub.add_parser("fleet", help="N simulated engines, each in its own process and port")
-    fleet.add_argument("--n", type=int, default=4)
-    fleet.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT)
+    fleet = sub.add_parser(
+        "fleet",
+        help="N simulated engines, each in its own process and port",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    fleet.add_argument("--n", type=int, default=4, help="engines")
+    fleet.add_argument(
+        "--base-port", type=int, default=DEFAULT_BASE_PORT, help="engine i listens on this + i"
+    )
     fleet.add_argument(
         "--kv-events-port",
         type=int,

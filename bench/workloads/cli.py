@@ -165,7 +165,12 @@ def _add_common(parser: argparse.ArgumentParser, synthetic: bool) -> None:
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
-    gen = sub.add_parser("gen", help="generate a workload trace", description=__doc__)
+    gen = sub.add_parser(
+        "gen",
+        help="generate a workload trace",
+        description="Write a workload trace (JSON lines: one turn a line, sessions with "
+        "their think times) that 'kvrouter bench replay' plays, and print its shape.",
+    )
     kinds = gen.add_subparsers(dest="kind", required=True, metavar="KIND")
     for name, generator in GENERATORS.items():
         parser = kinds.add_parser(name, help=generator.help, description=generator.help)
