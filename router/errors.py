@@ -167,6 +167,11 @@ class ConfigError(ValueError):
         self.problems = problems
 
 
+class StoreUnavailable(ConfigError):
+    """``--processes`` without ``state.url`` and no store binary (Valkey, Redis) that the
+    processes could share state through."""
+
+
 def failure_text(exc: BaseException) -> str:
     """One readable line for a failure worth a log line, not its repr:
     ``Cannot connect to host 10.0.0.7:8000 ssl:default [Connect call failed ...]``

