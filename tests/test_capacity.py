@@ -204,7 +204,8 @@ def test_interruption_refuses_what_it_cannot_use() -> None:
 def test_planner_prints_the_worked_examples_failure_cost(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The README's two worked examples, run as printed there (configs in docs/capacity/)."""
+    """docs/capacity-planning.md's two worked examples, run as printed there (configs in
+    docs/capacity/)."""
     gqa = ROOT / "docs" / "capacity" / "gqa-32l.json"
     assert json.loads(gqa.read_text()) == GQA_32L
     args = ["--gpu", "h200", "--gpus", "1", "--workers", "8", "--context", "100000"]
