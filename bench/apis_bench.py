@@ -49,5 +49,4 @@ def run(args: argparse.Namespace) -> int:
         return [dataclasses.replace(one, label=api, api=api) for api in APIS]
 
     title = f"kvrouter ({policy}) through each client API"
-    run_on_clock(config, lambda: run_comparison(config, Console(), specs, title=title))
-    return 0
+    return run_on_clock(config, lambda: run_comparison(config, Console(), specs, title=title))

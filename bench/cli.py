@@ -20,6 +20,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         perf,
         real,
         replicas,
+        request_walk,
         rescore,
         soak,
         sweep,
@@ -50,3 +51,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     apis_bench.register(sub)
     failure.register(sub)
     real.register(sub)
+    request_walk.register(sub)

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from bench.inprocess import (
     inprocess_router,
     run_virtual,
 )
+from bench.ports import first_taken
 from bench.replay.api_bodies import APIS, DEFAULT_API, Api
 from bench.replay.client import Assign, discover_model
 from bench.replay.progress import ProgressDisplay
@@ -450,42 +450,28 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     parser.set_defaults(func=run)
 
 
-class PortTaken(Exception):
-    """A port the comparison needs is in use: say which and how to choose others."""
-
-
-def check_ports(config: DemoConfig) -> None:
-    """The engines' and the router's ports are free (the engines listen on loopback
-    ports even in virtual time)."""
-    wanted = [config.base_port + i for i in range(config.engines)] + [config.router_port]
-    for port in wanted:
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
-            try:
-                probe.bind((config.host, port))
-            except OSError as exc:
-                raise PortTaken(
-                    f"port {port} is taken ({exc.strerror}): choose others with "
-                    f"--base-port (engines: {config.engines} ports from it) and --router-port"
-                ) from None
-
-
-def run_on_clock(config: DemoConfig, main: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+def run_on_clock(config: DemoConfig, main: Callable[[], Coroutine[Any, Any, Any]]) -> int:
     """Run ``main()`` on the event loop ``config.clock`` asks for (in virtual time, with
-    the fixed hash seed it needs, re-executing this command if it must)."""
-    check_ports(config)
+    the fixed hash seed it needs, re-executing this command if it must); the command's
+    exit status. A port it needs that is taken is one line naming the flags to change
+    (the engines listen on loopback ports even in virtual time)."""
+    wanted = [config.base_port + i for i in range(config.engines)] + [config.router_port]
+    taken = first_taken(wanted, config.host)
+    if taken is not None:
+        port, why = taken
+        print(
+            f"error: port {port} is taken ({why}): choose others with --base-port "
+            f"(engines: {config.engines} ports from it) and --router-port"
+        )
+        return 2
     if config.virtual:
         ensure_hash_seed(sys.argv[1:])
         run_virtual(main())
     else:
         asyncio.run(main())
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     config = demo_config(args)
-    try:
-        run_on_clock(config, lambda: run_demo(config, Console()))
-    except PortTaken as exc:
-        print(f"error: {exc}")
-        return 2
-    return 0
+    return run_on_clock(config, lambda: run_demo(config, Console()))

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -38,6 +37,7 @@ from bench.fuzz_client import (
     status_label,
     violation,
 )
+from bench.ports import port_for_later
 from bench.sim.fleet import fleet, wait_healthy
 
 API_KEY = "fuzz-key"
@@ -148,12 +148,6 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def fuzz(port: int, examples: int, seed: int, timeout_s: float, tally: Tally) -> None:
     """Send ``examples`` drawn requests (blocking: runs in a worker thread)."""
     # Hypothesis comes with the test extra; imported here so the CLI starts without it.
@@ -212,8 +206,8 @@ async def router_process(
 
 async def run_fuzz(args: argparse.Namespace, log_path: Path) -> tuple[Tally, int, float]:
     """The fuzz run; the tally, the status of a normal request after it, and seconds."""
-    port = args.port or _free_port()
-    async with fleet(1, "127.0.0.1", _free_port(), ENGINE_FLAGS) as engines:
+    port = args.port or port_for_later()
+    async with fleet(1, "127.0.0.1", port_for_later(), ENGINE_FLAGS) as engines:
         with log_path.open("wb") as log:
             async with router_process(engines[0].url, port, log) as router:
                 tally = Tally(router.pid, args.warmup, args.seed)

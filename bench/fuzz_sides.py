@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import socket
 import sys
 import threading
 import time
@@ -33,9 +32,9 @@ from bench.fuzz_client import NO_ANSWER, Answer, normal_chat
 from bench.fuzz_engine import HOSTILE_MODEL, EngineTally, play_numbered
 from bench.fuzz_redis import RedisWriter, session_turn
 from bench.fuzz_watch import metric_total, metrics_page, watching
-from bench.hostile_engine import free_port
 from bench.hostile_process import hostile_engine_process
 from bench.loop_probe import STALL_LIMIT_S
+from bench.ports import free_port_run, port_for_later
 from bench.replicas import redis_server
 from bench.sim.fleet import fleet, wait_healthy
 from bench.tokenize_cost import qwen3_dir
@@ -79,21 +78,6 @@ class SideRun:
     examples: list[str] = field(default_factory=list)
     aimed: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
-
-
-def free_ports(count: int) -> int:
-    """The first of ``count`` consecutive free ports (a simulated fleet takes a run)."""
-    for _ in range(100):
-        first = free_port()
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(first, first + count):
-                    sock = held.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return first
-    raise RuntimeError(f"no {count} free ports in a row")
 
 
 @contextlib.asynccontextmanager
@@ -173,11 +157,11 @@ async def engine_side(args: argparse.Namespace, workdir: Path, log: IO[bytes]) -
     from bench.fuzz_engine_inputs import EngineCase, engine_cases
 
     run = SideRun("engine")
-    port = args.port or free_port()
+    port = args.port or port_for_later()
     model_dir = args.model_dir or qwen3_dir()
     async with (
         hostile_engine_process(HOSTILE_MODEL) as hostile,
-        fleet(1, "127.0.0.1", free_port(), ENGINE_FLAGS) as engines,
+        fleet(1, "127.0.0.1", port_for_later(), ENGINE_FLAGS) as engines,
     ):
         config = _common(port) | {
             "workers": [
@@ -250,10 +234,10 @@ async def redis_side(args: argparse.Namespace, workdir: Path, log: IO[bytes]) ->
     from bench.fuzz_redis_inputs import RedisCase, redis_cases
 
     run = SideRun("redis")
-    port = args.port or free_port()
+    port = args.port or port_for_later()
     async with (
         redis_server() as url,
-        fleet(2, "127.0.0.1", free_ports(2), ENGINE_FLAGS) as engines,
+        fleet(2, "127.0.0.1", free_port_run(2), ENGINE_FLAGS) as engines,
     ):
         config = _common(port) | {
             "workers": [{"url": e.url, "name": f"w{i}"} for i, e in enumerate(engines)],

@@ -31,6 +31,7 @@ import zmq
 import zmq.asyncio
 
 from bench.fuzz_engine_inputs import SILENT_S, EngineCase, Reply
+from bench.ports import free_port
 
 MAX_REQUEST_HEAD = 64 * 1024
 _MARKED = re.compile(rb"fuzz-case-(\d+)-")
@@ -44,12 +45,6 @@ _DEFAULT_METRICS = Reply(
         b"vllm:num_requests_running 0\nvllm:xx 1\n\n",
     )
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class HostileEngine:

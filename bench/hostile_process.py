@@ -1,12 +1,13 @@
 """The hostile engine (``bench.hostile_engine``) in a process of its own.
 
-``python -m bench.hostile_process MODEL`` starts one, prints a JSON line with its ports,
-and takes cases on a control port until its stdin closes. In the fuzz harness's process
+``python -m bench.hostile_process MODEL CONTROL_SOCKET`` starts one, prints a JSON line
+with its ports, and takes cases on a Unix socket (in a directory only this user can
+enter: what comes over it is unpickled) until its stdin closes. In the fuzz harness's process
 the engine shared the GIL with the case generator and the driver threads, which late in
 a long run held it for seconds together (a probe there measured waits of 1-3.5 s): the
 router's timeouts on the engine could not be told from the harness's own.
 
-The control protocol is the harness talking to its own child over loopback: a request is
+The control protocol is the harness talking to its own child: a request is
 an 8-byte length and a pickled ``("add", number, case)``, ``("drop", number, None)`` or
 ``("counts", 0, None)``; the answer the same way, sent once the case is in place (its KV
 messages published): the engine's counts, or None.
@@ -18,15 +19,18 @@ import asyncio
 import contextlib
 import json
 import pickle
+import select
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, BinaryIO
 
 from bench.fuzz_engine_inputs import EngineCase
-from bench.hostile_engine import HostileEngine, free_port
+from bench.hostile_engine import HostileEngine
 
 _LENGTH = 8
 CONTROL_TIMEOUT_S = 30.0
@@ -61,7 +65,7 @@ async def _serve_control(
         connections.discard(task)
 
 
-async def _main(model: str) -> None:
+async def _main(model: str, control_path: str) -> None:
     loop = asyncio.get_running_loop()
     stdin_closed = asyncio.Event()
 
@@ -71,17 +75,15 @@ async def _main(model: str) -> None:
 
     engine = HostileEngine(model)
     await engine.start()
-    control_port = free_port()
     connections: set[asyncio.Task[Any]] = set()
-    server = await asyncio.start_server(
-        lambda r, w: _serve_control(engine, connections, r, w), "127.0.0.1", control_port
+    server = await asyncio.start_unix_server(
+        lambda r, w: _serve_control(engine, connections, r, w), control_path
     )
     threading.Thread(target=until_stdin_closes, daemon=True).start()
     ports = {
         "port": engine.port,
         "kv_port": engine.kv_port,
         "replay_port": engine.replay_port,
-        "control_port": control_port,
     }
     print(json.dumps(ports), flush=True)
     await stdin_closed.wait()
@@ -119,6 +121,8 @@ class HostileEngineProcess:
         self._local = threading.local()
         self._sockets: list[socket.socket] = []
         self._sockets_lock = threading.Lock()
+        self._control_dir = tempfile.TemporaryDirectory(prefix="kvrouter-hostile-")
+        self._control_path = str(Path(self._control_dir.name) / "control")
 
     @property
     def url(self) -> str:
@@ -134,25 +138,34 @@ class HostileEngineProcess:
 
     def start(self) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "bench.hostile_process", self._model],
+            [sys.executable, "-m", "bench.hostile_process", self._model, self._control_path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
-        assert self._process.stdout is not None
-        line = self._process.stdout.readline()
+        stdout = self._process.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], CONTROL_TIMEOUT_S)
+        line = stdout.readline() if ready else ""
         if not line:
-            raise RuntimeError(f"the hostile engine exited ({self._process.wait()})")
+            self.stop()
+            raise RuntimeError("the hostile engine did not start")
         self._ports = json.loads(line)
 
     def stop(self) -> None:
         with self._sockets_lock:
             for sock in self._sockets:
-                sock.shutdown(socket.SHUT_RDWR)  # a makefile() reader keeps it open
+                with contextlib.suppress(OSError):  # its peer may be gone already
+                    sock.shutdown(socket.SHUT_RDWR)  # a makefile() reader keeps it open
                 sock.close()
             self._sockets.clear()
-        assert self._process is not None
-        self._process.communicate(input="", timeout=60)  # closes its stdin
+        if self._process is not None:
+            try:
+                self._process.communicate(input="", timeout=60)  # closes its stdin
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._control_dir.cleanup()
 
     def add_case(self, number: int, case: EngineCase) -> None:
         """The answer to requests marked ``number``; its metrics page the next scrapes',
@@ -169,16 +182,24 @@ class HostileEngineProcess:
 
     def _call(self, message: tuple[str, int, Any]) -> Any:
         sock, answers = self._connection()
-        sock.sendall(_framed(message))
-        length = int.from_bytes(_read_exactly(answers, _LENGTH), "big")
-        return pickle.loads(_read_exactly(answers, length))
+        try:
+            sock.sendall(_framed(message))
+            length = int.from_bytes(_read_exactly(answers, _LENGTH), "big")
+            return pickle.loads(_read_exactly(answers, length))
+        except BaseException:
+            # A timed-out reader refuses every later read, and a late answer would be
+            # taken for the next call's: this thread's next call gets a new connection.
+            self._local.conn = None
+            answers.close()
+            sock.close()
+            raise
 
     def _connection(self) -> tuple[socket.socket, BinaryIO]:
         connection: tuple[socket.socket, BinaryIO] | None = getattr(self._local, "conn", None)
         if connection is None:
-            sock = socket.create_connection(
-                ("127.0.0.1", self._ports["control_port"]), timeout=CONTROL_TIMEOUT_S
-            )
+            sock = socket.socket(socket.AF_UNIX)
+            sock.settimeout(CONTROL_TIMEOUT_S)
+            sock.connect(self._control_path)
             connection = self._local.conn = (sock, sock.makefile("rb"))
             with self._sockets_lock:
                 self._sockets.append(sock)
@@ -203,4 +224,4 @@ async def hostile_engine_process(model: str) -> AsyncIterator[HostileEngineProce
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(sys.argv[1]))
+    asyncio.run(_main(sys.argv[1], sys.argv[2]))

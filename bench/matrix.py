@@ -264,5 +264,4 @@ def run(args: argparse.Namespace) -> int:
     if args.peer_bin is not None and config.virtual:
         console.print("peer routers run as processes: using --clock real")
         config = dataclasses.replace(config, clock="real")
-    run_on_clock(config, lambda: run_matrix(config, selected, args.peer_bin, console))
-    return 0
+    return run_on_clock(config, lambda: run_matrix(config, selected, args.peer_bin, console))

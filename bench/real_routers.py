@@ -27,7 +27,8 @@ import yaml
 
 from bench.demo import DemoConfig, RouterSpec
 from bench.peers import smg_command
-from bench.vllm_cpu import VllmEngine, free_ports
+from bench.ports import free_ports
+from bench.vllm_cpu import VllmEngine
 from router.config_loader import load_config
 
 MODES = ("text", "tokens", "exact")

@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import dataclasses
 import shutil
-import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,13 +41,8 @@ from bench.demo import (
     run_comparison,
 )
 from bench.matrix import Row, rows
+from bench.ports import port_for_later
 from bench.replay.client import ASSIGNS, Assign
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.asynccontextmanager
@@ -56,7 +50,7 @@ async def redis_server() -> AsyncIterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
-    port = _free_port()
+    port = port_for_later()
     process = await asyncio.create_subprocess_exec(
         binary,
         "--port",

@@ -108,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
             build_policy(args.policy, {knob: value})
         except ValueError as exc:
             raise SystemExit(f"{args.policy}: {exc}") from exc
-    run_on_clock(
+    return run_on_clock(
         config, lambda: run_sweep(config, by_name[args.row], args.policy, knob, values, Console())
     )
-    return 0

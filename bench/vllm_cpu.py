@@ -16,10 +16,8 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -28,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench.ports import free_ports
 from bench.tokenize_cost import qwen3_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,8 +36,6 @@ BLOCK_TOKENS = 32  # CPU vLLM's attention takes multiples of 32 only
 NUM_BLOCKS = 128  # the default: 4,096 tokens of KV cache, a few sessions fill it
 MAX_MODEL_LEN = 2048
 START_TIMEOUT_S = 300.0
-EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-PORTS_FROM = 20_000  # the engines' and routers' ports: from here to the ephemeral range
 
 # Qwen3's shape, shrunk: 2 layers, hidden 128, 4 query and 2 KV heads of 32.
 QWEN3_TINY = {
@@ -100,28 +97,6 @@ def write_model(directory: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer / name, directory / name)
     return directory
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` ports free now, distinct, below the kernel's ephemeral range.
-
-    A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, which
-    it also draws from for every outgoing connection and for vLLM's own internal
-    sockets; an engine binds its KV-event ports a minute after they were chosen, and
-    one drawn from that range was taken by then (``Address already in use``)."""
-    low, _ = (int(v) for v in EPHEMERAL_RANGE.read_text().split())
-    candidates = random.Random().sample(range(PORTS_FROM, low), low - PORTS_FROM)
-    ports: list[int] = []
-    for port in candidates:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == count:
-            return ports
-    raise OSError(f"no {count} free ports between {PORTS_FROM} and {low}")
 
 
 @dataclass(slots=True)

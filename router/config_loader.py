@@ -138,6 +138,9 @@ def merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
 
 
 ENV_PREFIX = "KVROUTER_"
+# Variables of the same prefix that are not router settings: where the config file is,
+# and which router the command-line clients (top, admin) talk to.
+NOT_SETTINGS = frozenset({"KVROUTER_CONFIG", "KVROUTER_URL"})
 
 
 def _knob_value(text: str) -> Any:
@@ -155,7 +158,7 @@ def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     environ = os.environ if environ is None else environ
     result: dict[str, Any] = {}
     for key, value in environ.items():
-        if not key.startswith(ENV_PREFIX) or key == "KVROUTER_CONFIG":
+        if not key.startswith(ENV_PREFIX) or key in NOT_SETTINGS:
             continue
         path = key[len(ENV_PREFIX) :].lower().split("__")
         node = result
@@ -192,14 +195,26 @@ def load_config(
         if not isinstance(workers, list | tuple):
             raise ConfigError("workers: expected a list")
         values["workers"] = [_worker_entry(w) for w in workers]
-    config: RouterConfig = build(RouterConfig, values)
-    check_policy(config)
+    policy_problems = _policy_problems(values)
+    try:
+        config: RouterConfig = build(RouterConfig, values)
+    except ConfigError as exc:
+        raise ConfigError(*exc.problems, *policy_problems) from None
+    if policy_problems:
+        raise ConfigError(*policy_problems)
     return config
 
 
-def check_policy(config: RouterConfig) -> None:
-    """The configured policy exists and takes the configured knobs."""
+def _policy_problems(values: Mapping[str, Any]) -> tuple[str, ...]:
+    """What is wrong with the configured policy and knobs (checked apart from the schema,
+    so that a file's other problems are named with it)."""
+    defaults = RouterConfig()
+    policy = values.get("policy", defaults.policy)
+    knobs = values.get("policy_knobs", defaults.policy_knobs)
+    if not isinstance(policy, str) or not isinstance(knobs, Mapping):
+        return ()  # the schema names these
     try:
-        build_policy(config.policy, config.policy_knobs)
+        build_policy(policy, dict(knobs))
     except PolicyConfigError as exc:
-        raise ConfigError(f"policy: {exc}") from exc
+        return (f"policy: {exc}",)
+    return ()

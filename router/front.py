@@ -1,8 +1,8 @@
 """The router's HTTP/1.1 server: one ``FrontConnection`` per client connection.
 
-httptools parses every request. ``POST /v1/chat/completions`` and ``POST
-/v1/completions`` over HTTP/1.1 with a plain body are served here, by
-``router.proxy.serve``; every other request (other routes, HTTP/1.0, a Content-Encoding)
+httptools parses every request. The four generation routes (chat, completions, Responses,
+Messages: ``front_request.HOT_ROUTES``) over HTTP/1.1 with a plain body are served here,
+by ``router.proxy.serve``; every other request (other routes, HTTP/1.0, a Content-Encoding)
 is handed to the aiohttp app through ``router.bridge``, which answers as it always has.
 The hot path so costs what httptools and the router's own work cost, without aiohttp's
 request and response objects, middleware chain and route table.

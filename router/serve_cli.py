@@ -240,7 +240,8 @@ async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
 def started_line(config: RouterConfig, slot: ProcessSlot | None = None) -> str:
     """What an operator needs to know once the router listens: where, in front of
     what, and who may use it."""
-    where = f"http://{config.host}:{config.port}"
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    where = f"http://{host}:{config.port}"
     if config.host in ("0.0.0.0", "::", ""):
         where += " (every interface)"
     keys = len(config.api_keys)
@@ -276,7 +277,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config, slot = _process_slot(args)
     except ConfigError as exc:
-        print(f"error: {exc}")
+        _print_problems(exc)
         return 2
     if config.log_requests:
         # Bare JSON lines on stdout, apart from the human log on stderr.
@@ -300,7 +301,7 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             return supervise(config, logging.getLevelName(logging.getLogger().level))
         except ConfigError as exc:
-            print(f"error: {exc}")
+            _print_problems(exc)
             return 2
     if slot is not None:
         _label_log(slot)
@@ -322,6 +323,11 @@ def run_serve(args: argparse.Namespace) -> int:
             # nobody else will remove its run directory, and its config holds the secrets.
             shutil.rmtree(slot.run_dir, ignore_errors=True)
     return 0
+
+
+def _print_problems(error: ConfigError) -> None:
+    for problem in error.problems:
+        print(f"error: {problem}")
 
 
 def _interrupted(signum: int, frame: object) -> None:

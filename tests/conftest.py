@@ -9,12 +9,14 @@ import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from bench.loopback import serve_on_loopback
+from bench.ports import port_for_later
 from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine
 from bench.sim.server import ENGINE_KEY, create_app
@@ -22,6 +24,7 @@ from router.app import create_app as create_router_app
 from router.capacity import gpu, load_model
 from router.config import HealthConfig, RouterConfig, WorkerConfig
 from router.server import RouterRunner
+from tests.token_model import build_model_dir
 from tests.vllm_engines import VllmEngine, install_vllm, start_engines, write_model
 
 TEST_MODEL = "sim-model"
@@ -166,16 +169,10 @@ class RedisServer:
             conn.recv(16)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One redis-server for the test session (never the machine's shared one)."""
-    server = RedisServer(_free_port())
+    server = RedisServer(port_for_later())
     server.start()
     try:
         yield server
@@ -190,6 +187,13 @@ def redis_url(redis_server: RedisServer) -> str:
         redis_server.start()
     redis_server.flush()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model directory with Qwen3's real tokenizer (``tests/token_model.py``), for
+    prefix.tokenizer and the simulated engine's --tokenizer."""
+    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
 
 
 # -- real vLLM engines ---------------------------------------------------------------------

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
+from bench.ports import free_port
 from bench.sim.kv_events import BlockRemoved, BlockStored, EventBatch, KVEventsConfig
 from router.config import KvEventsEndpoints
 from router.prefix import chain_seed, prefix_key
@@ -23,25 +23,6 @@ from tests.engine_kv_events import encode
 
 BLOCK = 16  # tokens a block, as vLLM's default
 END = (-1).to_bytes(8, "big", signed=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_pair() -> int:
-    """A port whose next one is free too (a data-parallel rank 1 publishes there)."""
-    for _ in range(100):
-        port = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no two free ports in a row")
 
 
 def tokens(session: int, blocks: int) -> list[int]:

@@ -11,6 +11,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
+
 from bench.sim.config import EngineConfig
 from bench.sim.engine import running_engine
 from bench.sim.http1 import serving
@@ -40,3 +42,13 @@ def factory_on(
         return serve_engine_on(front, engine_config(**overrides))
 
     return make
+
+
+async def post(http: aiohttp.ClientSession, url: str, body: Any, status: int = 200) -> Any:
+    """``body`` (JSON, or bytes as they are) posted to ``url``: the JSON answer, which
+    must come with ``status``."""
+    data = body if isinstance(body, bytes) else None
+    json_body = None if isinstance(body, bytes) else body
+    async with http.post(url, data=data, json=json_body) as response:
+        assert response.status == status, (body, await response.text())
+        return await response.json()

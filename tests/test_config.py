@@ -154,6 +154,18 @@ def test_check_config_names_every_wrong_setting_at_once(
     ]
 
 
+def test_a_wrong_policy_is_named_beside_the_files_other_problems() -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(flags={"policy": "nope", "port": "x"}, environ={})
+    assert [p.split(":")[0] for p in refused.value.problems] == ["port", "policy"]
+
+
+def test_the_clients_variables_are_not_router_settings() -> None:
+    # kvrouter top and admin read KVROUTER_URL; serve must not take it for a setting.
+    config = load_config(environ={"KVROUTER_URL": "http://router:9000", "KVROUTER_PORT": "9"})
+    assert config.port == 9
+
+
 def test_serve_says_where_it_listens_and_whether_clients_need_a_key() -> None:
     open_router = RouterConfig(workers=(WorkerConfig("http://a:8000"),))
     line = started_line(open_router)
@@ -163,3 +175,4 @@ def test_serve_says_where_it_listens_and_whether_clients_need_a_key() -> None:
     line = started_line(local)
     assert "http://127.0.0.1:9000," in line and "every interface" not in line
     assert "client keys on (2)" in line
+    assert "http://[::]:8000 (every interface)" in started_line(RouterConfig(host="::"))

@@ -6,19 +6,26 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+from router.cli import main
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A repository path in backticks: `router/front.py`, `bench/sim/`, `deploy/compose.yaml`.
 _PATH = re.compile(r"`((?:router|policies|bench|tests|deploy|helm|docs|scripts)/[\w./-]*)`")
-_LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#([\w-]+))?\)")
+_LINK = re.compile(r"\]\(([^)#\s]*\.md)?(?:#([\w-]+))?\)")
 _COMMIT = re.compile(r"\b(?:at|commit) [0-9a-f]{7,40}\b")
 
 
 def _anchors(markdown: str) -> set[str]:
-    """GitHub's anchors of a file's headings."""
+    """GitHub's anchors of a file's headings (outside code blocks)."""
     anchors = set()
+    fenced = False
     for line in markdown.splitlines():
-        if line.startswith("#"):
+        if line.startswith("```"):
+            fenced = not fenced
+        elif line.startswith("#") and not fenced:
             title = line.lstrip("#").strip().lower()
             anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
     return anchors
@@ -38,9 +45,9 @@ def test_every_link_between_documents_resolves() -> None:
     broken = []
     for doc in DOCS:
         for target, anchor in _LINK.findall(doc.read_text()):
-            if target.startswith("http"):
-                continue
-            path = (doc.parent / target).resolve()
+            if not target and not anchor:
+                continue  # a link to a page elsewhere
+            path = (doc.parent / target).resolve() if target else doc
             if not path.exists():
                 broken.append(f"{doc.name}: {target}")
             elif anchor and anchor not in _anchors(path.read_text()):
@@ -60,3 +67,12 @@ def test_the_readme_opens_with_the_command_ci_runs() -> None:
     assert commands[0].endswith("kvrouter demo"), commands
     assert commands[1] == "scripts/test.sh"
     assert "exec scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_documented_config_file_is_one_the_router_accepts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    config = tmp_path / "router.yaml"
+    config.write_text(text.split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert main(["check-config", str(config)]) == 0, capsys.readouterr().out

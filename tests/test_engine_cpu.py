@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import engine_cpu
+from bench.ports import free_port_run
 from bench.sim.fleet import start_engine, stop, wait_healthy
-from tests.test_sim_fleet import free_port_run
 
 REPO = Path(__file__).resolve().parent.parent
 

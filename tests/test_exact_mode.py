@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
+from bench.ports import free_port
 from bench.textgen import text_for
 from router.config import KvEventsConfig as RouterKvEvents
 from router.config import (
@@ -27,18 +28,12 @@ from router.config import (
 )
 from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningEngine, router_config, serve_router
-from tests.kv_publisher import free_port, publishing_engine
+from tests.kv_publisher import publishing_engine
 from tests.router_client import chat_body, conversation, metric, post
-from tests.token_model import build_model_dir
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ENGINE_BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:

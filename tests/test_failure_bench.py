@@ -18,11 +18,11 @@ from bench.failure_figures import (
     reprefilled_tokens,
     turns_after,
 )
+from bench.ports import free_port_run
 from bench.replay.result import RequestRecord
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.sampling import LogNormal
 from bench.workloads.trace import Turn
-from tests.test_soak_bench import free_ports_below_ephemeral
 
 
 def rec(
@@ -153,7 +153,7 @@ async def test_a_short_run_kills_restores_and_reports(tmp_path: Path) -> None:
     """End to end (~35 s wall; slow): two engines, four short sessions, one round of
     every scenario; the restore's checkpoint, migrate and removal go through the admin
     API."""
-    base = free_ports_below_ephemeral(4)
+    base = free_port_run(4)
     demo = DemoConfig(
         engines=2,
         kv_tokens=60_000,

@@ -33,15 +33,9 @@ from router.config import (
 )
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.test_fuzz import check_all
-from tests.token_model import build_model_dir
 
 API_KEY = "fuzz-key"
 CASES = 100
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture

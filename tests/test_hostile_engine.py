@@ -19,7 +19,6 @@ from bench.hostile_engine import HostileEngine, hostile_engine
 from router.config import HealthConfig, KvEventsEndpoints, PrefixConfig, WorkerConfig
 from tests.conftest import RunningRouter, router_config, serve_router
 from tests.router_client import wait_for
-from tests.token_model import build_model_dir
 
 
 @pytest.fixture
@@ -90,7 +89,7 @@ async def test_an_engine_cannot_speak_for_the_router_in_its_own_headers(
 
 
 async def test_malformed_kv_events_are_each_counted_but_not_each_logged(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    model_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every malformed batch logged a WARNING: an engine could write the router's log
     as fast as it could publish."""
@@ -99,7 +98,7 @@ async def test_malformed_kv_events_are_each_counted_but_not_each_logged(
         config = router_config(
             [],
             workers=(WorkerConfig(engine.url, name="hostile", kv_events=endpoints),),
-            prefix=PrefixConfig(tokenizer=str(build_model_dir(tmp_path))),
+            prefix=PrefixConfig(tokenizer=str(model_dir)),
         )
         caplog.set_level(logging.WARNING)
         async with serve_router(config) as router:

@@ -15,6 +15,7 @@ from typing import Any
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
+from bench.ports import free_port_run
 from router.config import KvEventsConfig
 from router.index import LocalPrefixIndex
 from router.kv_events.metrics import KvEventMetrics
@@ -35,7 +36,6 @@ from router.workers import Fleet, Worker
 from tests.kv_publisher import (
     BLOCK,
     ScriptedPublisher,
-    free_port_pair,
     removed,
     router_hashes,
     scripted_publisher,
@@ -341,7 +341,7 @@ def test_an_exact_workers_capacity_is_not_calibrated_from_its_hit_rate() -> None
 
 
 async def test_each_data_parallel_rank_is_followed_and_a_removed_worker_let_go() -> None:
-    base = free_port_pair()
+    base = free_port_run(2)
     fleet, index = Fleet(), LocalPrefixIndex()
     worker = Worker("w", "http://127.0.0.1:1", CAPACITY * BLOCK, base_model="m")
     fleet.add(worker)

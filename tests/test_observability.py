@@ -19,13 +19,13 @@ import pytest
 import yaml
 
 from bench.dashboards import render_all
+from bench.ports import free_port
 from bench.textgen import text_for
 from router.config import HealthConfig, PrefixConfig, StateConfig, WorkerConfig
 from tests.conftest import (
     TEST_MODEL,
     EngineFactory,
     RunningEngine,
-    _free_port,
     router_config,
     serve_router,
 )
@@ -81,7 +81,7 @@ def _prometheus(folder: Path, targets: dict[str, list[str]]) -> tuple[subprocess
         ],
     }
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [
             "prometheus",

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from bench.demo import stop_process
+from bench.ports import free_port_run
 from bench.proc_cpu import descendants
 from bench.textgen import text_for
 from bench.throughput import ThroughputConfig, run_rounds, targets
@@ -55,7 +56,6 @@ from tests.router_client import (
     parse_sse,
     post,
 )
-from tests.test_sim_fleet import free_port_run
 
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

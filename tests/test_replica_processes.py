@@ -23,6 +23,7 @@ import aiohttp
 import redis.asyncio as aioredis
 
 from bench.demo import stop_process
+from bench.ports import free_port_run
 from router.config import RouterConfig
 from router.processes.slot import write_config
 from tests.conftest import EngineFactory, RedisServer, RunningEngine
@@ -34,7 +35,6 @@ from tests.router_client import (
 )
 from tests.tcp_proxy import tcp_proxy
 from tests.test_read_your_writes import alternate_turns, replica_config, served_past_the_bound
-from tests.test_sim_fleet import free_port_run
 
 START_TIMEOUT_S = 60.0
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from bench.ports import free_port
 from router.config import StateConfig
-from tests.conftest import EngineFactory, _free_port, router_config, serve_router
+from tests.conftest import EngineFactory, router_config, serve_router
 from tests.router_client import engines
 from tests.test_shared_state import run_session
 
@@ -56,7 +57,7 @@ def _wait(port: int, *command: str, expect: bytes = b"PONG") -> None:
 def _cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is a valid port too."""
     while True:
-        port = _free_port()
+        port = free_port()
         if port + 10000 <= 65535:
             return port
 
@@ -70,7 +71,7 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
 @pytest.fixture(scope="module")
 def sentinel_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("sentinel")
-    master, sentinel = _free_port(), _free_port()
+    master, sentinel = free_port(), free_port()
     conf = folder / "sentinel.conf"
     conf.write_text(
         f"port {sentinel}\nbind 127.0.0.1\nsentinel monitor kvmaster 127.0.0.1 {master} 1\n"

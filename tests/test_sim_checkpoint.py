@@ -12,13 +12,14 @@ import aiohttp
 import msgspec
 import pytest
 
+from bench.ports import free_port
 from bench.sim import checkpoint
 from bench.sim.kv_events import KVEventsConfig
 from bench.textgen import text_for
 from router.cli import main as cli_main
 from router.kv_events import wire
 from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine, engine_config
-from tests.test_sim_kv_events import free_port, replay_from
+from tests.test_sim_kv_events import replay_from
 
 TURNS = 3
 

@@ -5,33 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 
 import aiohttp
 
+from bench.ports import free_port_run
 from bench.sim.fleet import KVEventPorts, describe_line, fleet, wait_healthy
 from bench.textgen import text_for
 from router.kv_events import wire
 from tests.test_sim_kv_events import replay_from, stand_in_ids, stored_ids
-
-
-def free_port_run(n: int) -> int:
-    """A base port with ``n`` consecutive free ports after it."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n >= 65535:
-            continue
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no run of free ports")
 
 
 async def test_fleet_engines_are_separate_processes_with_separate_caches() -> None:

@@ -4,7 +4,6 @@ read by the router's decoder."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +11,7 @@ import httpx
 import pytest
 import zmq
 
+from bench.ports import free_port
 from bench.sim.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -29,12 +29,6 @@ from router.kv_events import wire
 from tests.conftest import TEST_MODEL, EngineFactory
 
 WAIT_MS = 5000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def stored(n: int) -> BlockStored:

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import xxhash
 
+from bench.ports import free_port
 from bench.sim.config import EngineConfig
 from bench.sim.kv_cache import BlockPool
 from bench.sim.kv_events import KVEventsConfig
@@ -34,7 +35,7 @@ from router.wire.blocks import token_block_hashes
 from tests.conftest import TEST_MODEL, EngineFactory, engine_config
 from tests.engine_kv_events import SglangBlockStored, SglangEventBatch, encode
 from tests.test_sim_kv_event_log import BLOCK, EventReader, run, tokens
-from tests.test_sim_kv_events import free_port, replay_from
+from tests.test_sim_kv_events import replay_from
 
 TOKEN = int.from_bytes(b"abcd", "little")
 

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.textgen import text_for
 from bench.tokenizer import GENERATION_PROMPT, IM_END, encode_piece, num_tokens, render_chat
 from tests.conftest import TEST_MODEL, EngineFactory, RunningEngine, engine_config
-from tests.sim_servers import FRONTS, factory_on, serve_engine_on
+from tests.sim_servers import FRONTS, factory_on, post, serve_engine_on
 
 
 @pytest.fixture(params=FRONTS)
@@ -34,14 +34,6 @@ MESSAGES = [
     {"role": "system", "content": text_for("sys", 300)},
     {"role": "user", "content": text_for("u1", 120)},
 ]
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: Any, status: int = 200) -> Any:
-    data = body if isinstance(body, bytes) else None
-    json_body = None if isinstance(body, bytes) else body
-    async with http.post(url, data=data, json=json_body) as response:
-        assert response.status == status, (body, await response.text())
-        return await response.json()
 
 
 async def test_tokenize_chat_is_the_prompt_the_engine_computes(sim: RunningEngine) -> None:

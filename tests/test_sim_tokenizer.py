@@ -5,7 +5,6 @@ transformers' ``apply_chat_template`` and ``encode`` on the same model directory
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,24 +13,19 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from bench.ports import free_port
 from bench.sim.kv_events import KVEventsConfig
 from bench.textgen import text_for
 from router.kv_events import wire
 from tests.conftest import TEST_MODEL, RunningEngine, engine_config
-from tests.sim_servers import FRONTS, serve_engine_on
+from tests.sim_servers import FRONTS, post, serve_engine_on
 from tests.test_sim_kv_events import replay_from
-from tests.token_model import build_model_dir
 
 BLOCK = 16
 MESSAGES = [
     {"role": "system", "content": "You are a careful coding agent. " + text_for("sys", 120)},
     {"role": "user", "content": "Read the file and fix the bug: " + text_for("u1", 60)},
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +44,6 @@ async def sim(request: pytest.FixtureRequest, model_dir: Path) -> AsyncIterator[
 def chat_ids(reference: PreTrainedTokenizerBase, messages: list[dict[str, Any]], **kw: Any) -> Any:
     kw.setdefault("add_generation_prompt", True)
     return reference.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
-
-
-async def post(http: aiohttp.ClientSession, url: str, body: Any, status: int = 200) -> Any:
-    async with http.post(url, json=body) as response:
-        assert response.status == status, (body, await response.text())
-        return await response.json()
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -167,12 +155,6 @@ async def test_template_options_render_as_transformers(
     assert continued["tokens"] == chat_ids(
         reference, opened, add_generation_prompt=False, continue_final_message=True
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_kv_events_carry_the_models_ids(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
-import random
 import socket
 import threading
 import time
@@ -25,6 +24,7 @@ import pytest
 from aiohttp import web
 from rich.console import Console
 
+from bench.ports import free_port_run
 from bench.soak import SoakConfig, run_soak
 from bench.soak_faults import FaultEvent, FaultPlan, SoakFleet, _wait_back
 from router.config import HealthConfig, WorkerConfig
@@ -38,26 +38,8 @@ from tests.router_client import assert_idle, chat_body, conversation, fake_engin
 ENDINGS_TOTAL = ("ok", "disconnected", "failed_after_first_byte", "failed_before_first_byte")
 
 
-def free_ports_below_ephemeral(n: int) -> int:
-    """A base port with ``n`` free ports from it, below Linux's ephemeral range: an
-    engine restarted on its port must not find it taken by some outgoing connection
-    meanwhile. Checked as the servers bind (SO_REUSEADDR: TIME_WAIT does not count)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20_000, 32_000)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as probe:
-                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no run of free ports")
-
-
 def soak_config(tmp_path: Path, **overrides: Any) -> SoakConfig:
-    base = free_ports_below_ephemeral(5)
+    base = free_port_run(5)
     values: dict[str, Any] = {
         "engines": 4,
         "clients": 6,

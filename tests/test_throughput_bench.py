@@ -22,11 +22,11 @@ from rich.console import Console
 from bench import loadgen, netns, proc_cpu, standin
 from bench.loadgen import LoadResult, RequestShape
 from bench.loopback import serve_on_loopback
+from bench.ports import free_port_run
 from bench.pyspy_report import format_profile, summarize
 from bench.throughput import ThroughputConfig, run_rounds, targets, with_policy
 from bench.throughput_report import Run, runs_table
 from router.health import read_engine_metrics
-from tests.test_sim_fleet import free_port_run
 
 
 @pytest.fixture

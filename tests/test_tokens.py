@@ -30,7 +30,7 @@ from router.tokens.incremental import PROMPT_OVERHEAD_TOKENS, IncrementalEncoder
 from router.tokens.keys import MAX_TOKENIZED_ITEMS, TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
 from router.wire.kinds import Kind
-from tests.token_model import DATA, build_model_dir
+from tests.token_model import DATA
 
 TOOLS = [
     {
@@ -42,11 +42,6 @@ TOOLS = [
         },
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
 
 
 @pytest.fixture(scope="module")

@@ -32,15 +32,9 @@ from tests.router_client import (
     post,
     whole_reply,
 )
-from tests.token_model import build_model_dir
 
 ENGINE_BLOCK = 16  # tokens; the router's blocks are the engine's
 BLOCK_BYTES = 4 * ENGINE_BLOCK
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("qwen3"))
 
 
 def tokens_config(fleet: Any, model_dir: Path) -> Any:

@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from rich.console import Console
 
 from bench.demo import DemoConfig, kvrouter_spec, run_comparison
 from bench.inprocess import router_argv, run_virtual
+from bench.ports import free_port_run
 from bench.replay.rounds import FIGURE_BY_KEY, Rounds
 
 
-def _free_ports(count: int) -> list[int]:
-    """``count`` consecutive free loopback ports (checked, then released)."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count >= 65535:
-            continue
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return list(range(base, base + count))
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-
-
 def _compare(out: Path) -> Rounds:
-    ports = _free_ports(3)
+    base = free_port_run(3)  # two engines on base and base + 1, the router on base + 2
     config = DemoConfig(
         engines=2,
         sessions=2,
@@ -44,8 +22,8 @@ def _compare(out: Path) -> Rounds:
         repeat=2,
         policies=("ttft", "round_robin"),
         out=out,
-        base_port=ports[0],
-        router_port=ports[2],
+        base_port=base,
+        router_port=base + 2,
     )
     with (out.parent / f"{out.name}.log").open("w") as log:
         return run_virtual(

@@ -7,12 +7,12 @@ import time
 
 import aiohttp
 
+from bench.ports import free_port_run
 from bench.sim.fleet import fleet, start_engine, stop, wait_healthy
 from router.config import HealthConfig, WorkerConfig
 from router.state import STATE_KEY
 from tests.conftest import router_config, serve_router
 from tests.router_client import chat_body, conversation, metric, parse_sse, wait_for
-from tests.test_sim_fleet import free_port_run
 
 PROBES = HealthConfig(interval_s=0.2, timeout_s=0.5, scrape_interval_s=0.1, stale_after_s=2)
 FLAGS = ["--kv-tokens", "50000", "--time-scale", "20", "--served-model-name", "sim-model"]

@@ -4,6 +4,7 @@ tests import."""
 
 from __future__ import annotations
 
+from bench.ports import free_ports
 from bench.vllm_cpu import (
     BLOCK_TOKENS,
     GENERATION_CONFIG,
@@ -14,7 +15,6 @@ from bench.vllm_cpu import (
     START_TIMEOUT_S,
     VLLM_VERSION,
     VllmEngine,
-    free_ports,
     install_vllm,
     reset_prefix_caches,
     start_engines,

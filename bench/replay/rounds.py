@@ -286,10 +286,7 @@ def rounds_table(rounds: Rounds, title: str | None = None, width: int | None = N
         if all(spread is None for spread in spreads):
             continue  # a figure none of these runs has (e.g. Redis's, without replicas)
         rows.append([figure.title, *(show_spread(spread, figure) for spread in spreads)])
-    columns = ["metric", *rounds.labels]
-    one_line = sum(max(len(cell) for cell in [name, *(r[i] for r in rows)]) + 3
-                   for i, name in enumerate(columns)) + 1  # fmt: skip
-    if width is not None and one_line > width:
+    if width is not None and _one_line_width(["metric", *rounds.labels], rows) > width:
         rows = [[row[0], *(cell.replace(" (", "\n(", 1) for cell in row[1:])] for row in rows]
     table = Table(title=title)
     table.add_column("metric")
@@ -298,6 +295,15 @@ def rounds_table(rounds: Rounds, title: str | None = None, width: int | None = N
     for row in rows:
         table.add_row(*row)
     return table
+
+
+def _one_line_width(columns: list[str], rows: list[list[str]]) -> int:
+    """A table's width with every cell on one line (3 characters of border a column)."""
+    widths = [
+        max(len(cell) for cell in [name, *(row[i] for row in rows)])
+        for i, name in enumerate(columns)
+    ]
+    return sum(width + 3 for width in widths) + 1
 
 
 def print_rounds(console: Console, rounds: Rounds, title: str | None = None) -> None:
