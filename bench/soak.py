@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
@@ -35,6 +34,7 @@ import yaml
 from rich.console import Console
 
 from bench.demo import DemoConfig, kvrouter_command, stop_process
+from bench.ports import first_taken
 from bench.sim.fleet import wait_healthy
 from bench.soak_faults import FAULT_KINDS, FaultEvent, FaultPlan, SoakFleet, run_faults
 from bench.soak_report import (
@@ -193,14 +193,10 @@ async def _counters(http: aiohttp.ClientSession, router_url: str) -> dict[str, A
 def check_ports(host: str, ports: list[int]) -> None:
     """Every port free, or an ``OSError`` naming the first taken (an engine restarted on
     a port someone else holds would never come back)."""
-    for port in ports:
-        with socket.socket() as probe:
-            # As the servers bind: connections of an earlier run in TIME_WAIT do not count.
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                raise OSError(f"port {port} on {host} is taken: {exc.strerror}") from exc
+    taken = first_taken(ports, host)
+    if taken is not None:
+        port, why = taken
+        raise OSError(f"port {port} on {host} is taken: {why}")
 
 
 @dataclass(slots=True)
