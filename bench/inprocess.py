@@ -117,14 +117,13 @@ def router_argv(command: Sequence[str]) -> list[str]:
 async def inprocess_router(command: Sequence[str], port: int) -> AsyncIterator[str]:
     """``kvrouter serve`` as given by ``command``, in this process on ``port``; yields
     its URL."""
-    from router.app import create_app
     from router.config_loader import load_config
+    from router.edge.server import serving
     from router.serve_cli import flag_overrides
-    from router.server import RouterRunner
 
     args = _cli_args(router_argv(command))
     if args.command != "serve":
         raise ValueError(f"expected a 'serve' command, got {args.command!r}")
     config = load_config(args.config, flag_overrides(args), environ={})
-    async with serve_on_loopback(create_app(config), port, RouterRunner) as url:
+    async with serving(config, port=port) as (_, url):
         yield url

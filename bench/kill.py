@@ -17,13 +17,10 @@ from typing import Any
 
 import aiohttp
 
-from bench.loopback import serve_on_loopback
 from bench.sim.fleet import fleet, start_engine, stop, wait_healthy
 from bench.textgen import text_for
-from router.app import create_app
 from router.config import HealthConfig, RouterConfig, WorkerConfig
-from router.server import RouterRunner
-from router.state import STATE_KEY
+from router.edge.server import serving
 
 FLAGS = ["--kv-tokens", "50000", "--time-scale", "10", "--served-model-name", "m"]
 
@@ -69,12 +66,12 @@ async def run_kill(clients: int, before_s: float, after_s: float, base_port: int
     probes = HealthConfig(interval_s=1.0, timeout_s=1.0)
     async with fleet(2, "127.0.0.1", base_port, FLAGS) as engines:
         workers = tuple(WorkerConfig(e.url, name=f"w{i}") for i, e in enumerate(engines))
-        app = create_app(RouterConfig(workers=workers, policy="least_load", health=probes))
+        config = RouterConfig(workers=workers, policy="least_load", health=probes)
         async with (
-            serve_on_loopback(app, runner_class=RouterRunner) as url,
+            serving(config) as (server, url),
             aiohttp.ClientSession() as http,
         ):
-            fleet_state = app[STATE_KEY].router.fleet
+            fleet_state = server.state.router.fleet
             records: list[tuple[float, float | None, str]] = []
             stop_at = time.monotonic() + before_s + after_s
             load = [

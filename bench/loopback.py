@@ -15,7 +15,7 @@ async def serve_on_loopback(
     app: web.Application, port: int = 0, runner_class: type[web.AppRunner] = web.AppRunner
 ) -> AsyncIterator[str]:
     """Run ``app`` on 127.0.0.1 and ``port`` (0: a free one); yields its base URL; stops
-    it on exit. The router's app runs on ``router.server.RouterRunner``."""
+    it on exit."""
     # A short graceful shutdown: a test that leaves a stream open should not wait 60 s.
     runner = runner_class(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S

@@ -209,8 +209,7 @@ async def _load(
 
 
 async def overhead(requests: int, rate: float, prompt_tokens: int) -> dict[str, float]:
-    from router.app import create_app as create_router_app
-    from router.server import RouterRunner
+    from router.edge.server import serving
 
     engine_config = EngineConfig(
         model=load_model("llama-3.1-8b"), gpu=gpu("h100"), served_model_name="m", kv_tokens=200_000
@@ -218,9 +217,7 @@ async def overhead(requests: int, rate: float, prompt_tokens: int) -> dict[str, 
     async with serve_on_loopback(create_engine_app(engine_config)) as engine_url:
         router_config = RouterConfig(workers=(WorkerConfig(engine_url),), policy="ttft")
         async with (
-            serve_on_loopback(
-                create_router_app(router_config), runner_class=RouterRunner
-            ) as router_url,
+            serving(router_config) as (_, router_url),
             aiohttp.ClientSession() as http,
         ):
             results: dict[str, tuple[list[float], list[float]]] = {}

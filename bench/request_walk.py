@@ -25,7 +25,6 @@ from typing import Any
 import aiohttp
 import orjson
 
-from bench.loopback import serve_on_loopback
 from bench.ports import free_port_run
 from bench.sim.fleet import fleet
 
@@ -79,9 +78,8 @@ def tracer(walk: Walk) -> Callable[[FrameType, str, Any], None]:
 
 
 async def walk_one(api: str, stream: bool, compressed: bool) -> Walk:
-    from router.app import create_app
     from router.config import HealthConfig, RouterConfig, WorkerConfig
-    from router.server import RouterRunner
+    from router.edge.server import serving
 
     base = free_port_run(3)
     flags = ["--served-model-name", MODEL, "--time-scale", "1000"]
@@ -90,9 +88,8 @@ async def walk_one(api: str, stream: bool, compressed: bool) -> Walk:
             workers=tuple(WorkerConfig(e.url, name=f"w{i}") for i, e in enumerate(engines)),
             health=HealthConfig(interval_s=3600, scrape_interval_s=3600, stale_after_s=7200),
         )
-        app = create_app(config)
         async with (
-            serve_on_loopback(app, base + 2, RouterRunner) as url,
+            serving(config, port=base + 2) as (_, url),
             aiohttp.ClientSession() as http,
         ):
             raw = orjson.dumps(_body(api, stream))

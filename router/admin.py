@@ -24,36 +24,19 @@ change reaches every replica (``router/shared/policy.py``).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
-from aiohttp import web
 
 from policies.base import PolicyConfigError
 from policies.registry import policy_class
-from router.auth import authorized, bearers
 from router.config import WorkerConfig
 from router.config_loader import build
-from router.errors import BadRequest, Conflict, NotFound, Unauthenticated
-from router.parse import header_bytes
-from router.state import STATE_KEY, RouterState
-from router.wire.json import json_response
+from router.edge.routes import Answer, Call, Handler, json_answer
+from router.errors import BadRequest, Conflict, NotFound
+from router.state import RouterState
 from router.workers import Worker
-
-Handler = Callable[[web.Request], Awaitable[web.Response]]
-
-
-def _authorized(handler: Handler) -> Handler:
-    async def check(request: web.Request) -> web.Response:
-        token = request.app[STATE_KEY].config.admin_token
-        given = header_bytes(request.headers.get("Authorization", ""))
-        if not authorized(given, bearers([token])):
-            raise Unauthenticated("missing or wrong admin bearer token")
-        return await handler(request)
-
-    return check
 
 
 def _describe(state: RouterState, worker: Worker) -> dict[str, Any]:
@@ -85,9 +68,9 @@ def _worker(state: RouterState, name: str) -> Worker:
     return worker
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
+def _body(call: Call) -> dict[str, Any]:
     try:
-        body = orjson.loads(await request.read())
+        body = orjson.loads(call.request.body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
@@ -95,10 +78,9 @@ async def _body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-@_authorized
-async def list_workers(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    return json_response(
+async def list_workers(call: Call) -> Answer:
+    state = call.state
+    return json_answer(
         {
             "workers": [_describe(state, w) for w in state.router.fleet.all()],
             "policy": state.router.policies.current.describe(),
@@ -123,40 +105,36 @@ def _worker_config(body: dict[str, Any]) -> WorkerConfig:
     return config
 
 
-@_authorized
-async def add_worker(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    config = _worker_config(await _body(request))
+async def add_worker(call: Call) -> Answer:
+    state = call.state
+    config = _worker_config(_body(call))
     if config.name in state.router.fleet.workers:
         raise Conflict(f"a worker named {config.name!r} exists")
     if config.kv_events is not None and state.kv_events is None:
         raise BadRequest("kv_events: exact mode keys prompts by tokens; set prefix.tokenizer")
     worker = state.add_worker(config)
     await state.prober.probe_all()
-    return json_response(_describe(state, worker), status=201)
+    return json_answer(_describe(state, worker), status=201)
 
 
-@_authorized
-async def remove_worker(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    worker = _worker(state, request.match_info["name"])
+async def remove_worker(call: Call) -> Answer:
+    state = call.state
+    worker = _worker(state, call.request.params["name"])
     state.membership.remove(worker.name)
-    return json_response({"removed": worker.name})
+    return json_answer({"removed": worker.name})
 
 
-@_authorized
-async def drain(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    worker = _worker(state, request.match_info["name"])
-    worker.draining = request.method == "POST"
-    return json_response(_describe(state, worker))
+async def drain(call: Call) -> Answer:
+    state = call.state
+    worker = _worker(state, call.request.params["name"])
+    worker.draining = call.request.method == "POST"
+    return json_answer(_describe(state, worker))
 
 
-@_authorized
-async def migrate(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    source = _worker(state, request.match_info["name"])
-    body = await _body(request)
+async def migrate(call: Call) -> Answer:
+    state = call.state
+    source = _worker(state, call.request.params["name"])
+    body = _body(call)
     target_name = body.get("to")
     taken_at = body.get("checkpoint_taken_at")
     if taken_at is not None and (
@@ -175,23 +153,21 @@ async def migrate(request: web.Request) -> web.Response:
     # purge it calls for comes before the migrated entries, not after them.
     await state.prober.refresh(target)
     moved = state.membership.migrate(source.name, target.name, taken_at)
-    return json_response(
+    return json_answer(
         {"from": source.name, "to": target.name, "moved_tokens": moved * state.router.block_tokens}
     )
 
 
-@_authorized
-async def get_policy(request: web.Request) -> web.Response:
-    return json_response(request.app[STATE_KEY].router.policies.current.describe())
+async def get_policy(call: Call) -> Answer:
+    return json_answer(call.state.router.policies.current.describe())
 
 
 POLICY_FIELDS = ("knobs", "policy")
 
 
-@_authorized
-async def put_policy(request: web.Request) -> web.Response:
-    policies = request.app[STATE_KEY].router.policies
-    body = await _body(request)
+async def put_policy(call: Call) -> Answer:
+    policies = call.state.router.policies
+    body = _body(call)
     unknown = sorted(set(body) - set(POLICY_FIELDS))
     if unknown:
         raise BadRequest(
@@ -212,21 +188,16 @@ async def put_policy(request: web.Request) -> web.Response:
         active = await policies.change(name, knobs)
     except PolicyConfigError as exc:
         raise BadRequest(str(exc), param="knobs") from None
-    return json_response(active.describe())
+    return json_answer(active.describe())
 
 
-def add_routes(
-    app: web.Application, add: Callable[[web.Application, str, str, Handler], None]
-) -> None:
-    """The admin routes, each added with ``add(app, method, path, handler)``."""
-    for method, path, handler in (
-        ("GET", "/admin/workers", list_workers),
-        ("POST", "/admin/workers", add_worker),
-        ("DELETE", "/admin/workers/{name}", remove_worker),
-        ("POST", "/admin/workers/{name}/drain", drain),
-        ("DELETE", "/admin/workers/{name}/drain", drain),
-        ("POST", "/admin/workers/{name}/migrate", migrate),
-        ("GET", "/admin/policy", get_policy),
-        ("PUT", "/admin/policy", put_policy),
-    ):
-        add(app, method, path, handler)
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
+    ("GET", "/admin/workers", list_workers),
+    ("POST", "/admin/workers", add_worker),
+    ("DELETE", "/admin/workers/{name}", remove_worker),
+    ("POST", "/admin/workers/{name}/drain", drain),
+    ("DELETE", "/admin/workers/{name}/drain", drain),
+    ("POST", "/admin/workers/{name}/migrate", migrate),
+    ("GET", "/admin/policy", get_policy),
+    ("PUT", "/admin/policy", put_policy),
+)

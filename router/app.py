@@ -1,7 +1,8 @@
-"""``create_app(config)``: the router as an aiohttp application.
+"""The router as a whole: its state, running (``running_state``), and the routes it
+serves (``routes_for``); ``router.edge.server`` puts both on a socket.
 
-Each resource is owned by one ``cleanup_ctx`` generator: the upstream client session and
-the router state, then the health prober task. Only what started is cleaned up.
+Each resource is owned by one context: the upstream pools and client session, the
+router state, then its background tasks. Only what started is cleaned up.
 """
 
 from __future__ import annotations
@@ -9,101 +10,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import cast
 
 import aiohttp
-from aiohttp import hdrs, web
-from aiohttp.typedefs import Middleware
 
-from router import __version__, discovery, passthrough
-from router.admin import add_routes
+from router import admin, discovery, ops, passthrough
 from router.admission import Admission
-from router.aio_proxy import handler_for
-from router.apis.kinds import APIS, error_body_for
-from router.auth import authorized, bearers
+from router.apis.kinds import APIS
 from router.config import ENGINE_TOKENIZER, RouterConfig
-from router.errors import (
-    BadRequest,
-    ExpectationFailed,
-    PayloadTooLarge,
-    RequestTimeout,
-    RouterError,
-    Unauthenticated,
-)
-from router.front_request import authorized_by
+from router.edge.routes import Call, Guard, Handler, Routes
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
 from router.kv_events.metrics import KvEventMetrics
 from router.kv_events.subscriptions import KvEventSubscriptions
 from router.membership import Membership
 from router.metrics import RouterMetrics
-from router.parse import header_bytes
 from router.policy_slot import PolicySlot
+from router.proxy import serve
 from router.routing import Router
-from router.server import MALFORMED_HTTP_FILTER
 from router.shared.connect import connect
 from router.shared.index import SharedPrefixIndex
 from router.shared.metrics import PathMetrics, RedisMetrics
 from router.shared.path import SharedPath
 from router.shared.sync import RedisSync
-from router.state import STATE_KEY, RouterState
+from router.state import RouterState
 from router.tokens.conversation import ContentFormat
 from router.tokens.engine import EngineTokens
 from router.tokens.keys import PromptKeys, TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
 from router.upstream import UpstreamPool
-from router.wire.json import json_response
+from router.wire.kinds import Kind
 from router.workers import Fleet
 
 log = logging.getLogger(__name__)
 
-CONFIG_KEY = web.AppKey("kvrouter_config", RouterConfig)
 # On shutdown, how long the last index changes may take to reach Redis.
 FINAL_FLUSH_TIMEOUT_S = 2.0
 SYNC_STOP_TIMEOUT_S = 5.0
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as an OpenAI-shaped JSON body with the right status."""
-    try:
-        return await handler(request)
-    except RouterError as exc:
-        if STATE_KEY in request.app and exc.status >= 400:
-            request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
-        if exc.shape is None:
-            exc.shape = error_body_for(request.path)
-        response = json_response(exc.answer_body(), exc.status)
-        response.headers.update(exc.headers())
-        if exc.closes_connection:
-            response.force_close()
-        return response
-    except web.HTTPRequestEntityTooLarge:
-        return json_response(PayloadTooLarge("request body too large").body(), 413)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        if STATE_KEY in request.app:
-            request.app[STATE_KEY].metrics.rejected.labels(str(exc.status)).inc()
-        error = RouterError(exc.reason)
-        body = error.body()
-        body["error"]["code"] = exc.status
-        body["error"]["type"] = "invalid_request_error" if exc.status < 500 else "server_error"
-        response = json_response(body, exc.status)
-        if "Allow" in exc.headers:  # a 405 says which methods the path has
-            response.headers["Allow"] = exc.headers["Allow"]
-        return response
-    except ConnectionResetError:
-        raise  # the client went away: nobody to answer
-    except Exception:
-        # A bug of ours: logged with its traceback here, a plain OpenAI-shaped 500 there
-        # (a traceback in the body would tell a client how the router is built).
-        log.exception("unexpected error serving %s %s", request.method, request.path)
-        if STATE_KEY in request.app:
-            request.app[STATE_KEY].metrics.rejected.labels("500").inc()
-        return json_response(RouterError("internal error").body(), 500)
 
 
 def build_state(
@@ -179,39 +123,6 @@ def _token_keys(
     )
 
 
-async def health(request: web.Request) -> web.Response:
-    return json_response({"status": "ok", "version": __version__})
-
-
-async def ready(request: web.Request) -> web.Response:
-    fleet = request.app[STATE_KEY].router.fleet
-    healthy = [w.name for w in fleet.all() if w.healthy]
-    return json_response(
-        {"ready": bool(healthy), "healthy_workers": healthy}, status=200 if healthy else 503
-    )
-
-
-async def models(request: web.Request) -> web.Response:
-    names = sorted(request.app[STATE_KEY].router.fleet.models())
-    return json_response(
-        {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "kvrouter"}
-                for name in names
-            ],
-        }
-    )
-
-
-async def metrics(request: web.Request) -> web.Response:
-    token = request.app[CONFIG_KEY].metrics_token
-    if token and not _bearer_matches(request, token):
-        raise Unauthenticated("missing or invalid metrics token")
-    body = request.app[STATE_KEY].metrics.render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
-
-
 def _session(config: RouterConfig) -> aiohttp.ClientSession:
     """The client of the probes, scrapes and discovery (requests go through the
     ``UpstreamPool``)."""
@@ -278,8 +189,11 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         await handle.aclose()
 
 
-async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
-    config = app[CONFIG_KEY]
+@contextlib.asynccontextmanager
+async def running_state(config: RouterConfig) -> AsyncIterator[RouterState]:
+    """The router's state, its background tasks running: the health prober, discovery,
+    KV event subscriptions and the shared state's sync; each stopped on exit, only what
+    started."""
     up = config.upstream
     upstream = UpstreamPool(
         up.connect_timeout_s,
@@ -290,7 +204,6 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
     async with _session(config) as session, contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(upstream.aclose)
         state = build_state(config, session, upstream)
-        app[STATE_KEY] = state
         if state.tokens is not None:
             stack.callback(state.tokens.close)
         prober = state.prober
@@ -319,7 +232,7 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
             tasks.append(asyncio.create_task(subscriptions.run(), name="kvrouter-kv-events"))
         try:
             async with _shared_state(state):
-                yield
+                yield state
         finally:
             for task in tasks:
                 task.cancel()
@@ -328,122 +241,28 @@ async def _state_ctx(app: web.Application) -> AsyncIterator[None]:
                     await task
 
 
-def _bearer_matches(request: web.Request, token: str) -> bool:
-    return authorized(header_bytes(request.headers.get("Authorization", "")), bearers([token]))
-
-
-def api_key_middleware(keys: tuple[str, ...]) -> Middleware:
-    """With ``api_keys`` set, /v1/ requests and the engine routes passed on without a
-    version (``/tokenize``, ``/detokenize``) need ``Authorization: Bearer <one of them>``
-    (or ``x-api-key: <one of them>``)."""
-    accepted = bearers(keys)
-    unversioned = frozenset(path for _, path, _ in passthrough.ROUTES if path[:4] != "/v1/")
-
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/") or request.path in unversioned:
-            headers = [(k.lower(), header_bytes(v)) for k, v in request.headers.items()]
-            if not authorized_by([(k.encode(), v) for k, v in headers], accepted):
-                raise Unauthenticated("missing or invalid API key")
-        return await handler(request)
-
-    return check
-
-
-BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-def body_middleware(max_bytes: int, timeout_s: float) -> Middleware:
-    """Reads the body of a POST, PUT or PATCH before its handler runs (whose own
-    ``read()`` then returns it at once): within ``timeout_s`` of the headers, where aiohttp
-    would wait for a trickled body forever; and what aiohttp raises on a body it cannot
-    read becomes a 400. Other methods' bodies are left to aiohttp, which discards them."""
-
-    @web.middleware
-    async def read(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.method in BODY_METHODS and request.body_exists:
-            await _read_body(request, max_bytes, timeout_s)
-        return await handler(request)
-
-    return read
-
-
-async def _read_body(request: web.Request, max_bytes: int, timeout_s: float) -> None:
-    if request.content_length is not None and request.content_length > max_bytes:
-        raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes")
-    try:
-        async with asyncio.timeout(timeout_s):
-            await request.read()
-    except TimeoutError:
-        raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body is larger than {max_bytes} bytes") from None
-    except web.RequestPayloadError:
-        # aiohttp decodes the body as it arrives; these bytes were not in the encoding.
-        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
-        raise BadRequest(
-            f"the request body could not be decoded as its Content-Encoding {encoding!r} says"
-        ) from None
-
-
-async def expect_handler(request: web.Request) -> web.StreamResponse | None:
-    """aiohttp's handling of ``Expect``, with the refusal as OpenAI-shaped JSON: it runs
-    before any middleware, so the error middleware never sees it."""
-    expect = request.headers.get(hdrs.EXPECT, "")
-    if expect.lower() != "100-continue":
-        error = ExpectationFailed(f"unknown Expect {expect!r}: only 100-continue is understood")
-        return json_response(error.body(), error.status)
-    if request.version == aiohttp.HttpVersion11:
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # the 100 is not the response: an error may follow
-    return None
-
-
-async def unrouted(request: web.Request) -> web.StreamResponse:
-    """What no route serves: aiohttp's 404 or 405, from a route of ours so that an
-    ``Expect`` header on it meets ``expect_handler`` too."""
-    allowed: set[str] = set()
-    for resource in request.app.router.resources():
-        if resource is not request.match_info.route.resource:
-            allowed |= (await resource.resolve(request))[1]
-    if allowed:
-        raise web.HTTPMethodNotAllowed(request.method, allowed)
-    raise web.HTTPNotFound()
-
-
-def add_route(app: web.Application, method: str, path: str, handler: Handler) -> None:
-    if method == "GET":  # and HEAD, as aiohttp's add_get does
-        app.router.add_get(path, handler, expect_handler=expect_handler)
-    else:
-        app.router.add_route(method, path, handler, expect_handler=expect_handler)
-
-
-def create_app(config: RouterConfig) -> web.Application:
-    logging.getLogger("aiohttp.server").addFilter(MALFORMED_HTTP_FILTER)  # once: same object
-    middlewares: list[Middleware] = [error_middleware]
-    if config.api_keys:
-        middlewares.append(api_key_middleware(config.api_keys))
-    middlewares.append(body_middleware(config.max_body_bytes, config.clients.body_timeout_s))
-    # Bodies are limited here (a clear 413), not by aiohttp's default 1 MiB.
-    app = web.Application(
-        middlewares=middlewares,
-        client_max_size=config.max_body_bytes + 1,
-        handler_args={"keepalive_timeout": config.clients.keepalive_timeout_s},
-    )
-    app[CONFIG_KEY] = config
-    app.cleanup_ctx.append(_state_ctx)
+def routes_for(config: RouterConfig) -> Routes:
+    """Every route the router serves, each with the credential it needs."""
+    routes = Routes()
     for api in APIS.values():
-        add_route(app, "POST", api.path.decode(), handler_for(api.kind))
+        routes.add("POST", api.path.decode(), relay_for(api.kind), Guard.CLIENT)
     for method, path, handler in passthrough.ROUTES:
-        add_route(app, method, path, handler)
-    for path, handler in (
-        ("/v1/models", models),
-        ("/health", health),
-        ("/ready", ready),
-        ("/metrics", metrics),
-    ):
-        add_route(app, "GET", path, handler)
+        routes.add(method, path, handler, Guard.CLIENT)
+    routes.add("GET", "/v1/models", ops.models, Guard.CLIENT)
+    routes.add("GET", "/health", ops.health, Guard.OPEN)
+    routes.add("GET", "/ready", ops.ready, Guard.OPEN)
+    routes.add("GET", "/metrics", ops.metrics, Guard.METRICS)
     if config.admin_token:
-        add_routes(app, add_route)
-    add_route(app, "*", "/{path:.*}", unrouted)  # last: only what no other route takes
-    return app
+        for method, path, handler in admin.ROUTES:
+            routes.add(method, path, handler, Guard.ADMIN)
+    return routes
+
+
+def relay_for(kind: Kind) -> Handler:
+    """The handler of a keyed route: the prefix-aware proxy (``router.proxy.serve``)."""
+
+    async def relay(call: Call) -> None:
+        request = call.request
+        await serve(call.state, kind, request.body, request.headers, call.reply)
+
+    return relay

@@ -4,11 +4,12 @@
     ├── BadRequest                   400 invalid_request_error
     │   ├── PayloadTooLarge          413 invalid_request_error
     │   ├── RequestTimeout           408 invalid_request_error (the body came too slowly)
+    │   ├── MethodNotAllowed         405 invalid_request_error (carries Allow)
     │   ├── UnsupportedEncoding      415 invalid_request_error (a Content-Encoding not decoded)
     │   └── ExpectationFailed        417 invalid_request_error (an Expect other than 100-continue)
     ├── Unauthenticated              401 authentication_error (a client's API key, an
     │                                    operator's metrics or admin token)
-    ├── NotFound                     404 invalid_request_error (an admin API name)
+    ├── NotFound                     404 invalid_request_error (a path, an admin API name)
     │   ├── ModelNotFound            404 (code model_not_found)
     │   └── ResponseNotFound         404 (a stored response nobody holds; vLLM's words)
     ├── Conflict                     409 invalid_request_error
@@ -20,9 +21,9 @@
     └── UpstreamError                502 server_error
         └── UpstreamTimeout          504 server_error
 
-Third-party errors are translated where they happen (``raise ... from exc``); each
-server (``router.front``, the aiohttp app's error middleware) turns a ``RouterError`` into
-its answer: ``status``, ``body()``, ``headers()``, and a closed connection where
+Third-party errors are translated where they happen (``raise ... from exc``); the
+router's server (``router.edge.connection``) turns a ``RouterError`` into its answer, in
+one place: ``status``, ``answer_body()``, ``headers()``, and a closed connection where
 ``closes_connection`` says so.
 """
 
@@ -79,6 +80,19 @@ class PayloadTooLarge(BadRequest):
 class RequestTimeout(BadRequest):
     status = 408
     closes_connection = True
+
+
+class MethodNotAllowed(BadRequest):
+    status = 405
+
+    def __init__(self, method: str, allowed: list[str]) -> None:
+        if "GET" in allowed and "HEAD" not in allowed:
+            allowed = [*allowed, "HEAD"]
+        super().__init__(f"{method} is not allowed here; allowed: {', '.join(allowed)}")
+        self.allowed = allowed
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": ",".join(self.allowed)}
 
 
 class UnsupportedEncoding(BadRequest):

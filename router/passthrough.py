@@ -12,11 +12,11 @@ failure is the client's answer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import orjson
-from aiohttp import web
 
+from router.edge.routes import Call, Handler, Request
 from router.errors import (
     ModelNotFound,
     NoEligibleWorker,
@@ -31,13 +31,11 @@ from router.proxy import (
     WORKER_HEADER,
     passed_on,
 )
-from router.state import STATE_KEY, RouterState
+from router.state import RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
 from router.workers import Lease, Worker
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _model_of(raw: bytes) -> str | None:
@@ -65,23 +63,20 @@ def least_loaded(state: RouterState, model: str | None, tried: list[str]) -> Wor
     return min(candidates, key=lambda w: (w.outstanding_requests + w.remote_requests, w.name))
 
 
-def _headers_for_engine(http: web.Request, state: RouterState) -> bytes:
+def _headers_for_engine(request: Request, state: RouterState) -> bytes:
     lines = [
         b"%s: %s\r\n" % (name, value)
-        for name, value in http.raw_headers
+        for name, value in request.headers
         if name.lower() in FORWARDED_HEADERS or name.lower() == REQUEST_ID_HEADER.lower()
     ]
     return b"".join(lines) + state.upstream_auth
 
 
-async def _open(
-    state: RouterState, worker: Worker, http: web.Request, raw: bytes
-) -> UpstreamResponse:
-    path = http.raw_path.encode("latin-1")
-    headers = _headers_for_engine(http, state)
+async def _open(state: RouterState, worker: Worker, request: Request) -> UpstreamResponse:
+    headers = _headers_for_engine(request, state)
     try:
         return await state.upstream.send(
-            worker.origin, path, headers, raw, http.method.encode("latin-1")
+            worker.origin, request.target, headers, request.body, request.method.encode()
         )
     except TimeoutError as exc:
         raise UpstreamTimeout(f"worker {worker.name} timed out") from exc
@@ -91,33 +86,27 @@ async def _open(
         raise UpstreamError(f"worker {worker.name} unreachable: {exc}") from exc
 
 
-async def _relay(
-    http: web.Request, upstream: UpstreamResponse, worker: Worker, state: RouterState
-) -> web.StreamResponse:
+async def _relay(call: Call, upstream: UpstreamResponse, worker: Worker) -> None:
     """The worker's answer, streamed on as it comes."""
-    response = web.StreamResponse(status=upstream.status)
-    for name, value in passed_on(upstream.headers):
-        response.headers.add(name.decode("latin-1"), value.decode("latin-1"))
-    request_id = http.headers.get(REQUEST_ID_HEADER.decode())
+    headers = passed_on(upstream.headers)
+    request_id = call.request.header(REQUEST_ID_HEADER.lower())
     if request_id is not None:  # the client's own, as the engine was sent it
-        response.headers[REQUEST_ID_HEADER.decode()] = request_id
-    if state.config.worker_header:
-        response.headers[WORKER_HEADER.decode()] = worker.name
-    await response.prepare(http)
+        headers.append((REQUEST_ID_HEADER, request_id))
+    if call.state.config.worker_header:
+        headers.append((WORKER_HEADER, worker.name.encode()))
+    reply = call.reply
+    await reply.start(upstream.status, headers)
     try:
         while chunk := await upstream.read_chunk():
-            await response.write(chunk)
+            await reply.write(chunk)
     except UPSTREAM_ERRORS as exc:
-        log.warning("worker %s failed while relaying %s: %r", worker.name, http.path, exc)
+        log.warning("worker %s failed while relaying %s: %r", worker.name, call.request.path, exc)
         raise ConnectionResetError("the worker failed mid-answer") from exc
-    await response.write_eof()
-    return response
+    await reply.end()
 
 
-async def forward(
-    http: web.Request, state: RouterState, choose: Callable[[list[str]], Worker], retry: bool
-) -> web.StreamResponse:
-    raw = await http.read()
+async def forward(call: Call, choose: Callable[[list[str]], Worker], retry: bool) -> None:
+    state = call.state
     tried: list[str] = []
     attempts = state.config.upstream.max_attempts if retry else 1
     failure: RouterError | None = None
@@ -131,7 +120,7 @@ async def forward(
         lease = Lease(worker, 0, 0)
         try:
             try:
-                upstream = await _open(state, worker, http, raw)
+                upstream = await _open(state, worker, call.request)
             except (UpstreamError, UpstreamTimeout) as exc:
                 failure = exc
                 tried.append(worker.name)
@@ -141,7 +130,8 @@ async def forward(
                     failure = UpstreamError(f"worker {worker.name} answered {upstream.status}")
                     tried.append(worker.name)
                     continue
-                return await _relay(http, upstream, worker, state)
+                await _relay(call, upstream, worker)
+                return
             finally:
                 upstream.release()
         finally:
@@ -150,17 +140,16 @@ async def forward(
     raise failure
 
 
-async def by_load(http: web.Request) -> web.StreamResponse:
-    state = http.app[STATE_KEY]
-    raw = await http.read()
-    model = _model_of(raw)
-    return await forward(http, state, lambda tried: least_loaded(state, model, tried), True)
+async def by_load(call: Call) -> None:
+    state = call.state
+    model = _model_of(call.request.body)
+    await forward(call, lambda tried: least_loaded(state, model, tried), True)
 
 
-async def stored_response(http: web.Request) -> web.StreamResponse:
-    state = http.app[STATE_KEY]
-    tenant = state.tenant_of(http.raw_headers)
-    holder = await state.holder_of(http.match_info["response_id"], tenant)
+async def stored_response(call: Call) -> None:
+    state = call.state
+    tenant = state.tenant_of(call.request.headers)
+    holder = await state.holder_of(call.request.params["response_id"], tenant)
 
     def choose(tried: list[str]) -> Worker:
         if not holder.healthy:
@@ -169,7 +158,7 @@ async def stored_response(http: web.Request) -> web.StreamResponse:
             )
         return holder
 
-    return await forward(http, state, choose, False)
+    await forward(call, choose, False)
 
 
 ROUTES: tuple[tuple[str, str, Handler], ...] = (

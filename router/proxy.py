@@ -1,8 +1,7 @@
 """The request path: parse -> hash -> choose -> forward -> stream back -> record.
 
-``serve`` is the same whichever server the request came in on (``router.front``'s, or the
-aiohttp app's for what the front hands it): it gets the body and the raw headers, and
-answers through a ``Reply``.
+``serve`` is the handler of the four keyed routes (``router.app.relay_for``): it gets the
+decoded body and the raw headers, and answers through a ``Reply``.
 
 Failures before the first byte reaches the client (connection refused, timeout, an
 upstream 5xx, a stream that ends before its first chunk) are retried on another worker,
@@ -18,12 +17,12 @@ import logging
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from policies.base import Outcome
 from router.apis.kinds import APIS
 from router.capture import ReplyCapture
 from router.clock import monotonic
+from router.edge.reply import Reply
 from router.errors import (
     NoEligibleWorker,
     RouterError,
@@ -103,26 +102,6 @@ class _Retry(Exception):
     @property
     def outcome(self) -> Outcome:
         return "timeout" if isinstance(self.error, UpstreamTimeout) else "upstream_error"
-
-
-class Reply(Protocol):
-    """The client's side of one request: how ``serve`` answers it, whichever server it
-    arrived on. Either ``whole`` once, or ``start``, any ``write``s and ``end`` (which
-    may carry the last data: one write for what arrived together); a server may hold
-    the head back until the first data. A write to a client that went away raises
-    ``ConnectionResetError``."""
-
-    async def whole(self, status: int, headers: Headers, body: bytes) -> None: ...
-
-    async def start(self, status: int, headers: Headers) -> None: ...
-
-    async def write(self, data: bytes) -> None: ...
-
-    async def end(self, last: bytes = b"") -> None: ...
-
-    def client_gone(self) -> bool:
-        """The client's connection is known to be closed: a write would raise."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

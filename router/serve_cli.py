@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from aiohttp import web
 
 from policies.registry import policy_names
 from router.config import RouterConfig
@@ -210,31 +209,24 @@ def tune_gc() -> None:
 async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
     """The router on ``config.port`` until SIGINT or SIGTERM; with ``slot``, as one
     process of a ``--processes N`` group (router/processes/)."""
-    from router.app import create_app
-    from router.server import RouterRunner
+    from router.edge.server import RouterServer
 
     # First: a signal while the router starts stops it once started, cleanly.
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    app = create_app(config)
-    if slot is not None:
-        from router.processes.siblings import attach
+    async with RouterServer(config) as server, contextlib.AsyncExitStack() as group:
+        if slot is not None:
+            from router.processes.siblings import joined
 
-        attach(app, slot)
-    runner = RouterRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, reuse_port=slot is not None)
-    await site.start()
-    if slot is not None:  # last: the supervisor counts a process up once this accepts
-        await web.UnixSite(runner, str(slot.own_socket)).start()
-    tune_gc()
-    log.info("%s", started_line(config, slot))
-    try:
+            await group.enter_async_context(joined(server, slot))
+        await server.listen(config.host, config.port, reuse_port=slot is not None)
+        if slot is not None:  # last: the supervisor counts a process up once this accepts
+            await server.listen_unix(str(slot.own_socket))
+        tune_gc()
+        log.info("%s", started_line(config, slot))
         await stop.wait()
-    finally:
-        await runner.cleanup()
 
 
 def started_line(config: RouterConfig, slot: ProcessSlot | None = None) -> str:

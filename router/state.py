@@ -1,4 +1,4 @@
-"""What one router app owns, on a typed ``web.AppKey`` (no module-level state)."""
+"""What one running router owns (no module-level state)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import aiohttp
-from aiohttp import web
 
 from router.admission import Admission
 from router.auth import accepted_key, bearers, tenant
@@ -92,6 +91,3 @@ class RouterState:
                 "worker %s unreachable; out of rotation until its next health probe", worker.name
             )
         worker.healthy = False
-
-
-STATE_KEY = web.AppKey("kvrouter_state", RouterState)

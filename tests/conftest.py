@@ -13,17 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from bench.loopback import serve_on_loopback
 from bench.ports import port_for_later
 from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine
 from bench.sim.server import ENGINE_KEY, create_app
-from router.app import create_app as create_router_app
 from router.capacity import gpu, load_model
 from router.config import HealthConfig, RouterConfig, WorkerConfig
-from router.server import RouterRunner
+from router.edge.server import serving
+from router.state import RouterState
 from tests.token_model import build_model_dir
 from tests.vllm_engines import VllmEngine, install_vllm, start_engines, write_model
 
@@ -83,7 +82,7 @@ async def sim() -> AsyncIterator[RunningEngine]:
 @dataclasses.dataclass(slots=True)
 class RunningRouter:
     url: str
-    app: web.Application
+    state: RouterState
     config: RouterConfig
 
 
@@ -108,9 +107,8 @@ def router_config(engines: Sequence[RunningEngine], **overrides: Any) -> RouterC
 @contextlib.asynccontextmanager
 async def serve_router(config: RouterConfig) -> AsyncIterator[RunningRouter]:
     """A router app on a free loopback port, stopped on exit."""
-    app = create_router_app(config)
-    async with serve_on_loopback(app, runner_class=RouterRunner) as url:
-        yield RunningRouter(url, app, config)
+    async with serving(config) as (server, url):
+        yield RunningRouter(url, server.state, config)
 
 
 # -- redis ---------------------------------------------------------------------------------

@@ -16,13 +16,12 @@ import dns.rdatatype
 import yaml
 
 from router.config import DiscoveryConfig
-from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import chat_body, conversation, engines, post, wait_for
 
 
 def names(router: RunningRouter) -> set[str]:
-    return set(router.app[STATE_KEY].router.fleet.workers)
+    return set(router.state.router.fleet.workers)
 
 
 async def test_workers_follow_the_file(engine_factory: EngineFactory, tmp_path: Path) -> None:
@@ -36,7 +35,7 @@ async def test_workers_follow_the_file(engine_factory: EngineFactory, tmp_path: 
         )
         async with serve_router(config) as router:
             assert names(router) == {"w0", "f1"}
-            assert router.app[STATE_KEY].router.fleet.workers["f1"].capacity_tokens == 50_000
+            assert router.state.router.fleet.workers["f1"].capacity_tokens == 50_000
             listing.write_text(yaml.safe_dump([fleet[2].url]))  # f1 leaves, a new one comes
 
             async def changed() -> bool:
@@ -166,12 +165,12 @@ async def test_a_failed_lookup_keeps_the_workers(engine_factory: EngineFactory) 
             async with serve_router(config) as router:
                 for _ in ports:
                     await post(http, router.url, chat_body(conversation("dns", 200, 20)))
-                workers = dict(router.app[STATE_KEY].router.fleet.workers)
+                workers = dict(router.state.router.fleet.workers)
                 held = {name: resident(router, name) for name in workers}
                 assert len(workers) == 2 and all(held.values())
                 server.down = True  # a transient NXDOMAIN, seen by several lookups
                 await wait_for(lambda: _at_least(lambda: server.nxdomains, 3))
-                kept = router.app[STATE_KEY].router.fleet.workers
+                kept = router.state.router.fleet.workers
                 assert all(kept.get(name) is worker for name, worker in workers.items())
                 assert {name: resident(router, name) for name in workers} == held
                 server.down = False
@@ -198,7 +197,7 @@ async def test_a_worker_that_moves_is_replaced(
             listing.write_text(yaml.safe_dump([{"url": fleet[1].url, "name": "f1"}]))
 
             async def moved() -> bool:
-                return router.app[STATE_KEY].router.fleet.workers["f1"].url == fleet[1].url
+                return router.state.router.fleet.workers["f1"].url == fleet[1].url
 
             await wait_for(moved)
             assert resident(router, "f1") == 0  # a new engine: nothing cached there yet
@@ -207,7 +206,7 @@ async def test_a_worker_that_moves_is_replaced(
 
 
 def resident(router: RunningRouter, worker: str) -> int:
-    return router.app[STATE_KEY].router.index.resident_blocks(worker)
+    return router.state.router.index.resident_blocks(worker)
 
 
 async def _at_least(value: Callable[[], int], minimum: int) -> bool:

@@ -11,7 +11,6 @@ from bench.sim.config import Flavor
 from bench.sim.metrics import EngineMetrics
 from router.config import HealthConfig
 from router.health import read_engine_metrics, wanted_samples
-from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import chat_body, engines, held_stream, post, wait_for
 
@@ -31,7 +30,7 @@ def test_vllm_and_sglang_metrics_are_read() -> None:
 
 
 def engine_load(router: RunningRouter, worker: str) -> int:
-    w = router.app[STATE_KEY].router.fleet.workers[worker]
+    w = router.state.router.fleet.workers[worker]
     return w.engine_running + w.engine_waiting
 
 
@@ -60,7 +59,7 @@ async def test_a_worker_without_fresh_metrics_counts_as_saturated(
         config = router_config(fleet, policy="least_load", health=FAST)
         async with serve_router(config) as router:
             body = chat_body([{"role": "user", "content": "hi"}], max_tokens=2)
-            state = router.app[STATE_KEY].router
+            state = router.state.router
             w0 = state.fleet.workers["w0"]
             # Metrics that stop coming: w0 stays healthy, its load unknown.
             await http.post(fleet[0].url + "/sim/faults", json={"fail_metrics": True})

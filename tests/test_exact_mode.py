@@ -26,7 +26,6 @@ from router.config import (
     StateConfig,
     WorkerConfig,
 )
-from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningEngine, router_config, serve_router
 from tests.kv_publisher import publishing_engine
 from tests.router_client import chat_body, conversation, metric, post
@@ -356,7 +355,7 @@ async def test_replicas_sharing_state_each_read_the_events_and_agree(
             first = await post(http, one.url, chat_body(messages, max_tokens=16))
             assert first.status == 200, first.raw
             await asyncio.sleep(0.3)  # past the speculative entries' lapse
-            indexes = [r.app[STATE_KEY].router.index for r in (one, other)]
+            indexes = [r.state.router.index for r in (one, other)]
             held = [index.resident_blocks("w0") for index in indexes]
             # What the engine holds, decode blocks included (which no request's touch
             # names): the other replica, which never saw the request, holds exactly that

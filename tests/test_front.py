@@ -1,5 +1,5 @@
-"""The router's own HTTP server (router.front) over raw sockets: the completion routes it
-serves itself, everything else it hands to the aiohttp app, in order on one connection."""
+"""The router's one HTTP server (router.edge) over raw sockets: every route through one
+table, whatever the request's encoding or HTTP version, in order on one connection."""
 
 from __future__ import annotations
 
@@ -7,16 +7,15 @@ import asyncio
 import contextlib
 import gzip
 import http.client
+import re
+import zlib
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import orjson
-from aiohttp import web
 
-from bench.loopback import serve_on_loopback
-from router.app import create_app as create_router_app
-from router.front_request import MAX_HEAD_BYTES
-from router.server import RouterRunner
-from router.state import STATE_KEY
+from router.edge.message import MAX_HEAD_BYTES
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import engines
 
@@ -69,21 +68,9 @@ async def connection(router: RunningRouter) -> AsyncIterator[Connection]:
 
 
 @contextlib.asynccontextmanager
-async def router_seen_by_app(
-    factory: EngineFactory,
-) -> AsyncIterator[tuple[RunningRouter, list[str]]]:
-    """A router, and the paths of the responses the aiohttp app prepared."""
-    paths: list[str] = []
-
-    async def seen(request: web.Request, response: web.StreamResponse) -> None:
-        paths.append(request.path)
-
-    async with engines(factory, 1) as fleet:
-        config = router_config(fleet)
-        app = create_router_app(config)
-        app.on_response_prepare.append(seen)
-        async with serve_on_loopback(app, runner_class=RouterRunner) as url:
-            yield RunningRouter(url, app, config), paths
+async def one_router(factory: EngineFactory, **overrides: Any) -> AsyncIterator[RunningRouter]:
+    async with engines(factory, 1) as fleet, serve_router(router_config(fleet, **overrides)) as r:
+        yield r
 
 
 def is_completion(body: bytes) -> bool:
@@ -95,72 +82,118 @@ def is_stream(body: bytes) -> bool:
     return body.startswith(b"data: ") and body.rstrip().endswith(b"data: [DONE]")
 
 
-async def test_the_completion_routes_are_served_without_the_app(
+async def test_every_route_is_answered_in_order_on_one_connection(
     engine_factory: EngineFactory,
 ) -> None:
-    async with router_seen_by_app(engine_factory) as (router, app_paths):
-        async with connection(router) as (reader, writer):
-            for body, check in ((CHAT, is_completion), (STREAMED, is_stream)):
-                writer.write(request(b"POST", b"/v1/chat/completions", body))
+    async with one_router(engine_factory) as router, connection(router) as (reader, writer):
+        writer.write(
+            request(b"POST", b"/v1/chat/completions", CHAT)
+            + request(b"GET", b"/health")
+            + request(b"POST", b"/v1/chat/completions", STREAMED)
+            + request(b"GET", b"/v1/models")
+            + request(b"GET", b"/metrics")
+            + request(b"POST", b"/v1/chat/completions", CHAT)
+        )
+        answers = [await read_response(reader) for _ in range(6)]
+    assert [status for status, _, _ in answers] == [200] * 6
+    assert is_completion(answers[0][2]) and is_completion(answers[5][2])
+    assert answers[0][1][b"x-kvrouter-worker"] == b"w0" and b"date" in answers[0][1]
+    assert orjson.loads(answers[1][2])["status"] == "ok"
+    assert is_stream(answers[2][2])
+    assert orjson.loads(answers[3][2])["data"][0]["id"] == TEST_MODEL
+    assert b"kvrouter_requests_total" in answers[4][2]
+
+
+def encoded(body: bytes, coding: bytes) -> bytes:
+    head = request(b"POST", b"/v1/chat/completions", body)
+    return head.replace(b"Content-Type", b"Content-Encoding: %s\r\nContent-Type" % coding)
+
+
+async def test_an_encoded_or_chunked_body_is_decoded_before_any_handler_reads_it(
+    engine_factory: EngineFactory,
+) -> None:
+    import brotli  # type: ignore[import-untyped]  # the test extra installs both
+    import zstandard
+
+    codings = {
+        b"gzip": gzip.compress(CHAT),
+        b"deflate": zlib.compress(CHAT),
+        b"br": brotli.compress(CHAT),
+        b"zstd": zstandard.ZstdCompressor().compress(CHAT),
+    }
+    async with one_router(engine_factory) as router, connection(router) as (reader, writer):
+        for coding, body in codings.items():
+            writer.write(encoded(body, coding))
+            status, _, answer = await read_response(reader)
+            assert status == 200 and is_completion(answer), (coding, answer)
+        chunks = b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT), CHAT)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunks
+        )
+        status, _, answer = await read_response(reader)
+        assert status == 200 and is_completion(answer), answer
+        # A passthrough route reads the same decoded body.
+        tokenize = orjson.dumps({"model": TEST_MODEL, "prompt": "hi"})
+        writer.write(
+            encoded(gzip.compress(tokenize), b"gzip").replace(b"/v1/chat/completions", b"/tokenize")
+        )
+        status, _, answer = await read_response(reader)
+        assert status == 200 and orjson.loads(answer)["count"] > 0, answer
+
+
+async def test_a_body_that_is_not_its_encoding_or_inflates_past_the_limit_is_refused(
+    engine_factory: EngineFactory,
+) -> None:
+    bomb = gzip.compress(b"{" + b" " * (4 << 20) + b"}")  # 4 KiB that inflate to 4 MiB
+    async with one_router(engine_factory, max_body_bytes=1 << 20) as router:
+        for body, status, words in (
+            (b"not gzip at all", 400, "could not be decoded"),
+            (gzip.compress(CHAT)[:-8], 400, "could not be decoded"),  # cut short
+            (bomb, 413, "larger than"),
+        ):
+            async with connection(router) as (reader, writer):
+                writer.write(encoded(body, b"gzip"))
+                got, _, answer = await read_response(reader)
+                assert got == status and words in orjson.loads(answer)["error"]["message"]
+
+
+async def test_an_http_1_0_client_gets_whole_and_streamed_answers_then_the_close(
+    engine_factory: EngineFactory,
+) -> None:
+    async with one_router(engine_factory) as router:
+        for body, check in ((CHAT, is_completion), (STREAMED, is_stream)):
+            async with connection(router) as (reader, writer):
+                http10 = request(b"POST", b"/v1/chat/completions", body).replace(b"1.1", b"1.0", 1)
+                # It may ask to keep the connection; the router closes it all the same.
+                writer.write(http10.replace(b"Host: x", b"Host: x\r\nConnection: keep-alive"))
                 status, headers, answer = await read_response(reader)
                 assert status == 200 and check(answer), answer
-                assert headers[b"x-kvrouter-worker"] == b"w0"
-                assert b"date" in headers
-            writer.write(request(b"GET", b"/health"))
-            status, _, answer = await read_response(reader)
-            assert status == 200 and orjson.loads(answer)["status"] == "ok"
-        assert app_paths == ["/health"]  # the app saw only what the front handed it
+                assert b"transfer-encoding" not in headers  # no chunks for HTTP/1.0
+                assert headers[b"connection"] == b"close"
+                assert await reader.read() == b""
 
 
-async def test_pipelined_requests_are_answered_in_order_across_both_servers(
+async def test_head_gets_the_head_alone_and_a_wrong_route_a_json_error(
     engine_factory: EngineFactory,
 ) -> None:
-    async with router_seen_by_app(engine_factory) as (router, app_paths):
-        async with connection(router) as (reader, writer):
-            writer.write(
-                request(b"POST", b"/v1/chat/completions", CHAT)
-                + request(b"GET", b"/health")
-                + request(b"POST", b"/v1/chat/completions", STREAMED)
-                + request(b"GET", b"/v1/models")
-                + request(b"POST", b"/v1/chat/completions", CHAT)
-            )
-            answers = [await read_response(reader) for _ in range(5)]
-        assert [status for status, _, _ in answers] == [200] * 5
-        assert is_completion(answers[0][2]) and is_completion(answers[4][2])
-        assert orjson.loads(answers[1][2])["status"] == "ok"
-        assert is_stream(answers[2][2])
-        assert orjson.loads(answers[3][2])["data"][0]["id"] == TEST_MODEL
-        assert app_paths == ["/health", "/v1/models"]
+    async with one_router(engine_factory) as router, connection(router) as (reader, writer):
+        writer.write(request(b"HEAD", b"/health") + request(b"GET", b"/nowhere"))
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"Content-Length: " in head
+        status, _, answer = await read_response(reader)  # the HEAD had no body
+        assert status == 404 and orjson.loads(answer)["error"]["code"] == 404
 
 
-async def test_what_the_front_does_not_serve_itself_the_app_still_does(
-    engine_factory: EngineFactory,
-) -> None:
-    async with router_seen_by_app(engine_factory) as (router, app_paths):
-        async with connection(router) as (reader, writer):
-            # A gzip body (the app decodes it) and a chunked one (the front's parser
-            # does), on one keep-alive connection.
-            writer.write(
-                request(b"POST", b"/v1/chat/completions", gzip.compress(CHAT)).replace(
-                    b"Content-Type", b"Content-Encoding: gzip\r\nContent-Type"
-                )
-            )
-            status, _, answer = await read_response(reader)
-            assert status == 200 and is_completion(answer), answer
-            chunks = b"%x\r\n%s\r\n0\r\n\r\n" % (len(CHAT), CHAT)
-            writer.write(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                b"Transfer-Encoding: chunked\r\n\r\n" + chunks
-            )
-            status, _, answer = await read_response(reader)
-            assert status == 200 and is_completion(answer), answer
-        async with connection(router) as (reader, writer):
-            # HTTP/1.0: the app answers, and the connection ends with the answer.
-            writer.write(request(b"POST", b"/v1/chat/completions", CHAT).replace(b"1.1", b"1.0", 1))
-            status, _, answer = await read_response(reader)
-            assert status == 200 and is_completion(answer), answer
-            assert await reader.read() == b""
-        assert app_paths == ["/v1/chat/completions", "/v1/chat/completions"]
+def test_no_module_of_the_router_runs_a_second_http_server() -> None:
+    """aiohttp is the router's client only (probes, scrapes, discovery)."""
+    root = Path(__file__).parent.parent / "router"
+    servers = [
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if re.search(r"from aiohttp import .*\bweb\b|aiohttp\.web|aiohttp\.web_", path.read_text())
+    ]
+    assert servers == []
 
 
 async def test_a_head_that_never_ends_is_refused_before_it_fills_memory(
@@ -191,7 +224,7 @@ async def test_a_client_that_leaves_mid_stream_frees_its_worker(
         async with connection(router) as (reader, writer):
             writer.write(request(b"POST", b"/v1/chat/completions", long))
             await reader.readuntil(b"data: ")  # the stream has begun
-        worker = router.app[STATE_KEY].router.fleet.workers["w0"]
+        worker = router.state.router.fleet.workers["w0"]
         for _ in range(100):
             if worker.outstanding_requests == 0:
                 break
@@ -269,7 +302,7 @@ async def test_a_request_without_one_host_is_refused_and_engines_stay_anonymous(
     engine_factory: EngineFactory,
 ) -> None:
     chat = request(b"POST", b"/v1/chat/completions", CHAT)
-    async with router_seen_by_app(engine_factory) as (router, _):
+    async with one_router(engine_factory) as router:
         async with connection(router) as (reader, writer):
             writer.write(chat)
             status, headers, _ = await read_response(reader)
@@ -290,7 +323,7 @@ async def test_a_pipelined_request_waiting_for_100_continue_gets_it_in_its_turn(
     engine_factory: EngineFactory,
 ) -> None:
     async with (
-        router_seen_by_app(engine_factory) as (router, _),
+        one_router(engine_factory) as router,
         connection(router) as (reader, writer),
     ):
         waiting = request(b"POST", b"/v1/chat/completions", b"", b"Expect: 100-continue")

@@ -19,7 +19,6 @@ from bench.loopback import serve_on_loopback
 from router.config import HealthConfig, WorkerConfig
 from router.health import MAX_PROBE_BODY_BYTES, HealthProber
 from router.index import LocalPrefixIndex
-from router.state import STATE_KEY
 from router.workers import Fleet, Worker
 from tests.conftest import EngineFactory, RunningEngine, RunningRouter, router_config, serve_router
 from tests.router_client import engines, set_faults, wait_for
@@ -64,7 +63,7 @@ async def serve_odd(odd: OddWorker) -> AsyncIterator[str]:
 
 
 def healthy(router: RunningRouter) -> set[str]:
-    return {w.name for w in router.app[STATE_KEY].router.fleet.all() if w.healthy}
+    return {w.name for w in router.state.router.fleet.all() if w.healthy}
 
 
 async def _healthy_are(router: RunningRouter, expected: set[str]) -> bool:
@@ -115,7 +114,7 @@ async def test_garbage_metrics_from_one_worker_do_not_stop_the_prober(
     ):
         workers = (WorkerConfig(fleet[0].url, name="w0"), WorkerConfig(odd_url, name="odd"))
         async with serve_router(router_config([], workers=workers, health=FAST_PROBES)) as router:
-            worker = router.app[STATE_KEY].router.fleet.workers["odd"]
+            worker = router.state.router.fleet.workers["odd"]
             capacity = worker.capacity_tokens
             # Not UTF-8: the lines that are readable still count.
             odd.metrics_body = b"# " + NOT_UTF8 + b"\nvllm:num_requests_running 3\n"

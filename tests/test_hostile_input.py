@@ -16,10 +16,9 @@ import pytest
 from bench.fuzz_client import Answer, RawRequest, send
 from policies.base import Decision, RouteRequest, WorkerView
 from policies.round_robin import RoundRobinPolicy
-from router.front_request import DECODED_CODINGS
+from router.edge.decoding import DECODED_CODINGS
 from router.parse import parse_request
 from router.policy_slot import ActivePolicy
-from router.state import STATE_KEY
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import assert_idle, chat_body, conversation, engines, metric, post
 
@@ -212,7 +211,6 @@ def test_a_session_header_with_any_surrogate_has_a_key() -> None:
 async def test_a_method_the_path_does_not_have_is_a_json_405_that_names_those_it_has(
     engine_factory: EngineFactory,
 ) -> None:
-    # The error middleware rewrote aiohttp's 405 as JSON and dropped its Allow header.
     async with guarded_router(engine_factory) as router:
         answer = await raw(router, RawRequest(b"POST", b"/health", ()))
         port = int(router.url.rsplit(":", 1)[1])
@@ -376,7 +374,7 @@ async def test_an_unexpected_error_is_a_json_500_and_the_router_goes_on(
         serve_router(router_config(fleet)) as router,
         aiohttp.ClientSession() as http,
     ):
-        slot = router.app[STATE_KEY].router.policies
+        slot = router.state.router.policies
         working = slot.current
         assert slot.install(ActivePolicy("round_robin", {}, working.version + 1, _BrokenPolicy()))
         result = await post(http, router.url, chat_body(conversation("bug", 10, 5)))

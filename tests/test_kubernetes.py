@@ -17,7 +17,6 @@ from bench.loopback import serve_on_loopback
 from router.backoff import Backoff
 from router.config import DiscoveryConfig, KubernetesConfig
 from router.kubernetes import MAX_EVENT_BYTES, slice_workers
-from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import engines, wait_for
 
@@ -91,7 +90,7 @@ class FakeApiServer:
 
 
 def names(router: RunningRouter) -> set[str]:
-    return set(router.app[STATE_KEY].router.fleet.workers)
+    return set(router.state.router.fleet.workers)
 
 
 def test_slice_workers_skips_unready_endpoints_and_picks_the_named_port() -> None:

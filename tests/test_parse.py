@@ -25,7 +25,6 @@ from router.config_loader import load_config
 from router.errors import BadRequest, ConfigError
 from router.parse import DEFAULT_LIMITS, ClientRequest, parse_request
 from router.prefix import render_prompt
-from router.state import STATE_KEY
 from tests.conftest import TEST_MODEL, EngineFactory, router_config, serve_router
 from tests.router_client import WORKER, chat_body, conversation, engines, metric, post
 
@@ -282,7 +281,7 @@ async def test_the_router_remembers_sessions_by_digest(engine_factory: EngineFac
             router.config.prefix.key_block_bytes,
         ).session_key
         assert key is not None and len(key) == 32
-        assert router.app[STATE_KEY].router.learner.sessions.get(key) is not None
+        assert router.state.router.learner.sessions.get(key) is not None
 
 
 async def test_a_session_header_that_is_not_utf8_is_routed(engine_factory: EngineFactory) -> None:

@@ -16,6 +16,6 @@ def test_visits_and_returns_are_counted_from_the_sequence() -> None:
 async def test_a_chat_request_is_traced_from_the_routers_front_through_a_policy() -> None:
     walk = await walk_one("chat", stream=False, compressed=False)
     # The request's bytes arrive at the front first: no engine ran router code before.
-    assert walk.visits[0] == "router/front.py", walk.visits[:5]
+    assert walk.visits[0] == "router/edge/connection.py", walk.visits[:5]
     assert "router/proxy.py" in walk.visits and "router/routing.py" in walk.visits
     assert any(path.startswith("policies/") for path in walk.visits)

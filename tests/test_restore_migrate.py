@@ -13,7 +13,6 @@ from typing import Any
 import aiohttp
 
 from bench.textgen import text_for
-from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import BLOCK, Streamed, chat_body, conversation, metric, post
 
@@ -140,7 +139,7 @@ async def test_migrating_onto_a_worker_restored_in_place_survives_its_restart_be
         await call(http, "POST", f"{source_url}/sim/checkpoint", {"path": str(checkpoint)})
         await call(http, "POST", f"{target_url}/sim/restore", {"path": str(checkpoint)})
         await call(http, "POST", f"{router.url}/admin/workers/{source}/migrate", {"to": target})
-        await router.app[STATE_KEY].prober.scrape_all()  # the scrape after the migrate
+        await router.state.prober.scrape_all()  # the scrape after the migrate
         await call(http, "DELETE", f"{router.url}/admin/workers/{source}")
         after = await turn(http, router, history, "inplace")
         predicted = await metric(

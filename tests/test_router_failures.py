@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loopback import serve_on_loopback
 from router.config import HealthConfig, UpstreamConfig, WorkerConfig
-from router.state import STATE_KEY
 from tests.conftest import (
     TEST_MODEL,
     EngineFactory,
@@ -523,7 +522,7 @@ async def test_a_worker_that_fails_its_probe_gives_up_its_unanswered_requests(
             assert (await sent).worker == "w1"
         assert received.is_set()
         failing.set()
-        await router.app[STATE_KEY].prober.probe_all()  # the next health round
+        await router.state.prober.probe_all()  # the next health round
         result = await asyncio.wait_for(sent, 10)  # a safety bound: without the fix, 60-600 s
         assert result.status == 200 and result.worker == "w1"
         assert await metric(http, router, "kvrouter_retries_total", worker="w0") == 1

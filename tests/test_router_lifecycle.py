@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from router.config import HealthConfig, StateConfig
-from router.state import STATE_KEY
 from tests.conftest import EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import chat_body, conversation, engines, metric, post, set_faults, wait_for
 
@@ -15,7 +14,7 @@ FAST_PROBES = HealthConfig(interval_s=0.05, timeout_s=1.0)
 
 
 def resident(router: RunningRouter, worker: str) -> int:
-    return router.app[STATE_KEY].router.index.resident_blocks(worker)
+    return router.state.router.index.resident_blocks(worker)
 
 
 async def test_a_restart_purges_the_workers_entries(engine_factory: EngineFactory) -> None:

@@ -14,7 +14,6 @@ import redis.asyncio as aioredis
 from bench.textgen import text_for
 from router.config import CapacityConfig, RouterConfig, StateConfig
 from router.shared.index import SharedPrefixIndex
-from router.state import STATE_KEY
 from tests.conftest import (
     EngineFactory,
     RedisServer,
@@ -62,7 +61,7 @@ async def synced(http: aiohttp.ClientSession, routers: list[RunningRouter]) -> N
 
 async def published(http: aiohttp.ClientSession, router: RunningRouter) -> None:
     """Wait until the replica has sent every index change it made."""
-    index = router.app[STATE_KEY].router.index
+    index = router.state.router.index
     assert isinstance(index, SharedPrefixIndex)
 
     async def done() -> bool:
@@ -132,7 +131,7 @@ async def test_a_restarted_replica_starts_warm(
             await published(http, first)
         assert len(set(placed.values())) > 1  # spread, so a lucky guess cannot pass
         async with serve_router(shared_config(fleet, redis_url, seed=2)) as second:
-            assert second.app[STATE_KEY].router.index.size() > 0
+            assert second.state.router.index.size() > 0
             for key, messages in sessions.items():
                 again = await post(http, second.url, chat_body(messages, max_tokens=4))
                 assert again.headers["X-Kvrouter-Worker"] == placed[key]
@@ -152,13 +151,13 @@ async def test_load_is_shared_and_expires_with_its_replica(
             async with held_stream(http, a.url, body):
 
                 async def b_sees_it() -> bool:
-                    return sum(w.remote_requests for w in b.app[STATE_KEY].router.fleet.all()) == 1
+                    return sum(w.remote_requests for w in b.state.router.fleet.all()) == 1
 
                 await wait_for(b_sees_it)
 
         # a is gone: its contribution expires instead of counting forever.
         async def expired() -> bool:
-            return all(w.remote_requests == 0 for w in b.app[STATE_KEY].router.fleet.all())
+            return all(w.remote_requests == 0 for w in b.state.router.fleet.all())
 
         await wait_for(expired, timeout_s=5)
 

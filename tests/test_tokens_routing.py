@@ -18,7 +18,6 @@ from router.config import PrefixConfig, WorkerConfig
 from router.errors import ConfigError
 from router.prefix import chain_seed, prefix_key
 from router.serve_cli import flag_overrides
-from router.state import STATE_KEY
 from router.tokens.engine import token_ids_of
 from router.wire.blocks import token_bytes
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
@@ -44,7 +43,7 @@ def tokens_config(fleet: Any, model_dir: Path) -> Any:
 
 
 def resident_tokens(router: RunningRouter, worker: str) -> int:
-    state = router.app[STATE_KEY]
+    state = router.state
     return state.router.index.resident_blocks(worker) * state.router.block_tokens
 
 
@@ -148,7 +147,7 @@ async def test_a_completion_is_keyed_by_the_engines_tokens_too(
         serve_router(tokens_config(fleet, model_dir)) as router,
         aiohttp.ClientSession() as http,
     ):
-        index = router.app[STATE_KEY].router.index
+        index = router.state.router.index
         for prompt, expected in ((text, reference(text)["input_ids"]), (ids, ids)):
             body = {"model": TEST_MODEL, "prompt": prompt, "max_tokens": 1}
             async with http.post(router.url + "/v1/completions", json=body) as response:

@@ -10,7 +10,6 @@ import aiohttp
 from bench.ports import free_port_run
 from bench.sim.fleet import fleet, start_engine, stop, wait_healthy
 from router.config import HealthConfig, WorkerConfig
-from router.state import STATE_KEY
 from tests.conftest import router_config, serve_router
 from tests.router_client import chat_body, conversation, metric, parse_sse, wait_for
 
@@ -44,7 +43,7 @@ async def test_a_killed_worker_costs_no_request_that_had_not_started() -> None:
         workers = tuple(WorkerConfig(e.url, name=f"w{i}") for i, e in enumerate(engines))
         config = router_config([], workers=workers, policy="round_robin", health=PROBES)
         async with serve_router(config) as router:
-            state = router.app[STATE_KEY].router
+            state = router.state.router
             outcomes: list[str] = []
             stop_at = time.monotonic() + 3.0
             load = [

@@ -21,19 +21,23 @@ answers as itself only. On the public port:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
-from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
 from router.config import WorkerConfig
+from router.edge.routes import Answer, Call, Handler, Request
 from router.processes import exposition
 from router.processes.slot import ProcessSlot
-from router.state import STATE_KEY, RouterState
+from router.state import RouterState
+
+if TYPE_CHECKING:
+    from router.edge.server import RouterServer
 
 log = logging.getLogger(__name__)
 
@@ -91,81 +95,73 @@ class Siblings:
             await session.close()
 
 
-SIBLINGS_KEY = web.AppKey("kvrouter_siblings", Siblings)
+def _from_sibling(request: Request) -> bool:
+    """Whether the request came in on this process's own socket: then it is answered as
+    this process alone."""
+    return request.via_socket_path
 
 
-def _from_sibling(request: web.Request) -> bool:
-    """Whether the request came in on this process's own socket (a path, not an
-    address): then it is answered as this process alone."""
-    transport = request.transport
-    return transport is None or isinstance(transport.get_extra_info("sockname"), str)
+def _passed(request: Request) -> dict[str, str]:
+    wanted = {h.lower().encode(): h for h in PASSED_HEADERS}
+    return {
+        wanted[k.lower()]: v.decode("latin-1") for k, v in request.headers if k.lower() in wanted
+    }
 
 
-def _passed(request: web.Request) -> dict[str, str]:
-    return {h: request.headers[h] for h in PASSED_HEADERS if h in request.headers}
+def _group_metrics(siblings: Siblings, slot: ProcessSlot) -> Callable[[Handler], Handler]:
+    """``GET /metrics`` on the public port: every process's, merged."""
+
+    def wrap(own_metrics: Handler) -> Handler:
+        async def group_metrics(call: Call) -> Answer | None:
+            own = await own_metrics(call)
+            if own is None or own.status != 200 or _from_sibling(call.request):
+                return own
+            headers = _passed(call.request)
+            replies = await asyncio.gather(
+                *(siblings.call(i, "GET", "/metrics", headers) for i in siblings.indexes)
+            )
+            scrapes: list[tuple[int, bytes | None]] = [(slot.index, own.body)]
+            for index, reply in zip(siblings.indexes, replies, strict=True):
+                scrapes.append((index, reply[1] if reply is not None and reply[0] == 200 else None))
+            return replace(own, body=exposition.merge(scrapes))
+
+        return group_metrics
+
+    return wrap
 
 
-async def _group_metrics(
-    request: web.Request, own: web.Response, slot: ProcessSlot
-) -> web.StreamResponse:
-    body = own.body
-    if not isinstance(body, bytes):
-        return own
-    siblings = request.app[SIBLINGS_KEY]
-    headers = _passed(request)
-    replies = await asyncio.gather(
-        *(siblings.call(i, "GET", "/metrics", headers) for i in siblings.indexes)
-    )
-    scrapes: list[tuple[int, bytes | None]] = [(slot.index, body)]
-    for index, reply in zip(siblings.indexes, replies, strict=True):
-        scrapes.append((index, reply[1] if reply is not None and reply[0] == 200 else None))
-    return web.Response(
-        body=exposition.merge(scrapes),
-        headers={"Content-Type": own.headers.get("Content-Type", "text/plain")},
-    )
+def _fanned_out(siblings: Siblings, slot: ProcessSlot) -> Callable[[Handler], Handler]:
+    """An admin change of this process's fleet, made on every sibling once it took here."""
 
+    def wrap(change: Handler) -> Handler:
+        async def on_every_process(call: Call) -> Answer | None:
+            answer = await change(call)
+            request = call.request
+            if answer is None or answer.status >= 300 or _from_sibling(request):
+                return answer
+            headers = _passed(request)
+            target = request.target.decode("latin-1")
+            replies = await asyncio.gather(
+                *(
+                    siblings.call(i, request.method, target, headers, request.body)
+                    for i in siblings.indexes
+                )
+            )
+            applied = 1
+            for index, reply in zip(siblings.indexes, replies, strict=True):
+                if reply is not None and reply[0] < 300:
+                    applied += 1
+                else:
+                    log.warning(
+                        "%s %s took on this process but not on process %d (%s)",
+                        request.method, request.path, index,
+                        "no answer" if reply is None else f"status {reply[0]}",
+                    )  # fmt: skip
+            return answer.with_header(APPLIED_HEADER.encode(), f"{applied}/{slot.count}".encode())
 
-async def _fan_out(request: web.Request, response: web.StreamResponse, slot: ProcessSlot) -> None:
-    siblings = request.app[SIBLINGS_KEY]
-    body, headers = await request.read(), _passed(request)
-    method, path = request.method, request.path_qs
-    replies = await asyncio.gather(
-        *(siblings.call(i, method, path, headers, body) for i in siblings.indexes)
-    )
-    applied = 1
-    for index, reply in zip(siblings.indexes, replies, strict=True):
-        if reply is not None and reply[0] < 300:
-            applied += 1
-        else:
-            log.warning(
-                "%s %s took on this process but not on process %d (%s)",
-                request.method, request.path, index,
-                "no answer" if reply is None else f"status {reply[0]}",
-            )  # fmt: skip
-    response.headers[APPLIED_HEADER] = f"{applied}/{slot.count}"
+        return on_every_process
 
-
-def group_middleware(slot: ProcessSlot) -> Middleware:
-    @web.middleware
-    async def for_the_group(request: web.Request, handler: Handler) -> web.StreamResponse:
-        response = await handler(request)
-        path = request.path  # checked first: a completion passes with two comparisons
-        if path == "/metrics":
-            if (
-                request.method == "GET"
-                and response.status == 200
-                and isinstance(response, web.Response)
-                and not _from_sibling(request)
-            ):
-                return await _group_metrics(request, response, slot)
-        elif path.startswith("/admin/workers") and response.status < 300:
-            resource = request.match_info.route.resource
-            route = resource.canonical if resource is not None else ""
-            if (request.method, route) in FANNED_OUT and not _from_sibling(request):
-                await _fan_out(request, response, slot)
-        return response
-
-    return for_the_group
+    return wrap
 
 
 def take_membership(state: RouterState, listed: list[dict[str, Any]]) -> None:
@@ -199,19 +195,16 @@ async def _catch_up(state: RouterState, siblings: Siblings) -> None:
         return
 
 
-def attach(app: web.Application, slot: ProcessSlot) -> None:
-    """Make ``app`` (``create_app``'s, not yet started) a member of the group."""
-    app.middlewares.append(group_middleware(slot))
-
-    async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
-        siblings = Siblings(slot)
-        app[SIBLINGS_KEY] = siblings
-        try:
-            state = app[STATE_KEY]
-            if state.config.admin_token:
-                await _catch_up(state, siblings)
-            yield
-        finally:
-            await siblings.aclose()
-
-    app.cleanup_ctx.append(siblings_ctx)
+@contextlib.asynccontextmanager
+async def joined(server: RouterServer, slot: ProcessSlot) -> AsyncIterator[None]:
+    """Make ``server`` (running, not yet listening) a member of the group, until exit."""
+    siblings = Siblings(slot)
+    try:
+        server.routes.wrap("GET", "/metrics", _group_metrics(siblings, slot))
+        if server.config.admin_token:
+            for method, route in FANNED_OUT:
+                server.routes.wrap(method, route, _fanned_out(siblings, slot))
+            await _catch_up(server.state, siblings)
+        yield
+    finally:
+        await siblings.aclose()

@@ -61,10 +61,10 @@ RESTART_FIRST_S = 0.5
 RESTART_MAX_S = 30.0
 STABLE_S = 30.0  # a process that ran this long before it exited restarts without delay
 STORE_READY_S = 10.0
-# A process is up once its cleanup contexts ran: the first health probe of every worker
+# A process is up once its state runs: the first health probe of every worker
 # (health.timeout_s) and the first read of the shared state.
 START_TIMEOUT_S = 120.0
-# aiohttp gives requests in flight 60 s after SIGTERM (AppRunner's shutdown_timeout).
+# A process gives requests in flight 60 s after SIGTERM (router.edge.server).
 STOP_GRACE_S = 65.0
 STORE_STOP_S = 5.0
 PR_SET_PDEATHSIG = 1

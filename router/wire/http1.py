@@ -1,4 +1,4 @@
-"""HTTP/1.1 responses as bytes, for the router's own server (``router.front``).
+"""HTTP/1.1 responses as bytes, for the router's own server (``router.edge``).
 
 The facts of the wire in one place: status lines, header blocks, chunked framing and the
 Date header. Header names and values are bytes as they came from the worker (or as the

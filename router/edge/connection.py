@@ -1,28 +1,24 @@
-"""The router's HTTP/1.1 server: one ``FrontConnection`` per client connection.
+"""The router's HTTP/1.1 server: one ``ClientConnection`` per client connection.
 
-httptools parses every request. The four generation routes (chat, completions, Responses,
-Messages: ``front_request.HOT_ROUTES``) over HTTP/1.1 with a plain body are served here,
-by ``router.proxy.serve``; every other request (other routes, HTTP/1.0, a Content-Encoding)
-is handed to the aiohttp app through ``router.bridge``, which answers as it always has.
-The hot path so costs what httptools and the router's own work cost, without aiohttp's
-request and response objects, middleware chain and route table.
-
-What no request may exceed is enforced here, for every route, before either server sees
-it (aiohttp's own limits where it has them):
+httptools parses every request; every request is answered here, by the handler the
+route table (``router.edge.routes``) names for its method and path, whatever its
+headers or HTTP version. What no request may exceed is enforced before any handler runs:
 
 * the request target and each header name and value: 8,190 bytes; 128 headers; the head
   as a whole 1 MiB (httptools would buffer an unterminated header without end);
-* the body: ``max_body_bytes`` (413), within ``clients.body_timeout_s`` of the headers
-  (408); either closes the connection, since the rest of the body may still come;
+* the body: ``max_body_bytes`` (413), as sent and as decoded, within
+  ``clients.body_timeout_s`` of the headers (408); either closes the connection, since
+  the rest of the body may still come;
 * idle, or still sending its request line and headers: ``clients.keepalive_timeout_s``;
 * ``Expect``: ``100-continue`` is answered, any other expectation refused (417);
-* ``Content-Encoding``: one aiohttp decodes (gzip, deflate; br and zstd with their
-  packages), else 415;
+* ``Content-Encoding``: one the router decodes (``router.edge.decoding``), else 415;
 * bytes that are not HTTP: a JSON 400, and the connection closed.
 
+Then, once per request: the route's guard (``router.edge.guards``), the body decoded,
+the handler, and any ``RouterError`` rendered in the shape of the path's API.
+
 Requests on one connection are answered in order (pipelined ones wait their turn; the
-connection stops reading while they do). A client that leaves cancels its request, as
-aiohttp's ``handler_cancellation`` does.
+connection stops reading while they do). A client that leaves cancels its request.
 """
 
 from __future__ import annotations
@@ -32,40 +28,28 @@ import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import httptools
 import orjson
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from router.apis.kinds import APIS
+from router.apis.kinds import error_body_for
+from router.edge import guards
+from router.edge.decoding import DECODED_CODINGS, decode, undecodable
+from router.edge.message import MAX_HEAD_BYTES, MAX_TARGET_BYTES, Message, Refused
+from router.edge.reply import ConnectionReply
+from router.edge.routes import Call, Guard, Request, Routes
 from router.errors import (
     BadRequest,
     ExpectationFailed,
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
-    Unauthenticated,
 )
-from router.front_request import (
-    DECODED_CODINGS,
-    HOT_ROUTES,
-    MAX_HEAD_BYTES,
-    MAX_TARGET_BYTES,
-    Message,
-    Refused,
-    as_bytes,
-    authorized_by,
-    undecodable,
-)
-from router.proxy import serve
 from router.state import RouterState
 from router.wire import http1
 from router.wire.http1 import MAX_FIELD_BYTES, MAX_HEADERS
-from router.wire.kinds import Kind
-
-if TYPE_CHECKING:
-    from router.bridge import Bridge
 
 log = logging.getLogger(__name__)
 
@@ -76,16 +60,17 @@ LINGER_S = 2.0
 LINGER_BYTES = 256 * 1024 * 1024
 
 
-class FrontConnection(asyncio.Protocol):
+class ClientConnection(asyncio.Protocol):
     def __init__(
         self,
-        state: RouterState | None,
-        make_bridge: Callable[[Callable[[bool], None]], Bridge],
-        on_closed: Callable[[FrontConnection], None],
+        state: RouterState,
+        routes: Routes,
+        on_closed: Callable[[ClientConnection], None],
     ) -> None:
         self._state = state
-        self._make_bridge = make_bridge
+        self._routes = routes
         self._on_closed = on_closed
+        self._via_socket_path = False
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
@@ -95,7 +80,6 @@ class FrontConnection(asyncio.Protocol):
         self._queue: deque[Message | Refused] = deque()  # received, awaiting their turn
         self._busy = False  # a request of this connection is being answered
         self._task: asyncio.Task[None] | None = None
-        self._bridge: Bridge | None = None
         self._refused = False  # no more requests are read
         self._closing = False  # close once the current request is answered
         self._reading_paused = False
@@ -112,7 +96,8 @@ class FrontConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        tcp_keepalive(self._transport)  # as aiohttp's server: dead peers are found
+        tcp_keepalive(self._transport)  # dead peers are found
+        self._via_socket_path = isinstance(transport.get_extra_info("sockname"), str)
         self._arm_idle()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -122,8 +107,6 @@ class FrontConnection(asyncio.Protocol):
                 timer.cancel()
         if self._task is not None:
             self._task.cancel()  # the client left: its request ends (handler_cancellation)
-        if self._bridge is not None:
-            self._bridge.connection_lost(exc)
         if self._drained is not None and not self._drained.done():
             self._drained.set_exception(ConnectionResetError("the client went away"))
         self._queue.clear()
@@ -132,15 +115,11 @@ class FrontConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
-        if self._bridge is not None:
-            self._bridge.pause_writing()
 
     def resume_writing(self) -> None:
         self._write_paused = False
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
-        if self._bridge is not None:
-            self._bridge.resume_writing()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -154,8 +133,8 @@ class FrontConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            # An Upgrade the router does not do: the request is answered (by the app,
-            # which refuses it) and the connection ends there.
+            # An Upgrade the router does not do: the request is answered as if it
+            # asked for none, and the connection ends there.
             self._stop_reading()
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
@@ -209,7 +188,6 @@ class FrontConnection(asyncio.Protocol):
         message.keep_alive = parser.should_keep_alive()
         state = self._state
         length: int | None = None
-        plain = True
         hosts = 0
         for name, value in message.headers:
             key = name.lower()
@@ -229,15 +207,13 @@ class FrontConnection(asyncio.Protocol):
                 coding = value.strip().lower()
                 if coding not in DECODED_CODINGS:
                     raise Refused(undecodable(value))
-                plain = plain and coding == b"identity"
+                message.coding = coding
         if hosts > 1 or (hosts == 0 and message.version == "1.1"):
             # RFC 9112 section 3.2: a 400 for either; two Hosts are two answers to which
             # server is meant, one a proxy in front may have read differently.
             raise Refused(BadRequest("malformed HTTP request: exactly one Host header is needed"))
-        if state is not None and length is not None and length > state.config.max_body_bytes:
+        if length is not None and length > state.config.max_body_bytes:
             raise Refused(self._too_large())
-        if plain and message.method == b"POST" and message.version == "1.1":
-            message.kind = HOT_ROUTES.get(message.url.partition(b"?")[0])
         if not self._busy:
             self._send_continue()
 
@@ -260,8 +236,7 @@ class FrontConnection(asyncio.Protocol):
         assert message is not None
         message.body.append(body)
         message.body_bytes += len(body)
-        state = self._state
-        if state is not None and message.body_bytes > state.config.max_body_bytes:
+        if message.body_bytes > self._state.config.max_body_bytes:
             raise Refused(self._too_large())
 
     def on_message_complete(self) -> None:
@@ -299,10 +274,8 @@ class FrontConnection(asyncio.Protocol):
         if isinstance(item, Refused):
             self._answer_error(item.error, close=True)
             self._linger_close()
-        elif item.kind is not None and self._state is not None:
-            self._task = self._loop.create_task(self._serve(item, item.kind, self._state))
         else:
-            self._hand_to_app(item)
+            self._task = self._loop.create_task(self._serve(item))
 
     def _finished(self, keep_alive: bool) -> None:
         self._busy = False
@@ -311,16 +284,33 @@ class FrontConnection(asyncio.Protocol):
             self._closing = True
         self._next()
 
-    async def _serve(self, message: Message, kind: Kind, state: RouterState) -> None:
-        reply = _Reply(self, message.keep_alive and not self._closing)
-        body = message.body[0] if len(message.body) == 1 else b"".join(message.body)
+    async def _serve(self, message: Message) -> None:
+        state = self._state
+        method = message.method.decode("latin-1")
+        raw_path = message.url.partition(b"?")[0]
+        path = raw_path.decode("latin-1")
+        keep_alive = message.keep_alive and not self._closing
+        reply = ConnectionReply(self, keep_alive, message.version != "1.1", method == "HEAD")
         try:
-            bearers = state.accepted_bearers
-            if bearers and not authorized_by(message.headers, bearers):
-                raise Unauthenticated("missing or invalid API key")
-            await serve(state, kind, body, message.headers, reply)
+            try:
+                route, params = self._routes.match(method, raw_path)
+            except RouterError:
+                if path.startswith("/v1/"):  # no route; one there would need a key
+                    guards.check(Guard.CLIENT, message.headers, state)
+                raise
+            guards.check(route.guard, message.headers, state)
+            body = message.whole_body()
+            if message.coding != b"identity":
+                body = decode(body, message.coding, state.config.max_body_bytes)
+            request = Request(
+                method, path, message.url, message.headers, body, params, self._via_socket_path
+            )
+            answer = await route.handler(Call(state, request, reply))
+            if answer is not None:
+                await reply.whole(answer.status, answer.headers, answer.body)
         except RouterError as exc:
-            exc.shape = APIS[kind].error_body
+            if exc.shape is None:
+                exc.shape = error_body_for(path)
             if reply.started:  # a bug of ours: errors are raised before the answer starts
                 log.error("error after the answer began: %r", exc)
                 reply.keep_alive = False
@@ -328,48 +318,31 @@ class FrontConnection(asyncio.Protocol):
             if exc.status >= 400:
                 state.metrics.rejected.labels(str(exc.status)).inc()
             reply.keep_alive = reply.keep_alive and not exc.closes_connection
-            self._answer_error(exc, close=not reply.keep_alive)
+            self._answer_error(exc, close=not reply.keep_alive, head_only=method == "HEAD")
             reply.ended = True
         except (asyncio.CancelledError, ConnectionError):
             reply.keep_alive = False  # the client went away (the proxy counted it)
         except Exception:
-            log.exception("unexpected error serving POST %s", message.url.decode("latin-1"))
+            log.exception("unexpected error serving %s %s", method, path)
             reply.keep_alive = False
             if not reply.started:
                 state.metrics.rejected.labels("500").inc()
                 error = RouterError("internal error")
-                error.shape = APIS[kind].error_body
+                error.shape = error_body_for(path)
                 self._answer_error(error, close=True)
         finally:
             self._finished(reply.keep_alive and reply.ended)
 
-    def _hand_to_app(self, message: Message) -> None:
-        if self._bridge is None:
-            assert self._transport is not None
-            self._bridge = self._make_bridge(self._finished)
-            self._bridge.attach(self._transport, self._bridge_closed)
-            if self._write_paused:
-                self._bridge.pause_writing()
-        self._bridge.data_received(as_bytes(message))
-
-    def _bridge_closed(self) -> None:
-        """The app closed the connection it was given: so does the front (after what it
-        wrote, which the transport flushes first)."""
-        self._queue.clear()
-        self._close()
-
-    def _answer_error(self, error: RouterError, close: bool) -> None:
+    def _answer_error(self, error: RouterError, close: bool, head_only: bool = False) -> None:
         transport = self._transport
         if transport is None or transport.is_closing():
             return
         headers = [*_JSON, *((k.encode(), v.encode()) for k, v in error.headers().items())]
         body = orjson.dumps(error.answer_body())
-        transport.write(
-            http1.head(error.status, headers, http1.content_length(len(body)), close) + body
-        )
+        head = http1.head(error.status, headers, http1.content_length(len(body)), close)
+        transport.write(head if head_only else head + body)
 
     def _too_large(self) -> RouterError:
-        assert self._state is not None
         limit = self._state.config.max_body_bytes
         return PayloadTooLarge(f"request body is larger than {limit} bytes")
 
@@ -384,7 +357,7 @@ class FrontConnection(asyncio.Protocol):
         if self._body_timer is not None:
             self._body_timer.cancel()
             self._body_timer = None
-        if refused.error.status >= 400 and self._state is not None:
+        if refused.error.status >= 400:
             self._state.metrics.rejected.labels(str(refused.error.status)).inc()
         self._queue.append(refused)
         self._next()
@@ -426,7 +399,7 @@ class FrontConnection(asyncio.Protocol):
             if self._transport is None:
                 raise ConnectionResetError("the client went away")
             self._drained = self._loop.create_future()
-            timeout = None if self._state is None else self._state.config.clients.write_timeout_s
+            timeout = self._state.config.clients.write_timeout_s
             try:
                 async with asyncio.timeout(timeout):
                     await self._drained
@@ -449,8 +422,6 @@ class FrontConnection(asyncio.Protocol):
     # -- timers -------------------------------------------------------------------------
 
     def _arm_idle(self) -> None:
-        if self._state is None:
-            return
         self._idle_until = self._loop.time() + self._state.config.clients.keepalive_timeout_s
         if self._idle_timer is None:
             self._idle_timer = self._loop.call_at(self._idle_until, self._idle_expired)
@@ -469,9 +440,8 @@ class FrontConnection(asyncio.Protocol):
         # else its body is arriving: the body timer bounds that
 
     def _arm_body_timer(self) -> None:
-        if self._state is not None:
-            timeout = self._state.config.clients.body_timeout_s
-            self._body_timer = self._loop.call_later(timeout, self._body_expired, timeout)
+        timeout = self._state.config.clients.body_timeout_s
+        self._body_timer = self._loop.call_later(timeout, self._body_expired, timeout)
 
     def _body_expired(self, timeout: float) -> None:
         self._body_timer = None
@@ -479,7 +449,7 @@ class FrontConnection(asyncio.Protocol):
             error = RequestTimeout(f"the request body did not arrive within {timeout:g} s")
             self._refuse(Refused(error))
 
-    # -- shutdown (aiohttp's web.Server calls these on every connection) ----------------
+    # -- shutdown (router.edge.server calls these on every connection) ------------------
 
     def close(self) -> None:
         """No more requests: the connection closes once the current one is answered."""
@@ -488,7 +458,7 @@ class FrontConnection(asyncio.Protocol):
         if not self._busy:
             self._close()
 
-    async def shutdown(self, timeout: float | None) -> None:  # noqa: ASYNC109 (aiohttp's)
+    async def shutdown(self, timeout: float | None) -> None:  # noqa: ASYNC109
         """Waits up to ``timeout`` for the request being answered, then ends it."""
         self.close()
         if self._busy:
@@ -503,47 +473,3 @@ class FrontConnection(asyncio.Protocol):
     def _set_done(self) -> None:
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
-
-
-class _Reply:
-    """``router.proxy.Reply`` on a front connection. A stream's head waits for its first
-    data, so that both leave in one write."""
-
-    __slots__ = ("_connection", "_head", "ended", "keep_alive", "started")
-
-    def __init__(self, connection: FrontConnection, keep_alive: bool) -> None:
-        self._connection = connection
-        self.keep_alive = keep_alive
-        self.started = False
-        self.ended = False
-        self._head = b""
-
-    async def whole(self, status: int, headers: http1.Headers, body: bytes) -> None:
-        self.started = True
-        close = not self.keep_alive
-        self._connection.write(
-            http1.head(status, headers, http1.content_length(len(body)), close) + body
-        )
-        self.ended = True
-
-    async def start(self, status: int, headers: http1.Headers) -> None:
-        self.started = True
-        self._head = http1.head(status, headers, http1.CHUNKED, not self.keep_alive)
-
-    async def write(self, data: bytes) -> None:
-        connection = self._connection
-        if self._head:
-            head, self._head = self._head, b""
-            connection.write(head + http1.chunk(data))
-        else:
-            connection.write(http1.chunk(data))
-        await connection.drain()
-
-    async def end(self, last: bytes = b"") -> None:
-        head, self._head = self._head, b""
-        tail = http1.chunk(last) + http1.LAST_CHUNK if last else http1.LAST_CHUNK
-        self._connection.write(head + tail)
-        self.ended = True
-
-    def client_gone(self) -> bool:
-        return self._connection.closed
