@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from enum import IntEnum
 
+from policies.base import Outcome
 from router.clock import monotonic
 
 DEFAULT_FAILURE_THRESHOLD = 5
@@ -108,6 +109,16 @@ class CircuitBreaker:
         self._failures += 1
         if self.state is BreakerState.CLOSED and self._failures >= self.failure_threshold:
             self._open()
+
+    def on_outcome(self, ticket: int, outcome: Outcome) -> None:
+        """How a request sent with ``ticket`` ended: a refusal (4xx) is the request's
+        fault, not the worker's; a client that left says nothing either way."""
+        if outcome in ("success", "rejected"):
+            self.on_success(ticket)
+        elif outcome == "client_disconnect":
+            self.on_abandoned(ticket)
+        else:
+            self.on_failure(ticket)
 
     def on_abandoned(self, ticket: int) -> None:
         """The request ended without a verdict (the client left): free the trial slot."""

@@ -197,6 +197,8 @@ class UpstreamConfig:
     # No retry starts this long after the request arrived (a client's patience); longer
     # than first_byte_timeout_s, so that a worker that hangs costs a retry.
     retry_deadline_s: float = 90.0
+    # Before the next worker is tried: 0 at once, else this, doubling with each failure.
+    retry_backoff_s: float = 0.0
     # Engines started with --api-key: sent as "Authorization: Bearer <key>" on every
     # request, probe and scrape the router makes of them (never the client's own).
     api_key: str = field(default="", repr=False)
@@ -210,6 +212,8 @@ class UpstreamConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
+        if self.retry_backoff_s < 0:
+            raise ConfigError("retry_backoff_s: must be >= 0")
         for name in ("max_connections", "max_connections_per_worker", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")

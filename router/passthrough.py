@@ -2,37 +2,37 @@
 (``count_tokens``, embeddings, ``/tokenize``, ``/detokenize``), or the one worker that
 stored a response (``GET /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel``).
 
-Nothing of these enters the index or the learning; each holds a lease on its worker
-while it runs, so the load the policies see counts it. A worker that cannot be reached,
+Nothing of these enters the index or the learning. Their attempts run in the same loop
+as the keyed routes' (``router.attempts``), through a ``PlainLifecycle``: the least
+loaded of the same eligible workers (``Worker.load``), a lease that counts as load
+while the request runs, the breaker told how it went. A worker that cannot be reached,
 or answers 5xx, before anything reached the client is replaced by the next least
-loaded, up to ``upstream.max_attempts``; a stored response has one worker, and its
-failure is the client's answer.
+loaded, as ``upstream.max_attempts`` and ``retry_deadline_s`` allow; a stored response
+has one worker, and its failure is the client's answer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
 
 import orjson
 
+from policies.base import Outcome
+from router.attempts import AttemptFailed, run_attempts
 from router.edge.routes import Call, Handler, Request
-from router.errors import (
-    ModelNotFound,
-    NoEligibleWorker,
-    RouterError,
-    UpstreamError,
-    UpstreamTimeout,
-)
+from router.lifecycle import PlainLifecycle
 from router.proxy import (
     FORWARDED_HEADERS,
     REQUEST_ID_HEADER,
     UPSTREAM_ERRORS,
     WORKER_HEADER,
     passed_on,
+    send_to,
+    server_error,
 )
 from router.state import RouterState
-from router.upstream import ConnectFailed, UpstreamResponse
+from router.upstream import UpstreamResponse
 from router.workers import Lease, Worker
 
 log = logging.getLogger(__name__)
@@ -48,21 +48,6 @@ def _model_of(raw: bytes) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
-def least_loaded(state: RouterState, model: str | None, tried: list[str]) -> Worker:
-    fleet = state.router.fleet
-    if model is not None and not fleet.serves(model):
-        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    if model is not None:
-        candidates = state.router.eligible(model, tried)
-    else:
-        candidates = [
-            w for w in fleet.all() if w.healthy and not w.draining and w.name not in tried
-        ]
-    if not candidates:
-        raise NoEligibleWorker("no healthy worker can take this request")
-    return min(candidates, key=lambda w: (w.outstanding_requests + w.remote_requests, w.name))
-
-
 def _headers_for_engine(request: Request, state: RouterState) -> bytes:
     lines = [
         b"%s: %s\r\n" % (name, value)
@@ -72,18 +57,8 @@ def _headers_for_engine(request: Request, state: RouterState) -> bytes:
     return b"".join(lines) + state.upstream_auth
 
 
-async def _open(state: RouterState, worker: Worker, request: Request) -> UpstreamResponse:
-    headers = _headers_for_engine(request, state)
-    try:
-        return await state.upstream.send(
-            worker.origin, request.target, headers, request.body, request.method.encode()
-        )
-    except TimeoutError as exc:
-        raise UpstreamTimeout(f"worker {worker.name} timed out") from exc
-    except ConnectionError as exc:
-        if isinstance(exc, ConnectFailed):
-            state.mark_unreachable(worker)
-        raise UpstreamError(f"worker {worker.name} unreachable: {exc}") from exc
+class _WorkerFailedMidAnswer(Exception):
+    pass
 
 
 async def _relay(call: Call, upstream: UpstreamResponse, worker: Worker) -> None:
@@ -101,64 +76,62 @@ async def _relay(call: Call, upstream: UpstreamResponse, worker: Worker) -> None
             await reply.write(chunk)
     except UPSTREAM_ERRORS as exc:
         log.warning("worker %s failed while relaying %s: %r", worker.name, call.request.path, exc)
-        raise ConnectionResetError("the worker failed mid-answer") from exc
+        raise _WorkerFailedMidAnswer from exc
     await reply.end()
 
 
-async def forward(call: Call, choose: Callable[[list[str]], Worker], retry: bool) -> None:
-    state = call.state
-    tried: list[str] = []
-    attempts = state.config.upstream.max_attempts if retry else 1
-    failure: RouterError | None = None
-    for _ in range(attempts):
+async def _attempt(call: Call, lifecycle: PlainLifecycle, lease: Lease) -> None:
+    worker, request = lease.worker, call.request
+    outcome: Outcome = "upstream_error"
+    sent = False  # the client has begun to get an answer
+    try:
+        headers = _headers_for_engine(request, call.state)
+        upstream = await send_to(
+            call.state, worker, request.target, headers, request.body, request.method.encode()
+        )
         try:
-            worker = choose(tried)
-        except NoEligibleWorker:
-            if failure is None:
-                raise
-            break
-        lease = Lease(worker, 0, 0)
-        try:
-            try:
-                upstream = await _open(state, worker, call.request)
-            except (UpstreamError, UpstreamTimeout) as exc:
-                failure = exc
-                tried.append(worker.name)
-                continue
-            try:
-                if upstream.status >= 500 and retry and len(tried) + 1 < attempts:
-                    failure = UpstreamError(f"worker {worker.name} answered {upstream.status}")
-                    tried.append(worker.name)
-                    continue
-                await _relay(call, upstream, worker)
-                return
-            finally:
-                upstream.release()
+            if upstream.status >= 500:
+                raise await server_error(worker, upstream)
+            sent = True
+            await _relay(call, upstream, worker)
+            outcome = "success" if upstream.status < 400 else "rejected"
         finally:
-            lease.release()
-    assert failure is not None
-    raise failure
+            upstream.release()
+    except AttemptFailed as failed:
+        outcome = failed.outcome
+        raise
+    except _WorkerFailedMidAnswer as exc:
+        raise ConnectionResetError("the worker failed mid-answer") from exc
+    except (asyncio.CancelledError, ConnectionResetError):
+        outcome = "client_disconnect"
+        raise
+    finally:
+        if sent:
+            lifecycle.finished(lease, outcome)
+        else:
+            lifecycle.failed(lease, outcome)
+
+
+async def forward(call: Call, lifecycle: PlainLifecycle) -> None:
+    async def attempt(lease: Lease) -> None:
+        await _attempt(call, lifecycle, lease)
+
+    request_id = call.request.header(REQUEST_ID_HEADER.lower()) or b"-"
+    await run_attempts(
+        lifecycle, call.state.retry, attempt, call.reply, request_id.decode("latin-1")
+    )
 
 
 async def by_load(call: Call) -> None:
-    state = call.state
     model = _model_of(call.request.body)
-    await forward(call, lambda tried: least_loaded(state, model, tried), True)
+    await forward(call, PlainLifecycle(call.state.router, model))
 
 
 async def stored_response(call: Call) -> None:
     state = call.state
     tenant = state.tenant_of(call.request.headers)
     holder = await state.holder_of(call.request.params["response_id"], tenant)
-
-    def choose(tried: list[str]) -> Worker:
-        if not holder.healthy:
-            raise NoEligibleWorker(
-                f"the worker that stored this response ({holder.name}) is not healthy"
-            )
-        return holder
-
-    await forward(call, choose, False)
+    await forward(call, PlainLifecycle(state.router, None, holder))
 
 
 ROUTES: tuple[tuple[str, str, Handler], ...] = (

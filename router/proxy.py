@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 from policies.base import Outcome
 from router.apis.kinds import APIS
+from router.attempts import AttemptFailed, Fallback, run_attempts
 from router.capture import ReplyCapture
 from router.clock import monotonic
 from router.edge.reply import Reply
 from router.errors import (
-    NoEligibleWorker,
-    RouterError,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -37,6 +36,7 @@ from router.state import RouterState
 from router.upstream import ConnectFailed, UpstreamResponse
 from router.wire import headers
 from router.wire.kinds import Kind
+from router.workers import Worker
 
 log = logging.getLogger(__name__)
 
@@ -80,28 +80,6 @@ Headers = Sequence[tuple[bytes, bytes]]
 # Non-streaming responses are read whole before they are sent on; this bounds them.
 MAX_WHOLE_RESPONSE_BYTES = 64 * 1024 * 1024
 UPSTREAM_ERRORS = (TimeoutError, ConnectionError)
-
-
-@dataclass(frozen=True, slots=True)
-class _Fallback:
-    """An upstream error response to pass on if no other worker can be tried."""
-
-    status: int
-    body: bytes
-    content_type: bytes
-
-
-class _Retry(Exception):
-    """The attempt failed before the client saw a byte; another worker may be tried."""
-
-    def __init__(self, error: RouterError, fallback: _Fallback | None = None) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.fallback = fallback
-
-    @property
-    def outcome(self) -> Outcome:
-        return "timeout" if isinstance(self.error, UpstreamTimeout) else "upstream_error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,45 +130,17 @@ async def serve(
         request = keyed_by_text(body, block_bytes)
     request_id = headers.request_id or secrets.token_hex(16)
     lifecycle = RequestLifecycle(
-        state.router, state.admission, request, request_id, arrived, holder
+        state.router, state.admission, request, request_id, arrived, holder, state.shared_path
     )
-    shared = state.shared_path
-    if shared is not None:  # before admission: nothing may wait between room and lease
-        lifecycle.remote_matches = await shared.lookup(
-            request, lifecycle.route.block_hashes, lifecycle.candidates()
-        )
     await lifecycle.admit()
     client = _Client(
         reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header, tenant
     )
-    failure: _Retry | None = None
-    for _ in range(config.upstream.max_attempts):
-        if failure is not None and monotonic() - arrived > config.upstream.retry_deadline_s:
-            break  # too late to try again
-        try:
-            dispatch = lifecycle.dispatch()
-        except NoEligibleWorker:
-            if failure is None:
-                raise
-            break
-        try:
-            await _attempt(client, state, lifecycle, dispatch)
-            return
-        except _Retry as retry:
-            failure = retry
-            log.warning(
-                "request %s failed on %s before the first byte: %s",
-                request_id,
-                dispatch.worker.name,
-                retry.error.message,
-            )
-    assert failure is not None
-    lifecycle.gave_up(failure.outcome)
-    if failure.fallback is not None:
-        fb = failure.fallback
-        await reply.whole(fb.status, ((b"Content-Type", fb.content_type),), fb.body)
-        return
-    raise failure.error
+
+    async def attempt(dispatch: Dispatch) -> None:
+        await _attempt(client, state, lifecycle, dispatch)
+
+    await run_attempts(lifecycle, state.retry, attempt, reply, request_id)
 
 
 def passed_on(engine_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -216,22 +166,32 @@ class _Client:
         return out
 
 
-async def _open(state: RouterState, dispatch: Dispatch, client: _Client) -> UpstreamResponse:
-    path = APIS[dispatch.request.kind].path
-    request_id = client.request_id.encode("latin-1")
-    headers = client.forwarded + b"%s: %s\r\n" % (REQUEST_ID_HEADER, request_id)
+async def send_to(
+    state: RouterState,
+    worker: Worker,
+    target: bytes,
+    headers: bytes,
+    body: bytes,
+    method: bytes = b"POST",
+) -> UpstreamResponse:
+    """The worker's answer, its head read; a failure to get it is ``AttemptFailed``."""
     try:
-        return await state.upstream.send(
-            dispatch.worker.origin, path, headers, dispatch.request.body
-        )
+        return await state.upstream.send(worker.origin, target, headers, body, method)
     except TimeoutError as exc:
-        raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} timed out")) from exc
+        raise AttemptFailed(UpstreamTimeout(f"worker {worker.name} timed out")) from exc
     except ConnectionError as exc:
         # Only a refused or failed new connection says the worker is down; a pooled
         # connection the engine closed while idle says nothing about its health.
         if isinstance(exc, ConnectFailed):
-            state.mark_unreachable(dispatch.worker)
-        raise _Retry(UpstreamError(f"worker {dispatch.worker.name} unreachable: {exc}")) from exc
+            state.mark_unreachable(worker)
+        raise AttemptFailed(UpstreamError(f"worker {worker.name} unreachable: {exc}")) from exc
+
+
+async def _open(state: RouterState, dispatch: Dispatch, client: _Client) -> UpstreamResponse:
+    path = APIS[dispatch.request.kind].path
+    request_id = client.request_id.encode("latin-1")
+    headers = client.forwarded + b"%s: %s\r\n" % (REQUEST_ID_HEADER, request_id)
+    return await send_to(state, dispatch.worker, path, headers, dispatch.request.body)
 
 
 async def _attempt(
@@ -260,23 +220,17 @@ async def _attempt(
         state.config.upstream.first_byte_timeout_s if request.stream else None
     )
     unanswered = dispatch.worker.unanswered
-    shared = state.shared_path
     settlement = Settlement(state, lifecycle, dispatch, capture, client.tenant)
     try:
         async with first_byte:
             unanswered.add(first_byte)
-            if shared is not None:
-                await shared.reserve(dispatch.worker.name, dispatch.route.block_hashes)
+            await lifecycle.begin(dispatch)
             upstream = await _open(state, dispatch, client)
             if not request.stream:
                 unanswered.discard(first_byte)  # a whole reply's headers are its answer
             try:
                 if upstream.status >= 500:
-                    body = await _read_whole(dispatch, upstream)
-                    raise _Retry(
-                        UpstreamError(f"worker {dispatch.worker.name} answered {upstream.status}"),
-                        _Fallback(upstream.status, body, upstream.content_type.encode()),
-                    )
+                    raise await server_error(dispatch.worker, upstream)
                 if request.stream and upstream.status == 200:
                     outcome = await _relay_stream(
                         client, dispatch, upstream, capture, first_byte, settlement
@@ -286,8 +240,8 @@ async def _attempt(
                 sent = True
             finally:
                 upstream.release()
-    except _Retry as retry:
-        outcome = retry.outcome
+    except AttemptFailed as failed:
+        outcome = failed.outcome
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         outcome = "client_disconnect"
@@ -301,7 +255,7 @@ async def _attempt(
                 if not dispatch.worker.healthy
                 else f"sent nothing in {state.config.upstream.first_byte_timeout_s:g} s"
             )
-            raise _Retry(UpstreamTimeout(f"worker {dispatch.worker.name} {why}")) from exc
+            raise AttemptFailed(UpstreamTimeout(f"worker {dispatch.worker.name} {why}")) from exc
         raise
     finally:
         unanswered.discard(first_byte)
@@ -311,39 +265,44 @@ async def _attempt(
             settlement.finish(outcome)
         else:
             settlement.fail(outcome)
-        # refused, failed, abandoned
-        if shared is not None and settlement.outcome != "success":
-            shared.withdraw(dispatch.worker.name, dispatch.route.block_hashes)
 
 
-def _failed(dispatch: Dispatch, what: str, exc: BaseException) -> _Retry:
+def _failed(worker: Worker, what: str, exc: BaseException) -> AttemptFailed:
     """A retryable failure; a timeout answers 504 if no other worker can be tried."""
     error = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamError
-    return _Retry(error(f"worker {dispatch.worker.name} {what}: {exc!r}"))
+    return AttemptFailed(error(f"worker {worker.name} {what}: {exc!r}"))
 
 
-async def _read_whole(dispatch: Dispatch, upstream: UpstreamResponse) -> bytes:
+async def read_whole(worker: Worker, upstream: UpstreamResponse) -> bytes:
     body = bytearray()
     try:
         while chunk := await upstream.read_chunk():
             body += chunk
             if len(body) > MAX_WHOLE_RESPONSE_BYTES:
                 raise UpstreamError(
-                    f"worker {dispatch.worker.name} answered more than "
-                    f"{MAX_WHOLE_RESPONSE_BYTES} bytes"
+                    f"worker {worker.name} answered more than {MAX_WHOLE_RESPONSE_BYTES} bytes"
                 )
     except UPSTREAM_ERRORS as exc:
-        raise _failed(dispatch, "failed", exc) from exc
+        raise _failed(worker, "failed", exc) from exc
     return bytes(body)
+
+
+async def server_error(worker: Worker, upstream: UpstreamResponse) -> AttemptFailed:
+    """A worker's 5xx: another worker may be tried, and if none is, this is the answer."""
+    body = await read_whole(worker, upstream)
+    return AttemptFailed(
+        UpstreamError(f"worker {worker.name} answered {upstream.status}"),
+        Fallback(upstream.status, body, upstream.content_type.encode()),
+    )
 
 
 async def _first_chunk(dispatch: Dispatch, upstream: UpstreamResponse) -> bytes:
     try:
         chunk = await upstream.read_chunk()
     except UPSTREAM_ERRORS as exc:
-        raise _failed(dispatch, "failed before its first byte", exc) from exc
+        raise _failed(dispatch.worker, "failed before its first byte", exc) from exc
     if not chunk:
-        raise _Retry(
+        raise AttemptFailed(
             UpstreamError(f"worker {dispatch.worker.name} closed the stream before its first byte")
         )
     return chunk
@@ -461,7 +420,7 @@ async def _relay_whole(
     capture: ReplyCapture,
     settlement: Settlement,
 ) -> Outcome:
-    body = await _read_whole(dispatch, upstream)
+    body = await read_whole(dispatch.worker, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
     dispatch.first_byte(observe=False, computed=upstream.status < 400)
     outcome: Outcome = "success" if upstream.status < 400 else "rejected"

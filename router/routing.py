@@ -56,7 +56,6 @@ class Dispatch:
     decision: Decision
     lease: Lease
     queued_before: int  # prefill tokens queued on the worker ahead of this request
-    breaker_ticket: int  # which opening of the worker's circuit this request was sent after
     best_match: int  # the most of this prompt any eligible worker was modelled to hold
     arrived: float  # when the client's request arrived (monotonic)
     attempt: int  # 1 for the first worker tried, 2 for the retry after it, ...
@@ -127,14 +126,7 @@ class Dispatch:
         if self.done:
             return False
         self.done = True
-        self.lease.release()
-        breaker = self.worker.breaker
-        if outcome in ("success", "rejected"):
-            breaker.on_success(self.breaker_ticket)  # a 4xx is the request's fault
-        elif outcome == "client_disconnect":
-            breaker.on_abandoned(self.breaker_ticket)
-        else:
-            breaker.on_failure(self.breaker_ticket)
+        self.lease.end(outcome)
         self.policy.on_complete(self.route, self.worker.name, outcome)
         return True
 
@@ -169,7 +161,7 @@ class Router:
             prompt_tokens=max(1, -(-request.key.total_bytes // BYTES_PER_TOKEN_ESTIMATE)),
         )
 
-    def eligible(self, model: str, exclude: list[str]) -> list[Worker]:
+    def eligible(self, model: str | None, exclude: list[str]) -> list[Worker]:
         """The workers that may take a request for ``model`` now, but those in ``exclude``."""
         return self.fleet.eligible(model, exclude, self.stale_after_s)
 
@@ -200,7 +192,6 @@ class Router:
         matched = next(v.matched_tokens for v in views if v.name == decision.worker)
         queued_before = worker.queued_prefill_tokens
         lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
-        ticket = worker.breaker.on_dispatch()
         worker.demand.add(route.prompt_tokens, now)
         self.index.reserve(worker.name, route.block_hashes)
         active.policy.on_dispatch(route, worker.name)
@@ -221,7 +212,6 @@ class Router:
             decision,
             lease,
             queued_before,
-            ticket,
             best,
             monotonic() if arrived is None else arrived,
             len(exclude) + 1,
@@ -230,11 +220,7 @@ class Router:
     @staticmethod
     def room_among(candidates: list[Worker], limit: int) -> bool:
         """Some of ``candidates`` has fewer than ``limit`` requests outstanding."""
-        return any(
-            max(w.outstanding_requests + w.remote_requests, w.engine_running + w.engine_waiting)
-            < limit
-            for w in candidates
-        )
+        return any(w.load < limit for w in candidates)
 
     def _view(
         self,
@@ -246,15 +232,9 @@ class Router:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         if remote_matches is not None:
             matched_blocks = max(matched_blocks, remote_matches.get(worker.name, 0))
-        # Requests this router (and its replicas) sent, or what the engine itself reports
-        # running and waiting, whichever is more: traffic from elsewhere counts too.
-        outstanding = max(
-            worker.outstanding_requests + worker.remote_requests,
-            worker.engine_running + worker.engine_waiting,
-        )
         return WorkerView(
             name=worker.name,
-            outstanding_requests=outstanding,
+            outstanding_requests=worker.load,
             outstanding_tokens=worker.outstanding_tokens + worker.remote_tokens,
             queued_prefill_tokens=worker.queued_prefill_tokens + worker.remote_queued_prefill,
             matched_tokens=whole_engine_blocks(

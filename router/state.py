@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from router.admission import Admission
+from router.attempts import Retry
 from router.auth import accepted_key, bearers, tenant
 from router.config import RouterConfig, WorkerConfig
 from router.health import HealthProber
@@ -41,6 +42,7 @@ class RouterState:
     session_header: bytes = field(init=False)
     upstream_auth: bytes = field(init=False)
     accepted_bearers: tuple[bytes, ...] = field(init=False)  # "Bearer <api key>", if any
+    retry: Retry = field(init=False)  # how a request's attempts go on (upstream.*)
     # Read-your-writes across replicas (state.url and state.read_your_writes): set while
     # the shared state runs.
     shared_path: SharedPath | None = None
@@ -52,6 +54,7 @@ class RouterState:
     response_owners: ResponseOwners = field(default_factory=ResponseOwners)
 
     def __post_init__(self) -> None:
+        self.retry = Retry.of(self.config.upstream)
         self.session_header = self.config.session_header.lower().encode("latin-1")
         self.upstream_auth = b"".join(
             b"%s: %s\r\n" % (name.encode(), value.encode())

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from policies.base import Outcome
 from router.breaker import CircuitBreaker
 from router.clock import monotonic
 from router.config import KvEventsEndpoints
@@ -73,9 +74,19 @@ class Worker:
         """Metrics missing or stale: assume the worst."""
         return self.metrics_at is None or now - self.metrics_at > stale_after_s
 
-    def serves(self, model: str) -> bool:
+    def serves(self, model: str | None) -> bool:
         # Before the first /v1/models answer a worker is assumed to serve any model.
-        return not self.models or model in self.models
+        return model is None or not self.models or model in self.models
+
+    @property
+    def load(self) -> int:
+        """Requests on the worker: those this router and its replicas sent, or what the
+        engine itself reports running and waiting, whichever is more (traffic from
+        elsewhere counts too). The one measure of load every choice uses."""
+        return max(
+            self.outstanding_requests + self.remote_requests,
+            self.engine_running + self.engine_waiting,
+        )
 
 
 # The metric label of requests for a model no worker lists.
@@ -83,9 +94,10 @@ OTHER_MODEL = "other"
 
 
 class Lease:
-    """One request's share of a worker's load."""
+    """One request's share of a worker's load, and its ticket with the worker's circuit
+    breaker (``end`` settles both)."""
 
-    __slots__ = ("_prefill_open", "_released", "prefill_tokens", "tokens", "worker")
+    __slots__ = ("_prefill_open", "_released", "prefill_tokens", "ticket", "tokens", "worker")
 
     def __init__(self, worker: Worker, tokens: int, prefill_tokens: int) -> None:
         self.worker = worker
@@ -93,6 +105,8 @@ class Lease:
         self.prefill_tokens = prefill_tokens
         self._released = False
         self._prefill_open = True
+        # Which opening of the worker's circuit this request was sent after.
+        self.ticket = worker.breaker.on_dispatch()
         worker.outstanding_requests += 1
         worker.outstanding_tokens += tokens
         worker.queued_prefill_tokens += prefill_tokens
@@ -110,6 +124,12 @@ class Lease:
         self._released = True
         self.worker.outstanding_requests -= 1
         self.worker.outstanding_tokens -= self.tokens
+
+    def end(self, outcome: Outcome) -> None:
+        """The request ended as ``outcome``: released, and the breaker told, once."""
+        if not self._released:
+            self.release()
+            self.worker.breaker.on_outcome(self.ticket, outcome)
 
     @property
     def released(self) -> bool:
@@ -141,9 +161,10 @@ class Fleet:
         return list(self.workers.values())
 
     def eligible(
-        self, model: str, exclude: Iterable[str] = (), stale_after_s: float | None = None
+        self, model: str | None, exclude: Iterable[str] = (), stale_after_s: float | None = None
     ) -> list[Worker]:
-        """Healthy workers serving ``model`` whose circuit lets a request through; with
+        """Healthy workers serving ``model`` (None: any) whose circuit lets a request
+        through; with
         ``stale_after_s``, workers with stale engine metrics only if all are stale."""
         excluded = set(exclude)
         found = [

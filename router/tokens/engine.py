@@ -93,9 +93,7 @@ class EngineTokens:
 
     def _tokenizer_for(self, model: str) -> Worker | None:
         candidates = self._fleet.eligible(model, (), self._stale_after_s)
-        return min(
-            candidates, key=lambda w: w.outstanding_requests + w.remote_requests, default=None
-        )
+        return min(candidates, key=lambda w: (w.load, w.name), default=None)
 
     async def _tokenize(self, worker: Worker, request: dict[str, Any]) -> list[int] | None:
         """The worker's ids for ``request``, or None (logged) when it gives none."""
