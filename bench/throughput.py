@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,8 @@ class ThroughputConfig:
     out: Path = DEFAULT_OUT
     prompt_tokens: int = 100_000
     prompt_repeat: int = 30
+    # Another checkout of this repository whose kvrouter is measured beside this one's.
+    checkout: Path | None = None
 
     def __post_init__(self) -> None:
         if self.connections < 1 or self.rounds < 1 or self.engines < 1:
@@ -111,6 +114,7 @@ class Target:
     command: tuple[str, ...] | None
     port: int
     processes: int = 1  # kvrouter serve --processes
+    env: tuple[tuple[str, str], ...] = ()  # set for the command, over this process's
 
     @property
     def label(self) -> str:
@@ -134,6 +138,12 @@ def targets(config: ThroughputConfig) -> list[Target]:
             extra = ("--processes", str(n)) if n > 1 else ()
             command = kvrouter_command(demo, policy, urls, port, *extra)
             found.append(Target("kvrouter", policy, command, port, n))
+            if config.checkout is not None:
+                # Its router/ and policies/ first on the path (and not the working
+                # directory, which -m would put before it): its code, this Python.
+                env = (("PYTHONPATH", str(config.checkout.resolve())), ("PYTHONSAFEPATH", "1"))
+                name = f"kvrouter@{config.checkout.name}"
+                found.append(Target(name, policy, command, port, n, env))
     if config.peer_bin is None:
         return found
     smg, vllm = config.peer_bin / "smg", config.peer_bin / "vllm-router"
@@ -186,10 +196,16 @@ async def wait_processes(url: str, count: int, timeout_s: float = READY_TIMEOUT_
 
 
 @contextlib.asynccontextmanager
-async def started(command: Sequence[str], log_path: Path) -> AsyncIterator[int]:
-    """``command`` running, its output in ``log_path``; yields its pid."""
+async def started(
+    command: Sequence[str], log_path: Path, env: Sequence[tuple[str, str]] = ()
+) -> AsyncIterator[int]:
+    """``command`` running (``env`` over this process's), its output in ``log_path``;
+    yields its pid."""
+    environ = {**os.environ, **dict(env)} if env else None
     with log_path.open("ab") as log:
-        process = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=log)
+        process = await asyncio.create_subprocess_exec(
+            *command, stdout=log, stderr=log, env=environ
+        )
         try:
             yield process.pid
         finally:
@@ -205,7 +221,7 @@ async def serving(target: Target, config: ThroughputConfig) -> AsyncIterator[lis
         yield []
         return
     log_path = config.out / f"{target.label.replace(' ', '-').replace('×', 'x')}.log"
-    async with started(target.command, log_path) as pid:
+    async with started(target.command, log_path, target.env) as pid:
         try:
             await wait_routing(url)
             if target.processes > 1:
@@ -346,6 +362,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=100_000)
     parser.add_argument("--prompt-repeat", type=int, default=30)
     parser.add_argument(
+        "--checkout",
+        type=Path,
+        metavar="DIR",
+        help="also measure the kvrouter of another checkout of this repository (rows "
+        "'kvrouter@DIR'): a change's before and after in one run",
+    )
+    parser.add_argument(
         "--profile",
         type=Path,
         metavar="DIR",
@@ -391,6 +414,7 @@ def config_of(args: argparse.Namespace) -> ThroughputConfig:
         out=args.out,
         prompt_tokens=args.prompt_tokens,
         prompt_repeat=args.prompt_repeat,
+        checkout=args.checkout,
     )
 
 

@@ -180,6 +180,26 @@ def test_peer_targets_take_both_policies(tmp_path: Path) -> None:
     )  # fmt: skip
 
 
+def test_another_checkouts_kvrouter_runs_its_own_code(tmp_path: Path) -> None:
+    checkout = tmp_path / "before"
+    (checkout / "router").mkdir(parents=True)
+    (checkout / "router" / "__init__.py").write_text("")
+    found = targets(ThroughputConfig(checkout=checkout, policies=("round_robin",)))
+    assert [t.label for t in found] == [
+        "direct",
+        "kvrouter round_robin",
+        "kvrouter@before round_robin",
+    ]
+    ours, theirs = found[1], found[2]
+    assert ours.command == theirs.command and not ours.env
+    # The checkout's package is the one imported, not the installed (editable) one.
+    probe = (sys.executable, "-c", "import router; print(router.__file__)")
+    imported = subprocess.run(
+        probe, env={**os.environ, **dict(theirs.env)}, capture_output=True, text=True, check=True
+    )
+    assert imported.stdout.strip() == str(checkout.resolve() / "router" / "__init__.py")
+
+
 def test_the_table_shows_median_and_range() -> None:
     def run(rate: float, round_index: int) -> Run:
         load = LoadResult(int(rate * 2), 2.0, 0.010, 0.050)
