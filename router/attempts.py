@@ -4,7 +4,8 @@ keyed routes (``router.proxy``) and the passthrough ones (``router.passthrough``
 An attempt that fails before the client saw a byte raises ``AttemptFailed``; its
 lifecycle hears of it (lease, breaker, what the request reserved) and the next worker
 is tried while ``Retry`` allows it: at most ``max_attempts`` workers, none begun past
-``deadline_s`` after the request arrived, each after its ``Backoff`` delay. When none is
+``deadline_s`` after the request arrived, each after a wait that doubles
+(``router.backoff``; none by default: it is another worker). When none is
 left the lifecycle gives up, and the client gets the last worker's own 5xx if one
 answered, else the last error.
 """
@@ -14,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from policies.base import Outcome
+from router.backoff import Backoff
 from router.clock import monotonic
 from router.config import UpstreamConfig
 from router.edge.reply import Reply
@@ -27,47 +29,27 @@ from router.workers import Worker
 log = logging.getLogger(__name__)
 
 
-class Backoff(Protocol):
-    def delay_s(self, failures: int) -> float:
-        """How long to wait before the attempt after ``failures`` failed ones."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class NoBackoff:
-    """The next worker at once: it is another worker, not the one that failed."""
-
-    def delay_s(self, failures: int) -> float:
-        return 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class ExponentialBackoff:
-    base_s: float
-    cap_s: float
-
-    def delay_s(self, failures: int) -> float:
-        return min(self.cap_s, self.base_s * 2.0 ** (failures - 1))
-
-
 @dataclass(frozen=True, slots=True)
 class Retry:
     max_attempts: int
     deadline_s: float  # after the request arrived, no attempt begins
-    backoff: Backoff = field(default_factory=NoBackoff)
+    backoff_s: float = 0.0  # the first wait before another worker (0: none), then doubling
 
     @classmethod
     def of(cls, config: UpstreamConfig) -> Retry:
-        backoff: Backoff = NoBackoff()
-        if config.retry_backoff_s > 0:
-            backoff = ExponentialBackoff(config.retry_backoff_s, config.retry_deadline_s)
-        return cls(config.max_attempts, config.retry_deadline_s, backoff)
+        return cls(config.max_attempts, config.retry_deadline_s, config.retry_backoff_s)
 
-    def delay_before_next(self, failures: int, elapsed_s: float) -> float | None:
+    def backoff(self) -> Backoff | None:
+        """One request's waits between its attempts; None: the next worker at once."""
+        return Backoff(self.backoff_s, self.deadline_s) if self.backoff_s > 0 else None
+
+    def delay_before_next(
+        self, failures: int, elapsed_s: float, backoff: Backoff | None
+    ) -> float | None:
         """Seconds to wait before another attempt, or None when there is to be none."""
         if failures >= self.max_attempts:
             return None
-        delay = self.backoff.delay_s(failures)
+        delay = 0.0 if backoff is None else backoff.next()
         return None if elapsed_s + delay > self.deadline_s else delay
 
 
@@ -124,6 +106,7 @@ async def run_attempts(
 ) -> None:
     """Runs ``attempt`` on one worker after another until one serves the request."""
     failures = 0
+    backoff = retry.backoff()
     last: AttemptFailed | None = None
     while True:
         try:
@@ -144,7 +127,7 @@ async def run_attempts(
                 dispatched.worker.name,
                 failed.error.message,
             )
-        delay = retry.delay_before_next(failures, monotonic() - lifecycle.arrived)
+        delay = retry.delay_before_next(failures, monotonic() - lifecycle.arrived, backoff)
         if delay is None:
             break
         if delay > 0:

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from bench.loopback import serve_on_loopback
-from router.attempts import ExponentialBackoff, NoBackoff, Retry
+from router.attempts import Retry
 from router.breaker import BreakerState
 from router.clock import monotonic
 from router.config import HealthConfig, UpstreamConfig, WorkerConfig
@@ -27,13 +27,14 @@ QUIET = HealthConfig(interval_s=3600, scrape_interval_s=3600, stale_after_s=7200
 
 def test_retry_stops_at_its_attempts_and_its_deadline_and_spaces_by_its_backoff() -> None:
     retry = Retry(3, deadline_s=10.0)
-    assert [retry.delay_before_next(n, 1.0) for n in (1, 2, 3)] == [0.0, 0.0, None]
-    assert retry.delay_before_next(1, 10.5) is None  # past the deadline: no more
-    spaced = Retry(5, 10.0, ExponentialBackoff(base_s=0.5, cap_s=3.0))
-    assert [spaced.delay_before_next(n, 0.0) for n in (1, 2, 3, 4)] == [0.5, 1.0, 2.0, 3.0]
-    assert spaced.delay_before_next(2, 9.5) is None  # its wait would end past the deadline
-    assert isinstance(Retry.of(UpstreamConfig()).backoff, NoBackoff)
-    assert Retry.of(UpstreamConfig(retry_backoff_s=0.2)).backoff == ExponentialBackoff(0.2, 90.0)
+    assert retry.backoff() is None
+    assert [retry.delay_before_next(n, 1.0, None) for n in (1, 2, 3)] == [0.0, 0.0, None]
+    assert retry.delay_before_next(1, 10.5, None) is None  # past the deadline: no more
+    spaced = Retry(5, 3.0, backoff_s=0.5)
+    backoff = spaced.backoff()
+    assert [spaced.delay_before_next(n, 0.0, backoff) for n in (1, 2, 3, 4)] == [0.5, 1, 2, 3]
+    assert spaced.delay_before_next(1, 2.9, spaced.backoff()) is None  # it would end too late
+    assert Retry.of(UpstreamConfig(retry_backoff_s=0.2)) == Retry(2, 90.0, 0.2)
     with pytest.raises(ConfigError, match="retry_backoff_s"):
         UpstreamConfig(retry_backoff_s=-1)
 
