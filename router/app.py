@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import cast
@@ -19,7 +20,7 @@ from router import admin, discovery, ops, passthrough
 from router.admission import Admission
 from router.apis.kinds import APIS
 from router.config import ENGINE_TOKENIZER, RouterConfig
-from router.edge.routes import Call, Guard, Handler, Routes
+from router.edge.routes import Guard, Handler, Routes
 from router.health import HealthProber
 from router.index import LocalPrefixIndex, PrefixIndex
 from router.kv_events.metrics import KvEventMetrics
@@ -260,9 +261,4 @@ def routes_for(config: RouterConfig) -> Routes:
 
 def relay_for(kind: Kind) -> Handler:
     """The handler of a keyed route: the prefix-aware proxy (``router.proxy.serve``)."""
-
-    async def relay(call: Call) -> None:
-        request = call.request
-        await serve(call.state, kind, request.body, request.headers, call.reply)
-
-    return relay
+    return functools.partial(serve, kind)

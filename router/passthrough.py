@@ -14,6 +14,7 @@ has one worker, and its failure is the client's answer.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import orjson
@@ -113,9 +114,7 @@ async def _attempt(call: Call, lifecycle: PlainLifecycle, lease: Lease) -> None:
 
 
 async def forward(call: Call, lifecycle: PlainLifecycle) -> None:
-    async def attempt(lease: Lease) -> None:
-        await _attempt(call, lifecycle, lease)
-
+    attempt = functools.partial(_attempt, call, lifecycle)
     request_id = call.request.header(REQUEST_ID_HEADER.lower()) or b"-"
     await run_attempts(
         lifecycle, call.state.retry, attempt, call.reply, request_id.decode("latin-1")

@@ -13,6 +13,7 @@ first body chunk is in hand, so a worker that fails after its headers is still r
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import secrets
 from collections.abc import Iterable, Sequence
@@ -24,6 +25,7 @@ from router.attempts import AttemptFailed, Fallback, run_attempts
 from router.capture import ReplyCapture
 from router.clock import monotonic
 from router.edge.reply import Reply
+from router.edge.routes import Call
 from router.errors import (
     UpstreamError,
     UpstreamTimeout,
@@ -109,11 +111,12 @@ def _read_headers(raw: Headers, session_header: bytes) -> _ClientHeaders:
     return _ClientHeaders(b"".join(lines), request_id, session)
 
 
-async def serve(
-    state: RouterState, kind: Kind, raw: bytes, raw_headers: Headers, reply: Reply
-) -> None:
-    """Serves one client request whose whole body is ``raw``; a ``RouterError`` raised
-    here is the client's answer (its server renders it)."""
+async def serve(kind: Kind, call: Call) -> None:
+    """Serves one client request of ``kind`` (the route's handler, with ``kind`` bound:
+    ``router.app.routes_for``); a ``RouterError`` raised here is the client's answer
+    (its server renders it)."""
+    state, reply = call.state, call.reply
+    raw, raw_headers = call.request.body, call.request.headers
     config = state.config
     arrived = monotonic()
     headers = _read_headers(raw_headers, state.session_header)
@@ -136,10 +139,7 @@ async def serve(
     client = _Client(
         reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header, tenant
     )
-
-    async def attempt(dispatch: Dispatch) -> None:
-        await _attempt(client, state, lifecycle, dispatch)
-
+    attempt = functools.partial(_attempt, client, state, lifecycle)
     await run_attempts(lifecycle, state.retry, attempt, reply, request_id)
 
 
@@ -156,6 +156,10 @@ class _Client:
     request_id: str
     worker_header: bool  # the answer names its worker (X-Kvrouter-Worker)
     tenant: str | None  # whose a response it stores is (``router.auth.tenant``)
+
+    @property
+    def request_id_line(self) -> bytes:
+        return b"%s: %s\r\n" % (REQUEST_ID_HEADER, self.request_id.encode("latin-1"))
 
     def response_headers(self, upstream: UpstreamResponse, worker: str) -> Headers:
         """The worker's headers the client is meant to see, and the router's own."""
@@ -185,13 +189,6 @@ async def send_to(
         if isinstance(exc, ConnectFailed):
             state.mark_unreachable(worker)
         raise AttemptFailed(UpstreamError(f"worker {worker.name} unreachable: {exc}")) from exc
-
-
-async def _open(state: RouterState, dispatch: Dispatch, client: _Client) -> UpstreamResponse:
-    path = APIS[dispatch.request.kind].path
-    request_id = client.request_id.encode("latin-1")
-    headers = client.forwarded + b"%s: %s\r\n" % (REQUEST_ID_HEADER, request_id)
-    return await send_to(state, dispatch.worker, path, headers, dispatch.request.body)
 
 
 async def _attempt(
@@ -225,7 +222,13 @@ async def _attempt(
         async with first_byte:
             unanswered.add(first_byte)
             await lifecycle.begin(dispatch)
-            upstream = await _open(state, dispatch, client)
+            upstream = await send_to(
+                state,
+                dispatch.worker,
+                APIS[request.kind].path,
+                client.forwarded + client.request_id_line,
+                request.body,
+            )
             if not request.stream:
                 unanswered.discard(first_byte)  # a whole reply's headers are its answer
             try:

@@ -298,8 +298,9 @@ class ClientConnection(asyncio.Protocol):
                 if path.startswith("/v1/"):  # no route; one there would need a key
                     guards.check(Guard.CLIENT, message.headers, state)
                 raise
-            guards.check(route.guard, message.headers, state)
-            body = message.whole_body()
+            if route.guard is not Guard.OPEN:
+                guards.check(route.guard, message.headers, state)
+            body = message.body[0] if len(message.body) == 1 else b"".join(message.body)
             if message.coding != b"identity":
                 body = decode(body, message.coding, state.config.max_body_bytes)
             request = Request(

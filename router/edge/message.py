@@ -33,6 +33,3 @@ class Message:
     coding: bytes = b"identity"  # its body's Content-Encoding
     # The client waits for a 100 Continue before its body, and has not had it yet.
     expects_continue: bool = False
-
-    def whole_body(self) -> bytes:
-        return self.body[0] if len(self.body) == 1 else b"".join(self.body)
