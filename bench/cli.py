@@ -7,27 +7,17 @@ from typing import Any
 
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
-    from bench import (
-        agreement,
-        apis_bench,
-        dashboards,
-        engine_cpu,
-        failure,
-        fuzz,
-        kill,
-        matrix,
-        peers,
-        perf,
-        real,
-        replicas,
-        request_walk,
-        rescore,
-        soak,
-        sweep,
-        throughput,
-        tokenize_cost,
-    )
+    from bench import dashboards
+    from bench.compare import agreement, apis, matrix, peers, replicas, rescore, sweep
+    from bench.cost import engine_cpu, perf, request_walk
+    from bench.cost import tokenize as tokenize_cost
+    from bench.failure import kill
+    from bench.failure import run as failure
+    from bench.fuzz import run as fuzz
+    from bench.real import run as real
     from bench.replay import cli as replay_cli
+    from bench.soak import run as soak
+    from bench.throughput import cli as throughput
     from bench.workloads import cli as workloads_cli
 
     bench = commands.add_parser("bench", help="workload traces, replay and comparison")
@@ -48,7 +38,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     soak.register(sub)
     tokenize_cost.register(sub)
     agreement.register(sub)
-    apis_bench.register(sub)
+    apis.register(sub)
     failure.register(sub)
     real.register(sub)
     request_walk.register(sub)

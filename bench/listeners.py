@@ -1,6 +1,6 @@
 """Which processes listen on a TCP port, from ``/proc``: to measure a router's CPU when
 its command line says nothing of its port (SMG renames its process with
-``setproctitle``, so ``bench.agreement.router_pids``' look at the arguments finds
+``setproctitle``, so ``bench.compare.agreement.router_pids``' look at the arguments finds
 nothing).
 
 ``/proc/net/tcp`` and ``tcp6`` list this network namespace's sockets, a listening one

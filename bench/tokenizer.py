@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from router.prefix import content_text
+from router.index.prefix import content_text
 from router.wire.blocks import TOKEN_BYTES, token_bytes
 
 _PAD = b"\xff"

@@ -28,7 +28,7 @@ class RouteRequest(NamedTuple):
     request_id: str
     model: str
     session_key: str | None
-    # Chained hashes of the prompt's prefix blocks (see router.prefix); block i names
+    # Chained hashes of the prompt's prefix blocks (see router.index.prefix); block i names
     # the whole prefix up to and including block i.
     block_hashes: tuple[int, ...]
     block_tokens: int  # estimated tokens per block
@@ -48,7 +48,7 @@ class WorkerView(NamedTuple):
     resident_tokens: int  # tokens the worker is modelled to hold in all
     capacity_tokens: int  # the worker's KV capacity in tokens
     prefill_tokens_per_s: float  # learned from observed TTFTs
-    # Prompt tokens sent to the worker lately, fading with a half-life (router.demand):
+    # Prompt tokens sent to the worker lately, fading with a half-life (router.fleet.demand):
     # the live sessions' context, where resident tokens also count finished ones.
     recent_prompt_tokens: float = 0.0
 

@@ -40,7 +40,7 @@ system prompt, which would otherwise draw every new session to them. Once no wor
 near the best has room (after warm-up every cache is full of old sessions' blocks, and
 resident tokens tie), the near-tie goes to the worker with the least recent demand: the
 prompt tokens sent to it lately (``recent_prompt_tokens``, fading with a half-life of a
-few turns, ``router.demand``) plus this request's new tokens, in seconds of that worker's
+few turns, ``router.fleet.demand``) plus this request's new tokens, in seconds of that worker's
 prefill. That is the live sessions' context, which will come back every turn; a slower
 worker with as much of it counts as busier. Then the estimate, fewer requests, at random.
 

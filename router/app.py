@@ -16,33 +16,34 @@ from typing import cast
 
 import aiohttp
 
-from router import admin, discovery, ops, passthrough
-from router.admission import Admission
 from router.apis.kinds import APIS
 from router.config import ENGINE_TOKENIZER, RouterConfig
+from router.discovery import reconciler as discovery
+from router.edge import admin, ops, passthrough
+from router.edge.relay import serve
 from router.edge.routes import Guard, Handler, Routes
-from router.health import HealthProber
-from router.index import LocalPrefixIndex, PrefixIndex
+from router.fleet.health import HealthProber
+from router.fleet.upstream import UpstreamPool
+from router.fleet.workers import Fleet
+from router.index.residency import LocalPrefixIndex, PrefixIndex
 from router.kv_events.metrics import KvEventMetrics
 from router.kv_events.subscriptions import KvEventSubscriptions
-from router.membership import Membership
-from router.metrics import RouterMetrics
-from router.policy_slot import PolicySlot
-from router.proxy import serve
-from router.routing import Router
-from router.shared.connect import connect
-from router.shared.index import SharedPrefixIndex
-from router.shared.metrics import PathMetrics, RedisMetrics
-from router.shared.path import SharedPath
-from router.shared.sync import RedisSync
+from router.observability.metrics import RouterMetrics
+from router.replication.connect import connect
+from router.replication.index import SharedPrefixIndex
+from router.replication.metrics import PathMetrics, RedisMetrics
+from router.replication.path import SharedPath
+from router.replication.sync import RedisSync
+from router.routing.admission import Admission
+from router.routing.dispatch import Router
+from router.routing.membership import Membership
+from router.routing.policy_slot import PolicySlot
 from router.state import RouterState
 from router.tokens.conversation import ContentFormat
 from router.tokens.engine import EngineTokens
 from router.tokens.keys import PromptKeys, TokenKeys, TokenMetrics
 from router.tokens.model import ModelTokenizer
-from router.upstream import UpstreamPool
 from router.wire.kinds import Kind
-from router.workers import Fleet
 
 log = logging.getLogger(__name__)
 
@@ -260,5 +261,5 @@ def routes_for(config: RouterConfig) -> Routes:
 
 
 def relay_for(kind: Kind) -> Handler:
-    """The handler of a keyed route: the prefix-aware proxy (``router.proxy.serve``)."""
+    """The handler of a keyed route: the prefix-aware proxy (``router.edge.relay.serve``)."""
     return functools.partial(serve, kind)

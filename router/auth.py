@@ -2,7 +2,7 @@
 ``metrics_token`` and ``admin_token``, each as ``Authorization: Bearer <secret>``.
 
 The header is compared as the bytes the client sent (aiohttp decodes them with surrogate
-escapes, ``router.parse.header_bytes`` undoes that), in constant time.
+escapes, ``router.apis.request.header_bytes`` undoes that), in constant time.
 
 With ``api_keys``, each key is a tenant: what a request stores through the router (a
 Responses response) belongs to the key it presented, named by a digest of it

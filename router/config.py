@@ -10,8 +10,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.breaker import DEFAULT_COOLDOWN_S, DEFAULT_FAILURE_THRESHOLD, DEFAULT_MAX_COOLDOWN_S
 from router.errors import ConfigError
+from router.fleet.breaker import (
+    DEFAULT_COOLDOWN_S,
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_MAX_COOLDOWN_S,
+)
 from router.wire.blocks import DEFAULT_BLOCK_TOKENS
 from router.wire.headers import SESSION_HEADER
 
@@ -232,7 +236,7 @@ class HealthConfig:
     # stale_after_s counts as saturated: chosen only when every worker is.
     scrape_interval_s: float = 1.0
     stale_after_s: float = 10.0
-    # Circuit breaker (router/breaker.py): consecutive upstream failures that open it,
+    # Circuit breaker (router/fleet/breaker.py): consecutive upstream failures that open it,
     # and how long it stays open before one trial request (doubling up to the max).
     failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
     cooldown_s: float = DEFAULT_COOLDOWN_S
@@ -251,7 +255,7 @@ class HealthConfig:
 
 @dataclass(frozen=True, slots=True)
 class KubernetesConfig:
-    """EndpointSlices by label selector (router/kubernetes.py); empty selector: off."""
+    """EndpointSlices by label selector (router/discovery/kubernetes.py); empty selector: off."""
 
     selector: str = ""  # e.g. "app=vllm"
     namespace: str = ""  # default: the pod's own
@@ -263,7 +267,7 @@ class KubernetesConfig:
 
 @dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
-    """Workers beyond the static list (router/discovery.py); empty: static only."""
+    """Workers beyond the static list (router/discovery/reconciler.py); empty: static only."""
 
     file: str = ""  # a YAML/JSON list of workers, re-read when it changes
     dns: str = ""  # A/AAAA records of a name, or SRV records of a _service._proto name
@@ -355,7 +359,7 @@ class StateConfig:
     # a starting replica reads the residency sets instead. Events carry every block hash
     # of a prompt (8 bytes each), so the stream is bounded by time, not by count.
     stream_retention_s: float = 30.0
-    # Read-your-writes across replicas (router/shared/path.py): a request whose
+    # Read-your-writes across replicas (router/replication/path.py): a request whose
     # session history no local worker holds asks Redis which worker does; the decision
     # is written to Redis before forwarding and the reply's blocks before the final
     # chunk. Each such round trip waits at most path_timeout_s, then the request goes
@@ -394,7 +398,7 @@ class KvEventsConfig:
     worker runs ``data_parallel_size`` engines, rank r publishing on port + r, as vLLM's
     data-parallel ranks do. Exact mode keys prompts by the engine's tokens, so it needs
     ``prefix.tokenizer``; each engine block must be a whole number of the router's
-    (``router.engine_blocks``), or the worker stays approximate.
+    (``router.index.engine_blocks``), or the worker stays approximate.
     """
 
     endpoint: str = ""  # empty: no subscriptions but workers' own
@@ -447,7 +451,7 @@ class RouterConfig:
     session_header: str = SESSION_HEADER
     session_body_fields: tuple[str, ...] = ("session_id", "user")
     seed: int | None = None
-    admin_token: str = ""  # enables the admin API (router/admin.py) when set
+    admin_token: str = ""  # enables the admin API (router/edge/admin.py) when set
     # Bearer tokens clients must present on /v1/ (empty: no client authentication).
     # KVROUTER_API_KEYS=key1,key2 sets them without putting them in a file.
     api_keys: tuple[str, ...] = ()

@@ -8,21 +8,21 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from router.admission import Admission
-from router.attempts import Retry
 from router.auth import accepted_key, bearers, tenant
 from router.config import RouterConfig, WorkerConfig
-from router.health import HealthProber
+from router.fleet.health import HealthProber
+from router.fleet.provision import new_worker
+from router.fleet.upstream import UpstreamPool
+from router.fleet.workers import Worker
 from router.kv_events.subscriptions import KvEventSubscriptions
-from router.membership import Membership
-from router.metrics import RouterMetrics
-from router.provision import new_worker
-from router.response_owners import ResponseOwners, holder_of
-from router.routing import Router
-from router.shared.path import SharedPath
+from router.observability.metrics import RouterMetrics
+from router.replication.path import SharedPath
+from router.routing.admission import Admission
+from router.routing.attempts import Retry
+from router.routing.dispatch import Router
+from router.routing.membership import Membership
+from router.routing.response_owners import ResponseOwners, holder_of
 from router.tokens.keys import PromptKeys
-from router.upstream import UpstreamPool
-from router.workers import Worker
 
 log = logging.getLogger(__name__)
 

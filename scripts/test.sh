@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: install what the tests need on a bare Debian machine, then
-# run them. Extra arguments go to pytest (scripts/test.sh -x tests/test_cli.py).
+# run them. Extra arguments go to pytest (scripts/test.sh -x tests/project/test_cli.py).
 #
 # The tests start their own redis-server (and Sentinel and Cluster nodes) and a real
 # Prometheus (with promtool) on free ports: their Debian packages are installed when a

@@ -16,7 +16,7 @@ import zmq.asyncio
 from bench.ports import free_port
 from bench.sim.kv_events import BlockRemoved, BlockStored, EventBatch, KVEventsConfig
 from router.config import KvEventsEndpoints
-from router.prefix import chain_seed, prefix_key
+from router.index.prefix import chain_seed, prefix_key
 from router.wire.blocks import token_bytes
 from tests.conftest import EngineFactory, RunningEngine
 from tests.engine_kv_events import encode

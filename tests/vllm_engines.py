@@ -1,11 +1,11 @@
-"""Real vLLM engines for the tests; their home is ``bench/vllm_cpu.py`` (the benchmark
+"""Real vLLM engines for the tests; their home is ``bench/real/vllm_cpu.py`` (the benchmark
 ``kvrouter bench real`` starts the same engines), re-exported here under the names the
 tests import."""
 
 from __future__ import annotations
 
 from bench.ports import free_ports
-from bench.vllm_cpu import (
+from bench.real.vllm_cpu import (
     BLOCK_TOKENS,
     GENERATION_CONFIG,
     MAX_MODEL_LEN,

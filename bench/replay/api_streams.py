@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 
 import orjson
 
-from bench.replay.api_bodies import Api
 from bench.replay.sse import SseEvent
+from bench.workloads.api_bodies import Api
 from router.wire.streams import (
     ANTHROPIC_ENDED,
     CHAT_DONE,

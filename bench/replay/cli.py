@@ -10,7 +10,6 @@ from typing import Any
 
 from rich.console import Console
 
-from bench.replay.api_bodies import APIS, DEFAULT_API
 from bench.replay.client import DEFAULT_REQUEST_TIMEOUT_S, ModelDiscoveryError
 from bench.replay.compare import compare, run_labels
 from bench.replay.progress import ProgressDisplay
@@ -23,6 +22,7 @@ from bench.replay.runner import (
     replay,
     select_sessions,
 )
+from bench.workloads.api_bodies import APIS, DEFAULT_API
 from bench.workloads.trace import Session, read_trace
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """One streamed reply to a chat turn, timed, through one of the APIs the replay speaks:
 OpenAI's Chat Completions, OpenAI's Responses or Anthropic's Messages (the bodies in
-``bench.replay.api_bodies``, reading the streams in ``bench.replay.api_streams``).
+``bench.workloads.api_bodies``, reading the streams in ``bench.replay.api_streams``).
 
 Every failure (an HTTP status other than 200, a connection error, a timeout, an error
 event inside the stream, a stream that stops before its end) is returned in the
@@ -16,9 +16,9 @@ from typing import Literal
 import aiohttp
 import orjson
 
-from bench.replay.api_bodies import BODIES, DEFAULT_API, PATHS, Api, ChatRequest
 from bench.replay.api_streams import MAX_ERROR_CHARS, READERS, StreamOutcome, StreamReader
 from bench.replay.sse import iter_sse
+from bench.workloads.api_bodies import BODIES, DEFAULT_API, PATHS, Api, ChatRequest
 from router.clock import monotonic
 from router.wire.headers import SESSION_HEADER, WORKER_HEADER
 

@@ -55,7 +55,7 @@ class RequestRecord:
     worker: str | None  # the x-kvrouter-worker response header
     error: str | None
     status: int  # HTTP status; 0 when no response arrived
-    api: str = "chat"  # bench.replay.api_bodies.Api: the API that carried the request
+    api: str = "chat"  # bench.workloads.api_bodies.Api: the API that carried the request
 
     @property
     def ok(self) -> bool:
@@ -71,7 +71,7 @@ class RunMeta:
     concurrency: int
     started_at: str  # ISO 8601, UTC
     duration_s: float  # simulated
-    # bench.replay.api_bodies.Api: the default, for sessions whose trace names none;
+    # bench.workloads.api_bodies.Api: the default, for sessions whose trace names none;
     # results written before it: chat
     api: str = "chat"
 

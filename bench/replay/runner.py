@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.replay.api_bodies import APIS, DEFAULT_API, Api, ChatRequest
 from bench.replay.client import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Assign,
@@ -39,6 +38,7 @@ from bench.replay.conversation import Conversation, tokenize_prompt, tokenize_re
 from bench.replay.oracle import PrefixOracle
 from bench.replay.result import RequestRecord, RunMeta, RunResult
 from bench.tokenizer import num_tokens
+from bench.workloads.api_bodies import APIS, DEFAULT_API, Api, ChatRequest
 from bench.workloads.trace import Session, Turn, group_sessions
 from router.clock import monotonic
 from router.wire.blocks import DEFAULT_BLOCK_TOKENS
@@ -64,7 +64,7 @@ class ReplayConfig:
     duration_s: float | None = None  # simulated seconds
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S  # wall seconds
     block_tokens: int = DEFAULT_BLOCK_TOKENS
-    # The API of sessions whose trace names none (bench.replay.api_bodies).
+    # The API of sessions whose trace names none (bench.workloads.api_bodies).
     api: Api = DEFAULT_API
 
     def __post_init__(self) -> None:

@@ -6,7 +6,7 @@ start a streamed reply) and returns a whole :class:`Reply` or the :class:`Stream
 wrote. Two front-ends carry the same endpoints: ``bench/sim/server.py`` on aiohttp (the
 engine inside another program's event loop: tests, in-process benchmarks) and
 ``bench/sim/http1.py`` on httptools (the engine's own process, where a seventh of the
-CPU a request cost went to aiohttp). ``tests/test_sim_http.py`` checks that the two send
+CPU a request cost went to aiohttp). ``tests/sim/test_sim_http.py`` checks that the two send
 the same bytes.
 
 A request the engine drops (a simulated restart) raises ``ConnectionResetError``: the

@@ -20,9 +20,9 @@ from bench.sim.config import (
     EngineConfig,
 )
 from bench.sim.vllm_hash import HASH_FUNCTIONS
-from router.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
+from router.cli.help_format import DefaultsHelpFormatter
 from router.errors import ConfigError
-from router.help_format import DefaultsHelpFormatter
+from router.planning.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
 from router.tokens.model import ModelTokenizer
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ from typing import Literal
 from bench.sim.kv_events import KVEventsConfig
 from bench.sim.sglang_kv_events import SglangKVEventsConfig
 from bench.sim.vllm_hash import HASH_FUNCTIONS
-from router.capacity import GpuSpec, ModelShape
-from router.interruption import DEFAULT_PREFILL_MFU
+from router.planning.capacity import GpuSpec, ModelShape
+from router.planning.interruption import DEFAULT_PREFILL_MFU
 
 Flavor = Literal["vllm", "sglang"]
 

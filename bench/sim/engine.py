@@ -35,8 +35,8 @@ from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
 from bench.sim.sglang_kv_event_log import SglangEngineEvents
 from bench.sim.sglang_kv_events import SglangKVEventsConfig
 from bench.sim.vllm_hash import BlockHasher
-from router.capacity import plan as capacity_plan
 from router.clock import monotonic
+from router.planning.capacity import plan as capacity_plan
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ for byte but the date: status lines, headers in aiohttp's order and its ``Server
 value, ``Connection`` headers and keep-alive, chunked streams (an HTTP/1.0 stream ends
 with the connection instead), ``100 Continue`` and aiohttp's 417, HEAD on every GET
 route, the JSON 401/404/405/413 errors, and for a request the engine dropped a 500 (or,
-mid-stream, the connection closed). ``tests/test_sim_http.py`` compares the two. Only a
+mid-stream, the connection closed). ``tests/sim/test_sim_http.py`` compares the two. Only a
 malformed request's 400 differs: its text is the parser's own.
 
 Bounds: request lines and header fields of ``MAX_LINE_BYTES``, ``MAX_HEADERS`` headers,

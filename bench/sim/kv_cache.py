@@ -17,7 +17,7 @@ reaches the head (or dropped when stale entries outnumber the blocks). Every blo
 at most one live entry, in the order an ordered set would keep, so blocks are handed
 out and evicted in the same order; appending to a deque costs a fraction of inserting
 into an ordered dict, and a request frees hundreds of blocks.
-``tests/test_sim_shortcuts.py`` checks the pool against an ordered-dict model.
+``tests/sim/fronts/test_sim_shortcuts.py`` checks the pool against an ordered-dict model.
 """
 
 from __future__ import annotations

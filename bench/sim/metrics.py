@@ -119,7 +119,7 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
     """``histogram.observe`` of every value, one lock per bucket instead of per value
     (a request's inter-token gaps are thousands of values). Reaches into
     prometheus_client's Histogram (``_upper_bounds``, ``_buckets``, ``_sum``), which has
-    no bulk call; ``tests/test_sim_metrics.py`` checks it against ``observe``.
+    no bulk call; ``tests/sim/test_sim_metrics.py`` checks it against ``observe``.
 
     A value lands in the first bucket whose bound it does not exceed, so a bucket's
     count is how many sorted values lie in ``(previous bound, bound]``: one sort and a
@@ -141,7 +141,7 @@ def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
 def observe(histogram: Histogram, value: float, times: int = 1) -> None:
     """``histogram.observe(value)``, ``times`` times, with a binary search for the bucket
     instead of prometheus_client's scan over every bound (a finished request makes a dozen
-    of these); ``tests/test_sim_metrics.py`` checks it against ``observe``."""
+    of these); ``tests/sim/test_sim_metrics.py`` checks it against ``observe``."""
     histogram._buckets[bisect.bisect_left(histogram._upper_bounds, value)].inc(times)
     histogram._sum.inc(value * times)
 

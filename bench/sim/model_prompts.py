@@ -5,7 +5,7 @@ vLLM renders a chat request with transformers' ``apply_chat_template`` and encod
 text without the tokenizer's special tokens (the template writes them); a completion's
 text is encoded with them unless ``add_special_tokens`` is false. The rendering is the
 router's own (``router/tokens/``: the same template environment, the same conversation
-vLLM builds from the messages, held equal to transformers by ``tests/test_tokens.py``);
+vLLM builds from the messages, held equal to transformers by ``tests/index/test_tokens.py``);
 ``continue_final_message`` is transformers' (the final message tagged, the text cut at
 the tag).
 

@@ -1,5 +1,5 @@
 """Request parsing and response shapes of vLLM's OpenAI-compatible API (simulated), as
-vLLM 0.32 answers: ``tests/test_sim_vs_vllm.py`` holds them to a real engine's."""
+vLLM 0.32 answers: ``tests/real/test_sim_vs_vllm.py`` holds them to a real engine's."""
 
 from __future__ import annotations
 
@@ -196,7 +196,7 @@ class ChunkEvents:
     """``sse_event(stream_chunk(...))`` of one stream's text chunks without building and
     encoding the dict each time: the bytes around the text are encoded once per finish
     reason, from ``stream_chunk`` itself, and the text alone is encoded per chunk.
-    ``tests/test_sim_shortcuts.py`` checks the two give the same bytes."""
+    ``tests/sim/fronts/test_sim_shortcuts.py`` checks the two give the same bytes."""
 
     __slots__ = ("_created", "_frames", "_kind", "_model", "_rid")
 

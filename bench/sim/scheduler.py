@@ -13,7 +13,7 @@ A batch of running requests that are all decoding stays the same batch from step
 step until one of them finishes, a block runs out, or a request arrives or leaves: the
 engine then runs those steps as one span (``decode_span``, ``complete_decode``) instead
 of one Python iteration per token. The result is the same, step by step, as
-scheduling each step alone: ``tests/test_sim_scheduler.py`` checks it.
+scheduling each step alone: ``tests/sim/test_sim_scheduler.py`` checks it.
 """
 
 from __future__ import annotations

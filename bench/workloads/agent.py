@@ -6,7 +6,7 @@ session, a first instruction of a thousand-odd tokens, then one turn per tool ca
 tokens, sometimes a whole file). The model's replies are short. The context reaches
 about 80K tokens by turn 30 (median over sessions that get that far).
 
-Calibration (2000 sessions, seeds 0-3; ``tests/test_workloads.py`` checks smaller runs):
+Calibration (2000 sessions, seeds 0-3; ``tests/bench/test_workloads.py`` checks smaller runs):
 a tool-result median of ~700 tokens cannot reach 80K by turn 30 unless
 sigma is >= 1.6, which puts a quarter of the results outside 100..5000 tokens; a median
 of 1300 with sigma 1.1 gives a median context of 80.2-80.9K at turn 30 with 88% of the

@@ -16,8 +16,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
-from bench.replay.api_bodies import APIS, Api
 from bench.workloads import agent, azure, burst, chat, mix, mooncake, qa, shared_prompt
+from bench.workloads.api_bodies import APIS, Api
 from bench.workloads.flags import named_weights
 from bench.workloads.stats import describe, summarize
 from bench.workloads.trace import Turn, write_trace

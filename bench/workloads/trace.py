@@ -14,7 +14,7 @@ Fields of a line::
     output_tokens  int    the expected length of the reply (sent as max_tokens)
     system         text   optional, turn 0 only: the system prompt
     api            str    optional, turn 0 only: the API the session's client speaks,
-                          "chat", "responses" or "messages" (``bench.replay.api_bodies``);
+                          "chat", "responses" or "messages" (``bench.workloads.api_bodies``);
                           without it the replay's ``--api`` carries the session
 
 A *text* is either a literal string, or ``{"id": KEY, "tokens": N}`` (N stand-in tokens
@@ -32,8 +32,8 @@ from typing import Any
 
 import orjson
 
-from bench.replay.api_bodies import APIS, Api
 from bench.textgen import text_for
+from bench.workloads.api_bodies import APIS, Api
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from router.apis.invalid import InvalidBody
-from router.tokens.conversation import BILLING_HEADER
+
+# A text block Claude Code starts its system prompt with; left out of the prompt, as vLLM
+# leaves it out.
+BILLING_HEADER = "x-anthropic-billing-header"
 
 # vLLM's VLLM_MAX_STOP_STRINGS.
 MAX_STOP_SEQUENCES = 4

@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from router.capture import MAX_TOOL_CALL_BYTES, ReplyCapture
+from router.apis.capture import MAX_TOOL_CALL_BYTES, ReplyCapture
 from router.errors import RouterError
 from router.wire.streams import (
     ANTHROPIC_ENDED,

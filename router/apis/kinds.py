@@ -12,10 +12,10 @@ import orjson
 
 from router.apis.anthropic_reply import MessagesCapture
 from router.apis.anthropic_reply import error_body as anthropic_error_body
+from router.apis.capture import ChatCapture, CompletionCapture, ReplyCapture
 from router.apis.responses_reply import ResponsesCapture
-from router.capture import ChatCapture, CompletionCapture, ReplyCapture
 from router.errors import RouterError, UpstreamError
-from router.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER
+from router.index.prefix import CHAT_REPLY_HEADER, COMPLETION_REPLY_HEADER
 from router.wire.kinds import Kind
 
 ErrorBody = Callable[[RouterError], dict[str, Any]]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from router.capture import ReplyCapture
+from router.apis.capture import ReplyCapture
 from router.wire.streams import (
     RESPONSES_ENDED,
     RESPONSES_FAILED,

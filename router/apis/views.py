@@ -1,5 +1,5 @@
 """A Responses or Messages request seen as the chat request the engine runs it as: what
-the router keys and routes it by (``router.parse``)."""
+the router keys and routes it by (``router.apis.request``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class ChatView:
 
     @property
     def own_session(self) -> Mapping[str, Any]:
-        """The API's session field where ``router.parse.session_key_of`` reads it."""
+        """The API's session field where ``router.apis.request.session_key_of`` reads it."""
         return {OWN_SESSION[0]: self.session_field}
 
 

@@ -1,1 +1,3 @@
-"""An engine's own KV cache events: what it stored and what it removed, block by block."""
+"""Subscriptions to the engines' own KV cache events (ZeroMQ, as vLLM and SGLang publish
+them): what each stored and removed, applied to the exact residency in
+``router.index.residency.exact``."""

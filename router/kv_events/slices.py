@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 
-from router.kv_events.wire import AllBlocksCleared, BlockRemoved, Event
+from router.index.events import AllBlocksCleared, BlockRemoved, Event
 
 # Blocks applied between two yields to the loop: a few milliseconds of work.
 SLICE_BLOCKS = 2048

@@ -14,7 +14,7 @@ under-counts what the worker holds, and rebuilds from later events, never over-c
 A live sequence that goes back means a new engine process (its sequence starts again):
 likewise dropped. The worker turns exact at its first sign of life (a replay answered,
 a batch received) and stays approximate if its blocks are not a whole number of the
-router's (``router.engine_blocks``).
+router's (``router.index.engine_blocks``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from router.engine_blocks import block_size_advice
-from router.index import LocalPrefixIndex
-from router.kv_events.metrics import KvEventMetrics, ReplayResult, ResetReason
-from router.kv_events.slices import event_slices
-from router.kv_events.wire import (
+from router.fleet.workers import Worker
+from router.index.engine_blocks import block_size_advice
+from router.index.events import (
     SEQ_BYTES,
     AllBlocksCleared,
     BlockRemoved,
@@ -43,8 +41,10 @@ from router.kv_events.wire import (
     decode_batch,
     read_message,
 )
-from router.sparse_log import SparseLog
-from router.workers import Worker
+from router.index.residency import LocalPrefixIndex
+from router.kv_events.metrics import KvEventMetrics, ReplayResult, ResetReason
+from router.kv_events.slices import event_slices
+from router.observability.sparse_log import SparseLog
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any
 import zmq.asyncio
 
 from router.config import KvEventsConfig, KvEventsEndpoints
-from router.index import LocalPrefixIndex
+from router.fleet.workers import Fleet, Worker
+from router.index.residency import LocalPrefixIndex
 from router.kv_events.metrics import KvEventMetrics
 from router.kv_events.subscriber import Exactness, RankEndpoints, RankSubscriber
-from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ from typing import Any, Literal
 import jinja2
 import jinja2.nodes
 
+from router.apis.anthropic_chat import BILLING_HEADER
 from router.tokens.template import parse_template
 
 ContentFormat = Literal["string", "openai"]
-BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def template_conversation(

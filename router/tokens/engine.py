@@ -23,10 +23,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.parse import ClientRequest, RequestBody, keyed, keyed_by_text
+from router.apis.request import ClientRequest, RequestBody, keyed, keyed_by_text
+from router.fleet.workers import Fleet, Worker
 from router.tokens.keys import MAX_PENDING, TokenMetrics
 from router.wire.blocks import token_bytes
-from router.workers import Fleet, Worker
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ A chat request's messages are rendered with the model's chat template and encode
 its tokenizer, as the engine does (a completion's text prompt is encoded as it is, with
 the tokenizer's special tokens unless ``add_special_tokens`` is false; its token ids are
 taken as they are); the canonical bytes are the ids, 4 little-endian bytes each
-(``router.prefix.token_bytes``), so a block of ``prefix.block_bytes`` is ``block_bytes /
+(``router.index.prefix.token_bytes``), so a block of ``prefix.block_bytes`` is ``block_bytes /
 4`` of the engine's tokens, the prompt's token count is exact, and the blocks are the
 ones the engine's KV events announce (router.kv_events).
 
@@ -27,8 +27,8 @@ from typing import Any, AnyStr, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from router.apis.request import ClientRequest, RequestBody, keyed, keyed_by_text
 from router.config import DEFAULT_MAX_TOKENIZED_BYTES
-from router.parse import ClientRequest, RequestBody, keyed, keyed_by_text
 from router.tokens.conversation import (
     ContentFormat,
     detect_content_format,
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ChatTokens:
     canonical: bytes  # the ids, TOKEN_BYTES each
-    history_bytes: int  # of them, the previous turn's prompt (router.prefix's sense)
+    history_bytes: int  # of them, the previous turn's prompt (router.index.prefix's sense)
     reused_tokens: int  # taken from an earlier prompt without encoding
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from router.prefix import ChainExtender, PrefixKey
+from router.index.prefix import ChainExtender, PrefixKey
 
 # The most of a reply's text kept to encode; past it the reply adds nothing.
 MAX_REPLY_CHARS = 1 << 20
@@ -23,7 +23,7 @@ Encode = Callable[[str], Awaitable[bytes | None]]
 
 
 class TokenReplyChain:
-    """``router.capture.ReplyChain`` in the model's tokens."""
+    """``router.apis.capture.ReplyChain`` in the model's tokens."""
 
     __slots__ = ("_chain", "_closed", "_encode", "_parts", "_size")
 

@@ -8,7 +8,7 @@ its own ``tojson`` (no HTML escaping, non-ASCII kept) and the globals
 special tokens (``eos_token``, ``pad_token``, ...) are template variables, and the
 request's keyword arguments override them. One character of difference and every
 token after it differs, so this is that environment, as transformers 5 builds it
-(``transformers/utils/chat_template_utils.py``), and ``tests/test_tokens.py`` holds
+(``transformers/utils/chat_template_utils.py``), and ``tests/index/test_tokens.py`` holds
 it to transformers' own output.
 """
 

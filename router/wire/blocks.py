@@ -3,7 +3,7 @@
 ``h_i = xxh3_64(block_i, seed=h_{i-1})``: a block's hash names the whole prefix up to
 and including it, so two prompts share a cached block only if they share everything
 before it too. Only full blocks are hashed; a partial tail block is never cached. The
-router keys prompts so (``router.prefix``), and the simulated engine keys its cache so
+router keys prompts so (``router.index.prefix``), and the simulated engine keys its cache so
 (``bench.sim``).
 """
 

@@ -1,6 +1,6 @@
 """A reply in each client API, as whoever reads it in passing needs it: its text, its
 errors and the engine's usage (``docs/engines/vllm-messages-responses.md`` §1.3-1.4,
-§2.3-2.4). The router's reply capture (``router.capture``, ``router.apis``) and the
+§2.3-2.4). The router's reply capture (``router.apis.capture``, ``router.apis``) and the
 replay's stream readers (``bench.replay.api_streams``) both read replies through these.
 
 * Chat Completions: text in ``choices[0].delta.content`` (streamed) or

@@ -1,0 +1,1 @@
+"""``kvrouter bench real``: routers compared in front of real vLLM engines (CPU build)."""

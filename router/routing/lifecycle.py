@@ -1,0 +1,207 @@
+"""One client request from admission to its end, as the router sees it.
+
+The proxy makes a ``RequestLifecycle`` for each parsed request and asks it, in order:
+``admit()`` (the model check is already done: an unknown model never gets one), then,
+through ``router.routing.attempts.run_attempts``, ``dispatch()`` and ``begin()`` for each
+attempt, and for each attempt exactly one of ``finished`` (the client saw bytes:
+success, a refusal, a failure mid-stream, the client leaving) or ``failed`` (nothing
+reached the client; another worker may be tried); ``gave_up`` when no attempt served
+it. The proxy keeps the relay; what a request did to the router's state (lease, reserved
+blocks here and in the shared state, breaker, learning, metrics) is settled here,
+through the ``Dispatch``, the ``Recorder`` and ``SharedPath``.
+
+Eligibility is computed once on the common path: the admission check's list of eligible
+workers is the one the first dispatch chooses from. A retry looks again (the worker that
+failed is out, and health may have changed since).
+
+``PlainLifecycle`` is the same for a request with no prefix work (``router.edge.passthrough``):
+the least loaded eligible worker, a lease, the breaker's verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from policies.base import Outcome, RouteRequest
+from router.apis.request import ClientRequest
+from router.clock import monotonic
+from router.errors import ModelNotFound, NoEligibleWorker
+from router.fleet.workers import Lease, Worker
+from router.routing.admission import Admission
+from router.routing.dispatch import Dispatch, EngineUsage, Router
+
+
+class SharedPrefixes(Protocol):
+    """The other replicas' view, read and written on the request path
+    (``router.replication.path.SharedPath``)."""
+
+    async def lookup(
+        self, request: ClientRequest, hashes: Sequence[int], candidates: Sequence[Worker]
+    ) -> dict[str, int] | None: ...
+
+    async def reserve(self, worker: str, hashes: Sequence[int]) -> None: ...
+
+    def withdraw(self, worker: str, hashes: Sequence[int]) -> None: ...
+
+
+def eligible(
+    router: Router, model: str | None, holder: Worker | None, tried: list[str]
+) -> list[Worker]:
+    """The workers a request may go to now: ``holder`` alone when it continues or reads
+    a response stored there (draining or not, only it can; down, nobody can)."""
+    if holder is None:
+        return router.eligible(model, tried)
+    usable = holder.healthy and holder.breaker.allows() and holder.name not in tried
+    return [holder] if usable else []
+
+
+def holder_unavailable(holder: Worker) -> NoEligibleWorker:
+    return NoEligibleWorker(
+        f"the worker that stored this response ({holder.name}) cannot take requests now"
+    )
+
+
+class RequestLifecycle:
+    __slots__ = (
+        "_admission",
+        "_candidates",
+        "_holder",
+        "_router",
+        "_shared",
+        "arrived",
+        "remote_matches",
+        "request",
+        "route",
+        "tried",
+    )
+
+    def __init__(
+        self,
+        router: Router,
+        admission: Admission,
+        request: ClientRequest,
+        request_id: str,
+        arrived: float,
+        holder: Worker | None = None,
+        shared: SharedPrefixes | None = None,
+    ) -> None:
+        if not router.fleet.serves(request.model):
+            raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
+        self._router = router
+        self._admission = admission
+        self._shared = shared
+        self.request = request
+        self.arrived = arrived
+        self.route: RouteRequest = router.route_request(request, request_id)
+        self.tried: list[str] = []  # workers whose attempt failed before the first byte
+        self._candidates: list[Worker] | None = None
+        # The one worker the request may go to (it continues a response stored there).
+        self._holder = holder
+        # Blocks of the prompt each worker holds according to the other replicas, when
+        # asked (router.replication.path); None: the local index alone.
+        self.remote_matches: dict[str, int] | None = None
+
+    async def admit(self) -> None:
+        """Returns when some eligible worker has room (at once without admission limits);
+        raises ``TooManyRequests`` or ``Overloaded`` if none gets room in time. With
+        shared state, the other replicas' view of the prompt is read first: nothing may
+        wait between room and lease."""
+        if self._shared is not None:
+            self.remote_matches = await self._shared.lookup(
+                self.request, self.route.block_hashes, self.candidates()
+            )
+        await self._admission.wait_for_room(self._has_room)
+
+    def _has_room(self) -> bool:
+        self._candidates = eligible(self._router, self.request.model, self._holder, self.tried)
+        return Router.room_among(self._candidates, self._admission.limit)
+
+    def candidates(self) -> list[Worker]:
+        """The workers the next dispatch chooses from (the admission check's, if fresh)."""
+        if self._candidates is None:
+            self._candidates = eligible(self._router, self.request.model, self._holder, self.tried)
+        return self._candidates
+
+    def dispatch(self) -> Dispatch:
+        """The next attempt, on a worker not tried yet; raises ``NoEligibleWorker``."""
+        candidates = self.candidates()
+        self._candidates = None
+        if not candidates and self._holder is not None:
+            raise holder_unavailable(self._holder)
+        if self.tried:
+            self._router.recorder.retried(self.tried[-1])
+        return self._router.dispatch(
+            self.request, self.route, self.tried, self.arrived, candidates, self.remote_matches
+        )
+
+    async def begin(self, dispatch: Dispatch) -> None:
+        """Before the request goes out: with shared state, the blocks it reserved are
+        written where the other replicas read them."""
+        if self._shared is not None:
+            await self._shared.reserve(dispatch.worker.name, dispatch.route.block_hashes)
+
+    def failed(self, dispatch: Dispatch, outcome: Outcome) -> None:
+        """The attempt failed before the client saw a byte."""
+        dispatch.fail(outcome)
+        self.tried.append(dispatch.worker.name)
+        self._withdraw(dispatch)
+        self._admission.notify()  # its lease is released: there is room now
+
+    def finished(
+        self,
+        dispatch: Dispatch,
+        outcome: Outcome,
+        reply_hashes: tuple[int, ...] | list[int],
+        usage: EngineUsage | None,
+        reported_prompt_tokens: int | None,
+    ) -> None:
+        """The request ended on this attempt's worker, the client having seen bytes."""
+        dispatch.finish(outcome, reply_hashes, usage, reported_prompt_tokens)
+        if outcome != "success":  # refused, failed, abandoned: nothing new is there
+            self._withdraw(dispatch)
+        self._admission.notify()
+
+    def _withdraw(self, dispatch: Dispatch) -> None:
+        if self._shared is not None:
+            self._shared.withdraw(dispatch.worker.name, dispatch.route.block_hashes)
+
+    def gave_up(self, outcome: Outcome) -> None:
+        """No attempt served the request; the last one ended as ``outcome``."""
+        self._router.recorder.gave_up(
+            self.request.model, self.request.kind, self.tried[-1], outcome
+        )
+
+
+class PlainLifecycle:
+    """A request forwarded without prefix work: nothing enters the index or the
+    learning, but its lease counts as load and its outcome reaches the breaker."""
+
+    __slots__ = ("_holder", "_model", "_router", "arrived", "tried")
+
+    def __init__(self, router: Router, model: str | None, holder: Worker | None = None) -> None:
+        if model is not None and not router.fleet.serves(model):
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        self._router = router
+        self._model = model
+        self._holder = holder
+        self.arrived = monotonic()
+        self.tried: list[str] = []
+
+    def dispatch(self) -> Lease:
+        candidates = eligible(self._router, self._model, self._holder, self.tried)
+        if not candidates:
+            if self._holder is not None:
+                raise holder_unavailable(self._holder)
+            raise NoEligibleWorker("no healthy worker can take this request")
+        return Lease(min(candidates, key=lambda w: (w.load, w.name)), 0, 0)
+
+    def failed(self, lease: Lease, outcome: Outcome) -> None:
+        lease.end(outcome)
+        self.tried.append(lease.worker.name)
+
+    def finished(self, lease: Lease, outcome: Outcome) -> None:
+        lease.end(outcome)
+
+    def gave_up(self, outcome: Outcome) -> None:
+        """Nothing to count: the client's answer says it."""

@@ -1,0 +1,84 @@
+"""What the router learns from responses (router.routing.learning), on plain values."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from router.apis.request import parse_request
+from router.fleet.demand import RecentDemand
+from router.fleet.workers import Fleet, Worker
+from router.index.residency import LocalPrefixIndex
+from router.observability.metrics import RouterMetrics
+from router.routing.dispatch import Dispatch, EngineUsage, Router
+from router.routing.learning import WorkerSpeeds
+from router.routing.policy_slot import PolicySlot
+
+
+def test_worker_speeds_learn_a_slower_worker_slowly_and_within_bounds() -> None:
+    speeds = WorkerSpeeds()
+    assert speeds.ratio("a100") == 1.0
+    for _ in range(200):  # the A100 prefills at a third of the fleet's rate
+        speeds.observe("a100", 10_000, 3.0, 10_000.0)
+        speeds.observe("h100", 10_000, 1.0, 10_000.0)
+    assert speeds.ratio("a100") == pytest.approx(1 / 3, rel=0.01)
+    assert speeds.ratio("h100") == pytest.approx(1.0)
+    speeds.observe("h100", 10_000, 0.5, 10_000.0)
+    assert speeds.learned("h100") == pytest.approx(1.05)  # one sample only tilts it
+    for _ in range(5):  # a burst of fast samples: within the deadband, still 1
+        speeds.observe("h100", 10_000, 0.5, 10_000.0)
+    assert 1.1 < speeds.learned("h100") < 1.5 and speeds.ratio("h100") == 1.0
+    for _ in range(500):
+        speeds.observe("stalled", 10_000, 1000.0, 10_000.0)
+        speeds.observe("small", 100, 1000.0, 10_000.0)  # too few tokens to say anything
+    assert speeds.ratio("stalled") == 0.25 and speeds.ratio("small") == 1.0
+    speeds.reset("a100")
+    assert speeds.ratio("a100") == 1.0
+
+
+def test_recent_demand_fades_by_half_each_half_life() -> None:
+    demand = RecentDemand(half_life_s=30.0)
+    assert demand.value(0.0) == 0.0
+    demand.add(80_000, now=100.0)
+    assert demand.value(130.0) == pytest.approx(40_000)
+    assert demand.value(160.0) == pytest.approx(20_000)
+    demand.add(5_000, now=160.0)
+    assert demand.value(160.0) == pytest.approx(25_000)
+    assert demand.value(150.0) == pytest.approx(25_000)  # a late reader sees no growth
+    with pytest.raises(ValueError, match="half_life_s"):
+        RecentDemand(half_life_s=0)
+
+
+def _a_settled_router() -> Router:
+    fleet, index = Fleet(), LocalPrefixIndex()
+    for name in ("a100", "h100"):
+        fleet.add(Worker(name, f"http://{name}", 64_000))
+        index.add_worker(name, 1000)
+    metrics = RouterMetrics(fleet, index, 64)
+    router = Router(fleet, index, PolicySlot("round_robin", {}, 1, metrics), 64, metrics)
+    rate = router.learner.prefill_rate
+    rate.tokens_per_s, rate.samples = 10_000.0, 100
+    return router
+
+
+def _dispatch_to(router: Router, worker: str, prompt_words: int) -> Dispatch:
+    body = {"model": "m", "messages": [{"role": "user", "content": "word " * prompt_words}]}
+    request = parse_request("chat", orjson.dumps(body), None, ("user",), 256)
+    others = [w.name for w in router.fleet.all() if w.name != worker]
+    return router.dispatch(request, router.route_request(request, "r"), others)
+
+
+@pytest.mark.parametrize(
+    ("queued", "own", "learns"), [(0, 4000, True), (4000, 4000, True), (4000, 3999, False)]
+)
+def test_a_worker_learns_its_speed_from_requests_mostly_its_own_prefill(
+    queued: int, own: int, learns: bool
+) -> None:
+    router = _a_settled_router()
+    ahead = _dispatch_to(router, "a100", 100)
+    slow = _dispatch_to(router, "a100", 100)
+    slow.queued_before = queued  # what the worker had queued when this request was sent
+    slow.ttft = (queued + own) / 10_000 * 3  # the worker prefills at a third of the fleet
+    router.learner.learn(slow, EngineUsage(prompt_tokens=own + 500, cached_tokens=500))
+    ahead.fail("upstream_error")
+    assert (router.learner.speeds.learned("a100") < 1.0) is learns
