@@ -1,5 +1,5 @@
 """The router as a whole: its state, running (``running_state``), and the routes it
-serves (``routes_for``); ``router.edge.server`` puts both on a socket.
+serves (``routes_for``); ``router.server`` puts both on a socket.
 
 Each resource is owned by one context: the upstream pools and client session, the
 router state, then its background tasks. Only what started is cleaned up.

@@ -11,15 +11,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router.errors import ConfigError
-from router.fleet.breaker import (
-    DEFAULT_COOLDOWN_S,
-    DEFAULT_FAILURE_THRESHOLD,
-    DEFAULT_MAX_COOLDOWN_S,
-)
 from router.wire.blocks import DEFAULT_BLOCK_TOKENS
 from router.wire.headers import SESSION_HEADER
 
 DEFAULT_PORT = 8000
+# A worker's circuit breaker (router.fleet.breaker): opened after this many consecutive
+# failures, for a cooldown that doubles on each failed trial up to the maximum.
+DEFAULT_FAILURE_THRESHOLD = 5
+DEFAULT_COOLDOWN_S = 2.0
+DEFAULT_MAX_COOLDOWN_S = 60.0
 DEFAULT_POLICY = "ttft"
 # 256 bytes of canonical prompt ~ 64 tokens at ~4 bytes a token: four of the engines'
 # 16-token blocks. Matching is then exact to within 64 tokens (under 1% of an agent

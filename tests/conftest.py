@@ -20,8 +20,8 @@ from bench.sim.config import EngineConfig
 from bench.sim.engine import Engine
 from bench.sim.server import ENGINE_KEY, create_app
 from router.config import HealthConfig, RouterConfig, WorkerConfig
-from router.edge.server import serving
 from router.planning.capacity import gpu, load_model
+from router.server import serving
 from router.state import RouterState
 from tests.token_model import build_model_dir
 from tests.vllm_engines import VllmEngine, install_vllm, start_engines, write_model

@@ -119,7 +119,7 @@ async def inprocess_router(command: Sequence[str], port: int) -> AsyncIterator[s
     its URL."""
     from router.cli.serve import flag_overrides
     from router.config_loader import load_config
-    from router.edge.server import serving
+    from router.server import serving
 
     args = _cli_args(router_argv(command))
     if args.command != "serve":

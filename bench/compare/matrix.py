@@ -44,7 +44,7 @@ from bench.workloads.trace import Turn
 
 DEFAULT_POLICIES = ("ttft", "cache_aware", "round_robin")
 DEFAULT_OUT = Path("results/matrix")
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 ROOMY_KV_TOKENS = 1_000_000
 # The columns of the one table; every figure is in matrix.json.
 TABLE_FIGURES = (

@@ -209,7 +209,7 @@ async def _load(
 
 
 async def overhead(requests: int, rate: float, prompt_tokens: int) -> dict[str, float]:
-    from router.edge.server import serving
+    from router.server import serving
 
     engine_config = EngineConfig(
         model=load_model("llama-3.1-8b"), gpu=gpu("h100"), served_model_name="m", kv_tokens=200_000

@@ -28,7 +28,7 @@ import orjson
 from bench.ports import free_port_run
 from bench.sim.fleet import fleet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRACED = (str(ROOT / "router") + "/", str(ROOT / "policies") + "/")
 MODEL = "walk-model"
 PATHS = {
@@ -79,7 +79,7 @@ def tracer(walk: Walk) -> Callable[[FrameType, str, Any], None]:
 
 async def walk_one(api: str, stream: bool, compressed: bool) -> Walk:
     from router.config import HealthConfig, RouterConfig, WorkerConfig
-    from router.edge.server import serving
+    from router.server import serving
 
     base = free_port_run(3)
     flags = ["--served-model-name", MODEL, "--time-scale", "1000"]

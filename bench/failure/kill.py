@@ -20,7 +20,7 @@ import aiohttp
 from bench.sim.fleet import fleet, start_engine, stop, wait_healthy
 from bench.textgen import text_for
 from router.config import HealthConfig, RouterConfig, WorkerConfig
-from router.edge.server import serving
+from router.server import serving
 
 FLAGS = ["--kv-tokens", "50000", "--time-scale", "10", "--served-model-name", "m"]
 

@@ -29,7 +29,7 @@ import aiohttp
 from bench.cost.tokenize import qwen3_dir
 from bench.ports import free_ports
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.32.0"
 MODEL_NAME = "tiny-qwen3"
 BLOCK_TOKENS = 32  # CPU vLLM's attention takes multiples of 32 only

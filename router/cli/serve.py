@@ -209,7 +209,7 @@ def tune_gc() -> None:
 async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
     """The router on ``config.port`` until SIGINT or SIGTERM; with ``slot``, as one
     process of a ``--processes N`` group (router/processes/)."""
-    from router.edge.server import RouterServer
+    from router.server import RouterServer
 
     # First: a signal while the router starts stops it once started, cleanly.
     stop = asyncio.Event()

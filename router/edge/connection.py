@@ -450,7 +450,7 @@ class ClientConnection(asyncio.Protocol):
             error = RequestTimeout(f"the request body did not arrive within {timeout:g} s")
             self._refuse(Refused(error))
 
-    # -- shutdown (router.edge.server calls these on every connection) ------------------
+    # -- shutdown (router.server calls these on every connection) ------------------
 
     def close(self) -> None:
         """No more requests: the connection closes once the current one is answered."""

@@ -26,6 +26,7 @@ from router.apis.request import keyed_by_text, read_request
 from router.clock import monotonic
 from router.edge.reply import Reply
 from router.edge.routes import Call
+from router.edge.settlement import Settlement, reply_chain
 from router.errors import (
     UpstreamError,
     UpstreamTimeout,
@@ -35,7 +36,6 @@ from router.fleet.workers import Worker
 from router.routing.attempts import AttemptFailed, Fallback, run_attempts
 from router.routing.dispatch import Dispatch
 from router.routing.lifecycle import RequestLifecycle
-from router.routing.settlement import Settlement, reply_chain
 from router.state import RouterState
 from router.wire import headers
 from router.wire.kinds import Kind

@@ -23,10 +23,11 @@ from enum import IntEnum
 
 from policies.base import Outcome
 from router.clock import monotonic
-
-DEFAULT_FAILURE_THRESHOLD = 5
-DEFAULT_COOLDOWN_S = 2.0
-DEFAULT_MAX_COOLDOWN_S = 60.0
+from router.config import (
+    DEFAULT_COOLDOWN_S,
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_MAX_COOLDOWN_S,
+)
 
 
 class BreakerState(IntEnum):

@@ -37,7 +37,7 @@ from router.processes.slot import ProcessSlot
 from router.state import RouterState
 
 if TYPE_CHECKING:
-    from router.edge.server import RouterServer
+    from router.server import RouterServer
 
 log = logging.getLogger(__name__)
 

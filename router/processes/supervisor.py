@@ -64,7 +64,7 @@ STORE_READY_S = 10.0
 # A process is up once its state runs: the first health probe of every worker
 # (health.timeout_s) and the first read of the shared state.
 START_TIMEOUT_S = 120.0
-# A process gives requests in flight 60 s after SIGTERM (router.edge.server).
+# A process gives requests in flight 60 s after SIGTERM (router.server).
 STOP_GRACE_S = 65.0
 STORE_STOP_S = 5.0
 PR_SET_PDEATHSIG = 1

@@ -235,7 +235,8 @@ async def test_the_rounds_measure_kvrouter(tmp_path: Path) -> None:
 def test_pyspy_raw_stacks_summarize_to_own_and_inclusive_time() -> None:
     raw = [
         "<module> (run.py:1);serve (aiohttp/web.py:10);_handle (router/edge/relay.py:150) 6",
-        "<module> (run.py:1);serve (aiohttp/web.py:12);parse_request (router/parse.py:140) 3",
+        "<module> (run.py:1);serve (aiohttp/web.py:12);"
+        "parse_request (router/apis/request.py:140) 3",
         "<module> (run.py:1);serve (aiohttp/web.py:10) 1",
     ]
     profile = summarize(raw)

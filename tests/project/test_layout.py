@@ -10,6 +10,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("router", "policies", "bench")
+# router/'s parts, each importing only those before it (docs/ARCHITECTURE.md's table).
+ROUTER_LAYERS = (
+    "wire", "errors", "config", "config_loader", "clock", "backoff", "auth", "planning",
+    "index", "apis", "observability", "fleet", "tokens", "routing", "replication",
+    "kv_events", "state", "edge", "discovery", "app", "server", "processes", "cli",
+)  # fmt: skip
 
 
 def module_name(path: Path) -> str:
@@ -110,3 +116,22 @@ def test_no_package_depends_on_one_that_depends_on_it() -> None:
     _, by_package = import_graph()
     assert "router.routing" in by_package["router.edge"]  # the edge relays, routing decides
     assert cycles(by_package) == []
+
+
+def test_each_part_of_the_router_imports_only_the_parts_below_it() -> None:
+    by_module, _ = import_graph()
+    rank = {f"router.{part}": i for i, part in enumerate(ROUTER_LAYERS)}
+
+    def part(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    parts = {part(name) for name in by_module if name.startswith("router.")}
+    assert parts == set(rank)  # every part has its place, and no place is empty
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, targets in by_module.items()
+        if name.startswith("router.")
+        for target in targets
+        if target.startswith("router.") and rank[part(target)] > rank[part(name)]
+    )
+    assert upward == []
