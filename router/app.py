@@ -16,7 +16,7 @@ from typing import cast
 
 import aiohttp
 
-from router.apis.kinds import APIS
+from router.apis.table import APIS
 from router.config import ENGINE_TOKENIZER, RouterConfig
 from router.discovery import reconciler as discovery
 from router.edge import admin, ops, passthrough

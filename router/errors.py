@@ -46,7 +46,7 @@ class RouterError(Exception):
         super().__init__(message)
         self.message = message
         self.param = param
-        # The API the error answers a request of, when not OpenAI's (router.apis.kinds).
+        # The API the error answers a request of, when not OpenAI's (router.apis.table).
         self.shape: Callable[[RouterError], dict[str, Any]] | None = None
 
     def answer_body(self) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import httptools
 import orjson
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from router.apis.kinds import error_body_for
+from router.apis.table import error_body_for
 from router.edge import guards
 from router.edge.decoding import DECODED_CODINGS, decode, undecodable
 from router.edge.message import MAX_HEAD_BYTES, MAX_TARGET_BYTES, Message, Refused

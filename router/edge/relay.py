@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from policies.base import Outcome
 from router.apis.capture import ReplyCapture
-from router.apis.kinds import APIS
 from router.apis.request import keyed_by_text, read_request
+from router.apis.table import APIS
 from router.clock import monotonic
 from router.edge.reply import Reply
 from router.edge.routes import Call
