@@ -216,8 +216,8 @@ class UpstreamConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}: must be > 0")
-        if self.retry_backoff_s < 0:
-            raise ConfigError("retry_backoff_s: must be >= 0")
+        if not 0 <= self.retry_backoff_s <= self.retry_deadline_s:
+            raise ConfigError("retry_backoff_s: must be >= 0 and <= retry_deadline_s")
         for name in ("max_connections", "max_connections_per_worker", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1")

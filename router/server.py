@@ -50,7 +50,7 @@ class RouterServer:
         tb: TracebackType | None,
     ) -> None:
         try:
-            await self._stop_serving()
+            await self.stop_serving()
         finally:
             await self._stack.aclose()
             self._state = None
@@ -81,7 +81,9 @@ class RouterServer:
             if s.family in (socket.AF_INET, socket.AF_INET6)
         ]
 
-    async def _stop_serving(self) -> None:
+    async def stop_serving(self) -> None:
+        """No more connections; the requests in flight finish (or end after
+        ``shutdown_timeout_s``). The state runs on until exit."""
         for server in self._servers:
             server.close()
         for connection in list(self._connections):

@@ -227,6 +227,7 @@ async def serve(config: RouterConfig, slot: ProcessSlot | None = None) -> None:
         tune_gc()
         log.info("%s", started_line(config, slot))
         await stop.wait()
+        await server.stop_serving()  # while the group's siblings still answer
 
 
 def started_line(config: RouterConfig, slot: ProcessSlot | None = None) -> str:

@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections import deque
 from collections.abc import Callable
 from typing import cast
 
 import httptools
 import orjson
-from aiohttp.tcp_helpers import tcp_keepalive
 
 from router.apis.table import error_body_for
 from router.edge import guards
@@ -46,6 +46,7 @@ from router.errors import (
     PayloadTooLarge,
     RequestTimeout,
     RouterError,
+    UnsupportedEncoding,
 )
 from router.state import RouterState
 from router.wire import http1
@@ -96,7 +97,9 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        tcp_keepalive(self._transport)  # dead peers are found
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # dead peers are found
         self._via_socket_path = isinstance(transport.get_extra_info("sockname"), str)
         self._arm_idle()
 
@@ -134,7 +137,8 @@ class ClientConnection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # An Upgrade the router does not do: the request is answered as if it
-            # asked for none, and the connection ends there.
+            # asked for none (httptools leaves its body unread: an empty one), and the
+            # connection ends there.
             self._stop_reading()
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
@@ -207,7 +211,11 @@ class ClientConnection(asyncio.Protocol):
                 coding = value.strip().lower()
                 if coding not in DECODED_CODINGS:
                     raise Refused(undecodable(value))
-                message.coding = coding
+                if message.coding != b"identity" and coding != b"identity":
+                    # Two codings, as a list in one header would be.
+                    raise Refused(UnsupportedEncoding("the request has two Content-Encodings"))
+                if coding != b"identity":
+                    message.coding = coding
         if hosts > 1 or (hosts == 0 and message.version == "1.1"):
             # RFC 9112 section 3.2: a 400 for either; two Hosts are two answers to which
             # server is meant, one a proxy in front may have read differently.
@@ -287,7 +295,8 @@ class ClientConnection(asyncio.Protocol):
     async def _serve(self, message: Message) -> None:
         state = self._state
         method = message.method.decode("latin-1")
-        raw_path = message.url.partition(b"?")[0]
+        target = _origin_form(message.url)
+        raw_path = target.partition(b"?")[0]
         path = raw_path.decode("latin-1")
         keep_alive = message.keep_alive and not self._closing
         reply = ConnectionReply(self, keep_alive, message.version != "1.1", method == "HEAD")
@@ -304,7 +313,7 @@ class ClientConnection(asyncio.Protocol):
             if message.coding != b"identity":
                 body = decode(body, message.coding, state.config.max_body_bytes)
             request = Request(
-                method, path, message.url, message.headers, body, params, self._via_socket_path
+                method, path, target, message.headers, body, params, self._via_socket_path
             )
             answer = await route.handler(Call(state, request, reply))
             if answer is not None:
@@ -330,7 +339,7 @@ class ClientConnection(asyncio.Protocol):
                 state.metrics.rejected.labels("500").inc()
                 error = RouterError("internal error")
                 error.shape = error_body_for(path)
-                self._answer_error(error, close=True)
+                self._answer_error(error, close=True, head_only=method == "HEAD")
         finally:
             self._finished(reply.keep_alive and reply.ended)
 
@@ -474,3 +483,12 @@ class ClientConnection(asyncio.Protocol):
     def _set_done(self) -> None:
         if self._done is not None and not self._done.done():
             self._done.set_result(None)
+
+
+def _origin_form(target: bytes) -> bytes:
+    """The path and query of a request target, also in absolute form
+    (``http://host/path``), which a server must accept (RFC 9112 section 3.2.2)."""
+    if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
+        path = target.partition(b"//")[2].partition(b"/")
+        return b"/" + path[2] if path[1] else b"/"
+    return target

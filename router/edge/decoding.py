@@ -1,8 +1,9 @@
 """Request bodies' Content-Encodings, undone before any handler reads the body.
 
-gzip and deflate always; br where the ``brotli`` package is installed and zstd where
-``zstandard`` is. Every decoder stops at a limit on what it produces, so a small body
-that inflates without end costs the limit, not the router's memory.
+gzip (every member) and deflate (zlib-wrapped or raw) always; br where the ``brotli``
+package is installed (1.2 or later) and zstd where ``zstandard`` is. Every decoder stops
+at a limit on what it produces, so a small body that inflates without end costs the
+limit, not the router's memory.
 """
 
 from __future__ import annotations
@@ -20,17 +21,39 @@ class _TooLarge(Exception):
     pass
 
 
-def _zlib(wbits: int) -> Decoder:
-    def decode(body: bytes, most: int) -> bytes:
-        inflater = zlib.decompressobj(wbits)
-        out = inflater.decompress(body, most + 1)
-        if len(out) > most:
-            raise _TooLarge
-        if not inflater.eof or inflater.unconsumed_tail:
-            raise zlib.error("the compressed data ends early or runs on")
-        return out
+def _inflate(body: bytes, most: int, wbits: int) -> tuple[bytes, bytes]:
+    """One zlib stream of ``body``, and what follows it."""
+    inflater = zlib.decompressobj(wbits)
+    out = inflater.decompress(body, most + 1)
+    if len(out) > most:
+        raise _TooLarge
+    if not inflater.eof:
+        raise zlib.error("the compressed data ends early")
+    return out, inflater.unused_data
 
-    return decode
+
+def _gzip(body: bytes, most: int) -> bytes:
+    """Every member of a gzip body (RFC 1952 allows several, one after another)."""
+    parts: list[bytes] = []
+    while body:
+        out, body = _inflate(body, most, 16 + zlib.MAX_WBITS)
+        parts.append(out)
+        most -= len(out)
+    return b"".join(parts)
+
+
+def _deflate(body: bytes, most: int) -> bytes:
+    """zlib-wrapped, as RFC 9110 defines ``deflate``, or the raw stream some clients send."""
+    wbits = zlib.MAX_WBITS if body[:1] and (body[0] & 0x0F) == 8 else -zlib.MAX_WBITS
+    try:
+        out, rest = _inflate(body, most, wbits)
+    except zlib.error:
+        if wbits < 0:
+            raise
+        out, rest = _inflate(body, most, -zlib.MAX_WBITS)
+    if rest:
+        raise zlib.error("bytes after the compressed data")
+    return out
 
 
 def _optional(name: str) -> ModuleType | None:
@@ -55,9 +78,15 @@ def _br(body: bytes, most: int) -> bytes:
     return out
 
 
+# RFC 9659: a zstd HTTP body's window is at most 8 MiB (more would cost the memory).
+ZSTD_MAX_WINDOW = 8 * 1024 * 1024
+
+
 def _zstd(body: bytes, most: int) -> bytes:
+    """A truncated frame gives what it holds (the JSON parser then refuses the body)."""
     assert _zstandard is not None
-    reader = _zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True)
+    decompressor = _zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+    reader = decompressor.stream_reader(body, read_across_frames=True)
     out: bytes = reader.read(most + 1)
     if len(out) > most:
         raise _TooLarge
@@ -65,13 +94,19 @@ def _zstd(body: bytes, most: int) -> bytes:
 
 
 DECODERS: dict[bytes, Decoder] = {
-    b"gzip": _zlib(16 + zlib.MAX_WBITS),
-    b"x-gzip": _zlib(16 + zlib.MAX_WBITS),
-    b"deflate": _zlib(zlib.MAX_WBITS),
+    b"gzip": _gzip,
+    b"x-gzip": _gzip,
+    b"deflate": _deflate,
     **({b"br": _br} if _brotli is not None else {}),
     **({b"zstd": _zstd} if _zstandard is not None else {}),
 }
 DECODED_CODINGS = frozenset({b"identity", *DECODERS})
+CODEC_ERRORS: tuple[type[Exception], ...] = (
+    zlib.error,
+    ValueError,  # the decoders' own (a stream that ends early)
+    *((_brotli.error,) if _brotli is not None else ()),
+    *((_zstandard.ZstdError,) if _zstandard is not None else ()),
+)
 
 
 def undecodable(coding: bytes) -> UnsupportedEncoding:
@@ -86,13 +121,13 @@ def decode(body: bytes, coding: bytes, most: int) -> bytes:
     """``body`` as it was before ``coding`` (one of ``DECODED_CODINGS``), at most
     ``most`` bytes of it (past that: 413)."""
     decoder = DECODERS.get(coding)
-    if decoder is None:
+    if decoder is None or not body:  # no body: nothing was encoded
         return body
     try:
         return decoder(body, most)
     except _TooLarge:
         raise PayloadTooLarge(f"request body is larger than {most} bytes decoded") from None
-    except Exception:  # zlib.error, brotli.error, zstandard.ZstdError: bytes not in it
+    except CODEC_ERRORS:  # bytes not in the coding they claim
         raise BadRequest(
             "the request body could not be decoded as its Content-Encoding "
             f"{coding.decode('latin-1')!r} says"

@@ -88,9 +88,10 @@ async def _attempt(call: Call, lifecycle: PlainLifecycle, lease: Lease) -> None:
     sent = False  # the client has begun to get an answer
     try:
         headers = _headers_for_engine(request, call.state)
-        upstream = await send_to(
-            call.state, worker, request.target, headers, request.body, request.method.encode()
-        )
+        # HEAD is sent on as GET (the reply leaves the body out): the upstream client
+        # reads every answer's body by its length.
+        method = b"GET" if request.method == "HEAD" else request.method.encode()
+        upstream = await send_to(call.state, worker, request.target, headers, request.body, method)
         try:
             if upstream.status >= 500:
                 raise await server_error(worker, upstream)
@@ -125,14 +126,14 @@ async def forward(call: Call, lifecycle: PlainLifecycle) -> None:
 
 async def by_load(call: Call) -> None:
     model = _model_of(call.request.body)
-    await forward(call, PlainLifecycle(call.state.router, model))
+    await forward(call, PlainLifecycle(call.state.router, call.state.admission, model))
 
 
 async def stored_response(call: Call) -> None:
     state = call.state
     tenant = state.tenant_of(call.request.headers)
     holder = await state.holder_of(call.request.params["response_id"], tenant)
-    await forward(call, PlainLifecycle(state.router, None, holder))
+    await forward(call, PlainLifecycle(state.router, state.admission, None, holder))
 
 
 ROUTES: tuple[tuple[str, str, Handler], ...] = (

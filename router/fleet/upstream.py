@@ -359,7 +359,8 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         """Sends ``body`` to ``origin`` and returns once the response's headers are in;
         ``header_lines`` are whole header lines, each ending in CRLF (Host and
-        Content-Length are added here). ``method``: POST, or GET with an empty body."""
+        Content-Length are added here). ``method``: any that answers with a body (not
+        HEAD: the answer's Content-Length would be waited for)."""
         connection = await self._acquire(origin)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\n%sContent-Length: %d\r\n\r\n" % (
             method,

@@ -177,12 +177,19 @@ class PlainLifecycle:
     """A request forwarded without prefix work: nothing enters the index or the
     learning, but its lease counts as load and its outcome reaches the breaker."""
 
-    __slots__ = ("_holder", "_model", "_router", "arrived", "tried")
+    __slots__ = ("_admission", "_holder", "_model", "_router", "arrived", "tried")
 
-    def __init__(self, router: Router, model: str | None, holder: Worker | None = None) -> None:
+    def __init__(
+        self,
+        router: Router,
+        admission: Admission,
+        model: str | None,
+        holder: Worker | None = None,
+    ) -> None:
         if model is not None and not router.fleet.serves(model):
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         self._router = router
+        self._admission = admission
         self._model = model
         self._holder = holder
         self.arrived = monotonic()
@@ -199,9 +206,11 @@ class PlainLifecycle:
     def failed(self, lease: Lease, outcome: Outcome) -> None:
         lease.end(outcome)
         self.tried.append(lease.worker.name)
+        self._admission.notify()  # its lease counted as load: there may be room now
 
     def finished(self, lease: Lease, outcome: Outcome) -> None:
         lease.end(outcome)
+        self._admission.notify()
 
     def gave_up(self, outcome: Outcome) -> None:
         """Nothing to count: the client's answer says it."""

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
+from router.edge.decoding import decode
 from router.edge.message import MAX_HEAD_BYTES
+from router.errors import BadRequest
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import engines
 
@@ -336,3 +339,49 @@ async def test_a_pipelined_request_waiting_for_100_continue_gets_it_in_its_turn(
         writer.write(CHAT)  # the body, only now
         status, _, answer = await read_response(reader)
         assert status == 200 and is_completion(answer)
+
+
+def test_every_coding_is_decoded_whole_and_nothing_after_it_is_taken() -> None:
+    body = orjson.dumps({"a": "b" * 1000})
+    raw = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    raw_deflate = raw.compress(body) + raw.flush()
+    half = len(body) // 2
+    assert decode(gzip.compress(body[:half]) + gzip.compress(body[half:]), b"gzip", 1 << 20) == body
+    assert decode(raw_deflate, b"deflate", 1 << 20) == body  # sent raw, as some clients do
+    assert decode(zlib.compress(body), b"deflate", 1 << 20) == body
+    assert decode(b"", b"gzip", 1 << 20) == b""  # no body: nothing was encoded
+    for wrong in (zlib.compress(body) + b"garbage", gzip.compress(body)[:-4]):
+        with pytest.raises(BadRequest, match="could not be decoded"):
+            decode(wrong, b"deflate" if wrong.startswith(b"x") else b"gzip", 1 << 20)
+
+
+def test_a_zstd_frame_that_asks_for_a_window_past_8_mib_is_refused() -> None:
+    import zstandard
+
+    body = bytes(range(256)) * 8192  # 2 MiB
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=24)  # 16 MiB
+    framed = zstandard.ZstdCompressor(compression_params=params).compress(body)
+    with pytest.raises(BadRequest, match="could not be decoded"):
+        decode(framed, b"zstd", 32 << 20)
+    assert decode(zstandard.ZstdCompressor().compress(body), b"zstd", 32 << 20) == body
+
+
+async def test_an_absolute_target_two_codings_and_an_empty_encoded_body_are_read_right(
+    engine_factory: EngineFactory,
+) -> None:
+    async with one_router(engine_factory) as router:
+        async with connection(router) as (reader, writer):
+            absolute = request(b"POST", b"http://x/v1/chat/completions", CHAT)
+            writer.write(absolute + request(b"GET", b"/health", b"", b"Content-Encoding: gzip"))
+            status, _, answer = await read_response(reader)
+            assert status == 200 and is_completion(answer), answer
+            status, _, answer = await read_response(reader)
+            assert status == 200 and orjson.loads(answer)["status"] == "ok", answer
+        async with connection(router) as (reader, writer):
+            # gzip, then gzip again: a second header is a second coding.
+            twice = encoded(gzip.compress(CHAT), b"gzip").replace(
+                b"Content-Type", b"Content-Encoding: gzip\r\nContent-Type"
+            )
+            writer.write(twice)
+            status, _, answer = await read_response(reader)
+            assert status == 415 and b"two Content-Encodings" in answer, answer

@@ -6,6 +6,7 @@ prefix work are passed on."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from typing import Any
@@ -180,6 +181,13 @@ async def test_a_continued_response_goes_where_it_was_stored(
 
         fetched = await client.responses.retrieve(stored.id)
         assert fetched.id == stored.id and fetched.output_text == stored.output_text
+        # HEAD of it: the head of the GET, at once (its engine is asked with a GET: the
+        # worker's answer to a HEAD would carry a length and no body to read).
+        async with asyncio.timeout(10):
+            async with http.head(f"{router.url}/v1/responses/{stored.id}") as head:
+                assert head.status == 200, head.status
+                assert await head.read() == b""
+        assert router.state.router.fleet.workers[holder].outstanding_requests == 0
         with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous"):
             await client.responses.cancel(stored.id)  # the holder's answer: it is stored
 

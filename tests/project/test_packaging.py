@@ -77,7 +77,7 @@ def test_the_routers_imports_are_its_declared_runtime_dependencies() -> None:
 
 # Dependencies whose internals or parsing contract the router relies on: a major change
 # must be tested before it is installed, so each has an upper bound.
-RELIED_ON_INTERNALS = ("aiohttp", "redis", "httptools")
+RELIED_ON_INTERNALS = ("redis", "httptools")
 
 
 def test_dependencies_whose_internals_the_router_uses_have_an_upper_bound() -> None:

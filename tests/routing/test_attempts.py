@@ -35,8 +35,9 @@ def test_retry_stops_at_its_attempts_and_its_deadline_and_spaces_by_its_backoff(
     assert [spaced.delay_before_next(n, 0.0, backoff) for n in (1, 2, 3, 4)] == [0.5, 1, 2, 3]
     assert spaced.delay_before_next(1, 2.9, spaced.backoff()) is None  # it would end too late
     assert Retry.of(UpstreamConfig(retry_backoff_s=0.2)) == Retry(2, 90.0, 0.2)
-    with pytest.raises(ConfigError, match="retry_backoff_s"):
-        UpstreamConfig(retry_backoff_s=-1)
+    for wrong in (-1.0, 91.0):  # a first wait past the deadline would leave no retry
+        with pytest.raises(ConfigError, match="retry_backoff_s"):
+            UpstreamConfig(retry_backoff_s=wrong)
 
 
 async def test_a_passthrough_request_goes_to_the_least_loaded_as_the_engines_report_it(
