@@ -360,7 +360,10 @@ def test_a_zstd_frame_that_asks_for_a_window_past_8_mib_is_refused() -> None:
 
     body = bytes(range(256)) * 8192  # 2 MiB
     params = zstandard.ZstdCompressionParameters.from_level(3, window_log=24)  # 16 MiB
-    framed = zstandard.ZstdCompressor(compression_params=params).compress(body)
+    # Streamed, the frame keeps its window (with the size known, zstd would shrink it).
+    streamed = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    framed = streamed.compress(body) + streamed.flush()
+    assert zstandard.get_frame_parameters(framed).window_size == 16 << 20
     with pytest.raises(BadRequest, match="could not be decoded"):
         decode(framed, b"zstd", 32 << 20)
     assert decode(zstandard.ZstdCompressor().compress(body), b"zstd", 32 << 20) == body
