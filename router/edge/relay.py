@@ -214,26 +214,14 @@ async def _attempt(
     capture = api.capture(reply_chain(state, dispatch, api.reply_header))
     outcome: Outcome = "upstream_error"
     sent = False
-    # A reply that arrives whole says nothing of when the prefill ended; past the time
-    # it should have taken, the prompt stops counting as queued prefill on the worker.
-    prefilled = (
-        None
-        if request.stream
-        else asyncio.get_running_loop().call_later(
-            dispatch.expected_prefill_s(), dispatch.lease.prefill_done
-        )
-    )
     # Cleared once the first chunk is in hand (_relay_stream); a whole reply has none,
     # but is given up on too if its worker fails a health probe before its headers.
     first_byte = asyncio.timeout(
         state.config.upstream.first_byte_timeout_s if request.stream else None
     )
-    unanswered = dispatch.worker.unanswered
     settlement = Settlement(state, lifecycle, dispatch, capture, client.tenant)
     try:
-        async with first_byte:
-            unanswered.add(first_byte)
-            await lifecycle.begin(dispatch)
+        async with first_byte, lifecycle.attempting(dispatch, first_byte):
             upstream = await send_to(
                 state,
                 dispatch.worker,
@@ -242,16 +230,18 @@ async def _attempt(
                 request.body,
             )
             if not request.stream:
-                unanswered.discard(first_byte)  # a whole reply's headers are its answer
+                lifecycle.answered(dispatch, first_byte)  # a whole reply's headers are it
             try:
                 if upstream.status >= 500:
                     raise await server_error(dispatch.worker, upstream)
                 if request.stream and upstream.status == 200:
                     outcome = await _relay_stream(
-                        client, dispatch, upstream, capture, first_byte, settlement
+                        client, lifecycle, dispatch, upstream, capture, first_byte, settlement
                     )
                 else:
-                    outcome = await _relay_whole(client, dispatch, upstream, capture, settlement)
+                    outcome = await _relay_whole(
+                        client, lifecycle, dispatch, upstream, capture, settlement
+                    )
                 sent = True
             finally:
                 upstream.release()
@@ -273,9 +263,6 @@ async def _attempt(
             raise AttemptFailed(UpstreamTimeout(f"worker {dispatch.worker.name} {why}")) from exc
         raise
     finally:
-        unanswered.discard(first_byte)
-        if prefilled is not None:
-            prefilled.cancel()
         if sent:
             settlement.finish(outcome)
         else:
@@ -325,6 +312,7 @@ async def _first_chunk(dispatch: Dispatch, upstream: UpstreamResponse) -> bytes:
 
 async def _relay_stream(
     client: _Client,
+    lifecycle: RequestLifecycle,
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
@@ -336,8 +324,8 @@ async def _relay_stream(
     the body's end may follow in a later chunk, by when the client may have closed."""
     first = await _first_chunk(dispatch, upstream)
     first_byte.reschedule(None)  # from here on only read_timeout_s bounds the stream
-    dispatch.worker.unanswered.discard(first_byte)
-    dispatch.first_byte()
+    lifecycle.answered(dispatch, first_byte)
+    lifecycle.first_byte(dispatch)
     reply, request_id = client.reply, client.request_id
     await reply.start(upstream.status, client.response_headers(upstream, dispatch.worker.name))
     events = WholeEvents()
@@ -430,6 +418,7 @@ class WholeEvents:
 
 async def _relay_whole(
     client: _Client,
+    lifecycle: RequestLifecycle,
     dispatch: Dispatch,
     upstream: UpstreamResponse,
     capture: ReplyCapture,
@@ -437,7 +426,7 @@ async def _relay_whole(
 ) -> Outcome:
     body = await read_whole(dispatch.worker, upstream)
     # No TTFT: the whole body arrived at once. A refusal (4xx) computed nothing.
-    dispatch.first_byte(observe=False, computed=upstream.status < 400)
+    lifecycle.first_byte(dispatch, observe=False, computed=upstream.status < 400)
     outcome: Outcome = "success" if upstream.status < 400 else "rejected"
     if upstream.status == 200:
         capture.feed_whole(body)

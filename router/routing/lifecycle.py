@@ -1,14 +1,16 @@
 """One client request from admission to its end, as the router sees it.
 
-The proxy makes a ``RequestLifecycle`` for each parsed request and asks it, in order:
-``admit()`` (the model check is already done: an unknown model never gets one), then,
-through ``router.routing.attempts.run_attempts``, ``dispatch()`` and ``begin()`` for each
-attempt, and for each attempt exactly one of ``finished`` (the client saw bytes:
-success, a refusal, a failure mid-stream, the client leaving) or ``failed`` (nothing
-reached the client; another worker may be tried); ``gave_up`` when no attempt served
-it. The proxy keeps the relay; what a request did to the router's state (lease, reserved
-blocks here and in the shared state, breaker, learning, metrics) is settled here,
-through the ``Dispatch``, the ``Recorder`` and ``SharedPath``.
+The relay (``router.edge.relay``) makes a ``RequestLifecycle`` for each parsed request
+and asks it, in order: ``admit()`` (the model check is already done: an unknown model
+never gets one), then, through ``router.routing.attempts.run_attempts``, ``dispatch()``
+for each attempt, ``attempting()`` around its time on the worker, ``answered()`` and
+``first_byte()`` as the worker answers, and exactly one of ``finished`` (the client saw
+bytes: success, a refusal, a failure mid-stream, the client leaving) or ``failed``
+(nothing reached the client; another worker may be tried); ``gave_up`` when no attempt
+served it. The relay keeps the bytes; what a request did to the router's state (lease,
+queued prefill, reserved blocks here and in the shared state, breaker, learning,
+metrics) is settled here, through the ``Dispatch``, the ``Recorder`` and the shared
+path.
 
 Eligibility is computed once on the common path: the admission check's list of eligible
 workers is the one the first dispatch chooses from. A retry looks again (the worker that
@@ -20,7 +22,9 @@ the least loaded eligible worker, a lease, the breaker's verdict.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from policies.base import Outcome, RouteRequest
@@ -135,11 +139,41 @@ class RequestLifecycle:
             self.request, self.route, self.tried, self.arrived, candidates, self.remote_matches
         )
 
-    async def begin(self, dispatch: Dispatch) -> None:
-        """Before the request goes out: with shared state, the blocks it reserved are
-        written where the other replicas read them."""
-        if self._shared is not None:
-            await self._shared.reserve(dispatch.worker.name, dispatch.route.block_hashes)
+    @contextlib.asynccontextmanager
+    async def attempting(
+        self, dispatch: Dispatch, first_byte: asyncio.Timeout
+    ) -> AsyncIterator[None]:
+        """The attempt's time on its worker, until its answer is relayed: ``first_byte``
+        (the caller's bound on the worker's silence) is given up on at once if the worker
+        fails a health probe before it answers (``answered``); a whole reply's prompt
+        stops counting as queued prefill once its prefill should be done; with shared
+        state, the blocks it reserved are written first, where the other replicas read
+        them."""
+        unanswered = dispatch.worker.unanswered
+        unanswered.add(first_byte)
+        prefilled = (
+            None
+            if dispatch.request.stream
+            else asyncio.get_running_loop().call_later(
+                dispatch.expected_prefill_s(), dispatch.lease.prefill_done
+            )
+        )
+        try:
+            if self._shared is not None:
+                await self._shared.reserve(dispatch.worker.name, dispatch.route.block_hashes)
+            yield
+        finally:
+            unanswered.discard(first_byte)
+            if prefilled is not None:
+                prefilled.cancel()
+
+    def answered(self, dispatch: Dispatch, first_byte: asyncio.Timeout) -> None:
+        """The worker began to answer: a failed probe no longer gives the attempt up."""
+        dispatch.worker.unanswered.discard(first_byte)
+
+    def first_byte(self, dispatch: Dispatch, observe: bool = True, computed: bool = True) -> None:
+        """The worker's first byte is in hand (``Dispatch.first_byte``)."""
+        dispatch.first_byte(observe, computed)
 
     def failed(self, dispatch: Dispatch, outcome: Outcome) -> None:
         """The attempt failed before the client saw a byte."""
