@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from types import TracebackType
 
@@ -72,14 +71,6 @@ class RouterServer:
     async def listen_unix(self, path: str) -> None:
         loop = asyncio.get_running_loop()
         self._servers.append(await loop.create_unix_server(self._connection, path))
-
-    def addresses(self) -> list[tuple[str, int]]:
-        return [
-            s.getsockname()[:2]
-            for server in self._servers
-            for s in server.sockets
-            if s.family in (socket.AF_INET, socket.AF_INET6)
-        ]
 
     async def stop_serving(self) -> None:
         """No more connections; the requests in flight finish (or end after

@@ -302,7 +302,7 @@ class ClientConnection(asyncio.Protocol):
         reply = ConnectionReply(self, keep_alive, message.version != "1.1", method == "HEAD")
         try:
             try:
-                route, params = self._routes.match(method, raw_path)
+                route, params = self._routes.match(method, path)
             except RouterError:
                 if path.startswith("/v1/"):  # no route; one there would need a key
                     guards.check(Guard.CLIENT, message.headers, state)

@@ -106,36 +106,36 @@ class Routes:
     """The table. Literal paths are one dict lookup; patterns are tried in order."""
 
     def __init__(self) -> None:
+        self._methods: dict[str, dict[str, Route]] = {}  # pattern -> method -> route
+        # The same method tables, as requests look them up: literal paths by the path,
+        # the others by their segments.
         self._literal: dict[str, dict[str, Route]] = {}
         self._patterns: list[tuple[tuple[str, ...], dict[str, Route]]] = []
 
     def add(self, method: str, pattern: str, handler: Handler, guard: Guard) -> None:
-        route = Route(method, pattern, handler, guard)
-        segments = _segments(pattern)
-        if not any(_is_param(s) for s in segments):
-            methods = self._literal.setdefault(pattern, {})
-        else:
-            found = next((m for known, m in self._patterns if known == segments), None)
-            if found is None:
-                found = {}
-                self._patterns.append((segments, found))
-            methods = found
+        methods = self._methods.get(pattern)
+        if methods is None:
+            methods = self._methods[pattern] = {}
+            segments = _segments(pattern)
+            if any(_is_param(s) for s in segments):
+                self._patterns.append((segments, methods))
+            else:
+                self._literal[pattern] = methods
         if method in methods:
             raise ValueError(f"{method} {pattern} is routed twice")
-        methods[method] = route
+        methods[method] = Route(method, pattern, handler, guard)
 
     def wrap(self, method: str, pattern: str, wrapper: Callable[[Handler], Handler]) -> None:
         """Route ``method pattern`` through ``wrapper(its handler)``."""
-        for methods in (self._literal.get(pattern), *(m for _, m in self._patterns)):
-            route = methods.get(method) if methods is not None else None
-            if route is not None and route.pattern == pattern:
-                methods[method] = replace(route, handler=wrapper(route.handler))  # type: ignore[index]
-                return
-        raise KeyError(f"{method} {pattern} is not routed")
+        methods = self._methods.get(pattern, {})
+        route = methods.get(method)
+        if route is None:
+            raise KeyError(f"{method} {pattern} is not routed")
+        methods[method] = replace(route, handler=wrapper(route.handler))
 
-    def match(self, method: str, raw_path: bytes) -> tuple[Route, dict[str, str]]:
-        """The route and its path parameters; ``NotFound`` or ``MethodNotAllowed``."""
-        path = raw_path.decode("latin-1")
+    def match(self, method: str, path: str) -> tuple[Route, dict[str, str]]:
+        """The route of ``path`` (as sent, without its query) and its parameters;
+        ``NotFound`` or ``MethodNotAllowed``."""
         methods = self._literal.get(path)
         params: dict[str, str] = {}
         if methods is None:
