@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from router.errors import ConfigError
 from router.wire.blocks import DEFAULT_BLOCK_TOKENS
-from router.wire.headers import SESSION_HEADER
+from router.wire.sessions import DEFAULT_SESSION_KEYS, parse_source
 
 DEFAULT_PORT = 8000
 # A worker's circuit breaker (router.fleet.breaker): opened after this many consecutive
@@ -448,8 +448,9 @@ class RouterConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
     clients: ClientConfig = field(default_factory=ClientConfig)
-    session_header: str = SESSION_HEADER
-    session_body_fields: tuple[str, ...] = ("session_id", "user")
+    # Where a request's session key is read, in order; the first the request carries
+    # wins (router.wire.sessions): "header:NAME", "body:FIELD" or "api".
+    session_keys: tuple[str, ...] = DEFAULT_SESSION_KEYS
     seed: int | None = None
     admin_token: str = ""  # enables the admin API (router/edge/admin.py) when set
     # Bearer tokens clients must present on /v1/ (empty: no client authentication).
@@ -475,10 +476,22 @@ class RouterConfig:
         duplicate = next((n for n in names if names.count(n) > 1), None)
         if duplicate:
             raise ConfigError(f"workers: two workers are named {duplicate!r}")
+        self._check_session_keys()
         if self.subscribes_kv_events and self.prefix.tokenizer is None:
             raise ConfigError(
                 "kv_events: exact mode keys prompts by the engine's tokens; set prefix.tokenizer"
             )
+
+    def _check_session_keys(self) -> None:
+        labels = []
+        for text in self.session_keys:
+            try:
+                labels.append(parse_source(text).label)
+            except ValueError as exc:
+                raise ConfigError(f"session_keys: {exc}") from None
+        repeated = next((label for label in labels if labels.count(label) > 1), None)
+        if repeated:
+            raise ConfigError(f"session_keys: {repeated!r} is listed twice")
 
     @property
     def subscribes_kv_events(self) -> bool:

@@ -21,6 +21,7 @@ from policies.base import PolicyConfigError
 from policies.registry import build_policy
 from router.config import RouterConfig
 from router.errors import ConfigError
+from router.wire.sessions import DEFAULT_SESSION_KEYS
 
 
 def _convert(value: Any, hint: Any, where: str) -> Any:
@@ -195,6 +196,7 @@ def load_config(
         if not isinstance(workers, list | tuple):
             raise ConfigError("workers: expected a list")
         values["workers"] = [_worker_entry(w) for w in workers]
+    values = _session_headers_first(_legacy_session_keys(values))
     policy_problems = _policy_problems(values)
     try:
         config: RouterConfig = build(RouterConfig, values)
@@ -203,6 +205,55 @@ def load_config(
     if policy_problems:
         raise ConfigError(*policy_problems)
     return config
+
+
+def _legacy_session_keys(values: dict[str, Any]) -> dict[str, Any]:
+    """``session_header`` and ``session_body_fields``, the settings ``session_keys``
+    replaced, still read: the header takes the first place of the default order and the
+    fields the body's places, the order they had."""
+    header = values.pop("session_header", None)
+    fields = values.pop("session_body_fields", None)
+    if header is None and fields is None:
+        return values
+    if "session_keys" in values:
+        raise ConfigError(
+            "session_header, session_body_fields: replaced by session_keys; set it alone"
+        )
+    if header is not None and not isinstance(header, str):
+        raise ConfigError("session_header: expected a string")
+    if fields is not None and not (
+        isinstance(fields, list | tuple) and all(isinstance(f, str) for f in fields)
+    ):
+        raise ConfigError("session_body_fields: expected a list of strings")
+    body = [f"body:{f}" for f in fields] if fields is not None else None
+    keys: list[str] = []
+    for source in DEFAULT_SESSION_KEYS:
+        if source == DEFAULT_SESSION_KEYS[0] and header is not None:
+            keys.append(f"header:{header}".lower())
+        elif source.startswith("body:") and body is not None:
+            keys.extend(body)  # all of them in the first body place, none in the others
+            body = []
+        else:
+            keys.append(source)
+    keys = list(dict.fromkeys(keys))  # a legacy header that is also a default one
+    return {**values, "session_keys": keys}
+
+
+def _session_headers_first(values: dict[str, Any]) -> dict[str, Any]:
+    """``session_headers`` (``serve --session-header``): more headers a session key is
+    read from, before every source in ``session_keys``."""
+    headers = values.pop("session_headers", None)
+    if headers is None:
+        return values
+    if isinstance(headers, str):
+        headers = [h for h in headers.split(",") if h]
+    if not isinstance(headers, list | tuple) or not all(isinstance(h, str) for h in headers):
+        raise ConfigError("session_headers: expected a list of header names")
+    first = [f"header:{h}".lower() for h in headers]
+    keys = values.get("session_keys", DEFAULT_SESSION_KEYS)
+    if not isinstance(keys, list | tuple):
+        return values | {"session_keys": keys}  # the schema names what is wrong
+    return values | {"session_keys": list(dict.fromkeys([*first, *keys]))}
 
 
 def _policy_problems(values: Mapping[str, Any]) -> tuple[str, ...]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from router.apis.sessions import SessionSources
 from router.auth import accepted_key, bearers, tenant
 from router.config import RouterConfig, WorkerConfig
 from router.fleet.health import HealthProber
@@ -37,9 +38,9 @@ class RouterState:
     upstream: UpstreamPool  # requests forwarded to the workers
     admission: Admission
     prober: HealthProber
-    # Rendered once for the request path: the session header's name in lower case, and
-    # the header lines that authenticate the router to its engines.
-    session_header: bytes = field(init=False)
+    # Made once for the request path: where session keys are read, and the header lines
+    # that authenticate the router to its engines.
+    session_sources: SessionSources = field(init=False)
     upstream_auth: bytes = field(init=False)
     accepted_bearers: tuple[bytes, ...] = field(init=False)  # "Bearer <api key>", if any
     retry: Retry = field(init=False)  # how a request's attempts go on (upstream.*)
@@ -55,7 +56,9 @@ class RouterState:
 
     def __post_init__(self) -> None:
         self.retry = Retry.of(self.config.upstream)
-        self.session_header = self.config.session_header.lower().encode("latin-1")
+        self.session_sources = SessionSources(self.config.session_keys)
+        for label in self.session_sources.labels:  # every series from the start
+            self.metrics.session_keys.labels(label)
         self.upstream_auth = b"".join(
             b"%s: %s\r\n" % (name.encode(), value.encode())
             for name, value in self.config.upstream.auth_headers.items()

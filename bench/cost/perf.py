@@ -63,14 +63,14 @@ def hashing(tokens: int, workers: int, repeat: int) -> dict[str, float]:
     )
     block_bytes = 256
     index = LocalPrefixIndex()
-    request = parse_request("chat", body, None, ("user",), block_bytes)
+    request = parse_request("chat", body, block_bytes)
     for w in range(workers):
         index.add_worker(f"w{w}", 1_000_000)
         # Each worker holds a different share of the prompt, so searches differ.
         index.touch(f"w{w}", request.key.hashes[: len(request.key.hashes) * (w + 1) // workers])
 
     def route() -> None:
-        parsed = parse_request("chat", body, None, ("user",), block_bytes)
+        parsed = parse_request("chat", body, block_bytes)
         for w in range(workers):
             index.match(f"w{w}", parsed.key.hashes)
 
@@ -100,7 +100,7 @@ def decision(tokens: int, workers: int, repeat: int) -> dict[str, float]:
     body = orjson.dumps(
         {"model": "m", "messages": [{"role": "user", "content": text_for("decision", tokens)}]}
     )
-    request = parse_request("chat", body, None, ("user",), 256)
+    request = parse_request("chat", body, 256)
 
     def run(shared: bool) -> list[float]:
         fleet, local = Fleet(), LocalPrefixIndex()
@@ -159,7 +159,7 @@ def _stall_bodies(size: int) -> dict[str, tuple[Kind, bytes]]:
 
 def _parse_refused(kind: Kind, body: bytes) -> bool:
     try:
-        parse_request(kind, body, None, ("user",), 256)
+        parse_request(kind, body, 256)
     except BadRequest:
         return True
     return False

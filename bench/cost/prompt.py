@@ -20,6 +20,7 @@ import orjson
 
 from bench.textgen import text_for
 from router.apis.request import ClientRequest, parse_request
+from router.apis.sessions import SessionSources
 from router.config import DEFAULT_KV_TOKENS, RouterConfig
 from router.fleet.workers import Fleet, Worker
 from router.index.residency import LocalPrefixIndex
@@ -73,7 +74,7 @@ def prompt_cost(
 ) -> PromptCost:
     config = RouterConfig(policy=policy)
     block_bytes, block_tokens = config.prefix.key_block_bytes, config.prefix.block_tokens
-    fields, limits = config.session_body_fields, config.limits
+    sources, limits = SessionSources(config.session_keys), config.limits
     body = long_body(tokens)
     fleet, index = Fleet(), LocalPrefixIndex()
     metrics = RouterMetrics(fleet, index, block_tokens)
@@ -83,9 +84,9 @@ def prompt_cost(
         membership.add(Worker(f"w{w}", f"http://w{w}", DEFAULT_KV_TOKENS))
 
     def parse() -> ClientRequest:
-        return parse_request("chat", body, None, fields, block_bytes, limits)
+        return parse_request("chat", body, block_bytes, sources=sources, limits=limits)
 
-    request = parse_request("chat", body, None, fields, block_bytes, limits)
+    request = parse_request("chat", body, block_bytes, sources=sources, limits=limits)
     route = router.route_request(request, "r")
     totals, finishes, dispatches = [], [], []
     for i in range(repeat):

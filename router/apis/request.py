@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import xxhash
 
-from router.apis.views import OWN_SESSION, ChatView, messages_chat, responses_chat
+from router.apis.sessions import NO_SESSION, SessionKey, SessionSources
+from router.apis.views import ChatView, messages_chat, responses_chat
 from router.config import RequestLimits
 from router.errors import BadRequest
 from router.index.prefix import (
@@ -32,6 +32,8 @@ CONVERTED: dict[Kind, Callable[[Mapping[str, Any]], ChatView]] = {
     "responses": responses_chat,
 }
 DEFAULT_LIMITS = RequestLimits()
+DEFAULT_SOURCES = SessionSources()
+NO_HEADERS: Mapping[bytes, bytes] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class ClientRequest:
     model: str
     body: bytes  # forwarded unchanged
     stream: bool
-    # A digest of the client's session key (``session_key_of``), never the key itself.
+    # A digest of the client's session key (``router.apis.sessions``), never the key.
     session_key: str | None
     key: PrefixKey
     record_reply: bool  # whether the reply's text extends the chain (text prompts)
@@ -54,6 +56,7 @@ class ClientRequest:
     # A chat prompt keyed by the model's tokens: the reply extends the chain by its
     # text's tokens (router.tokens.reply).
     reply_tokens: bool = False
+    session_source: str = NO_SESSION  # where the session key was read (its label)
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -127,48 +130,6 @@ def _prompt(value: Any) -> str | Sequence[int]:
     )
 
 
-def header_bytes(value: str) -> bytes:
-    """A header value as the client sent it. aiohttp decodes header bytes as UTF-8 with
-    surrogate escapes, so bytes that are not UTF-8 (latin-1, binary) come back unchanged
-    here, where a plain ``encode()`` raises."""
-    try:
-        return value.encode("utf-8", "surrogateescape")
-    except UnicodeEncodeError:
-        # A surrogate no decoding of bytes makes (a caller other than aiohttp): some
-        # bytes all the same, the same ones for the same string.
-        return value.encode("utf-8", "surrogatepass")
-
-
-def _session_digest(key: str | bytes, param: str | None, max_bytes: int) -> str:
-    # A body field holds no surrogates: orjson refuses them.
-    raw = key if isinstance(key, bytes) else header_bytes(key)
-    if len(raw) > max_bytes:
-        where = f"'{param}'" if param else "the session header"
-        raise BadRequest(
-            f"the session key in {where} is {len(raw)} bytes; at most {max_bytes} are accepted",
-            param=param,
-        )
-    return xxhash.xxh3_128_hexdigest(raw)
-
-
-def session_key_of(
-    body: Mapping[str, Any],
-    header: str | bytes | None,
-    fields: Sequence[str],
-    max_bytes: int = DEFAULT_LIMITS.max_session_key_bytes,
-) -> str | None:
-    """The session key (the header, else the first of ``fields`` holding a non-empty
-    string) as 32 hex digits of xxh3-128: what the router keeps and hashes per session is
-    the same size whatever the client sent."""
-    if header:
-        return _session_digest(header, None, max_bytes)
-    for name in fields:
-        value = body.get(name)
-        if isinstance(value, str) and value:
-            return _session_digest(value, name, max_bytes)
-    return None
-
-
 @dataclass(frozen=True, slots=True)
 class RequestBody:
     """A client request read and checked, before its prefix key is computed."""
@@ -178,7 +139,7 @@ class RequestBody:
     raw: bytes
     fields: Mapping[str, Any]  # the parsed body
     stream: bool
-    session_key: str | None
+    session: SessionKey | None
     seed: int  # the chain's seed: the model and the cache salt
     messages: Sequence[Mapping[str, Any]] | None  # chat, and the APIs converted to it
     prompt: str | Sequence[int] | None  # completions
@@ -186,6 +147,15 @@ class RequestBody:
     # sent); for chat and completions ``fields`` itself.
     chat_fields: Mapping[str, Any] | None = None
     continues: str | None = None  # Responses' previous_response_id
+
+    @property
+    def session_key(self) -> str | None:
+        return None if self.session is None else self.session.digest
+
+    @property
+    def session_source(self) -> str:
+        """Where the session key was read, its label; ``none`` without one."""
+        return NO_SESSION if self.session is None else self.session.source
 
     @property
     def rendered_fields(self) -> Mapping[str, Any]:
@@ -196,10 +166,12 @@ class RequestBody:
 def read_request(
     kind: Kind,
     raw: bytes,
-    session_header: str | bytes | None,
-    session_fields: Sequence[str],
+    session_headers: Mapping[bytes, bytes] = NO_HEADERS,
+    sources: SessionSources = DEFAULT_SOURCES,
     limits: RequestLimits = DEFAULT_LIMITS,
 ) -> RequestBody:
+    """``session_headers``: the request's headers named in ``sources.header_names``
+    (lower-case names, the first of each)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -209,10 +181,11 @@ def read_request(
     convert = CONVERTED.get(kind)
     if convert is not None:
         view = convert(body)
-        return _converted(kind, raw, body, view, session_header, session_fields, limits)
+        session = sources.find(session_headers, body, view.session, limits.max_session_key_bytes)
+        return _converted(kind, raw, body, view, session, limits)
     model = _model(body)
     stream = _stream(body)
-    session_key = session_key_of(body, session_header, session_fields, limits.max_session_key_bytes)
+    session = sources.find(session_headers, body, None, limits.max_session_key_bytes)
     chat = kind == "chat"
     return RequestBody(
         kind=kind,
@@ -220,7 +193,7 @@ def read_request(
         raw=raw,
         fields=body,
         stream=stream,
-        session_key=session_key,
+        session=session,
         seed=_seed(body, model),
         messages=_check_messages(body.get("messages"), limits) if chat else None,
         prompt=None if chat else _prompt(body.get("prompt")),
@@ -253,15 +226,10 @@ def _converted(
     raw: bytes,
     body: Mapping[str, Any],
     chat: ChatView,
-    session_header: str | bytes | None,
-    session_fields: Sequence[str],
+    session: SessionKey | None,
     limits: RequestLimits,
 ) -> RequestBody:
     """A Responses or Messages request, keyed as the chat request ``chat``."""
-    max_bytes = limits.max_session_key_bytes
-    session_key = session_key_of(body, session_header, session_fields, max_bytes) or session_key_of(
-        chat.own_session, None, OWN_SESSION, max_bytes
-    )
     messages = chat.fields["messages"]
     model = _model(chat.fields)
     return RequestBody(
@@ -270,7 +238,7 @@ def _converted(
         raw=raw,
         fields=body,
         stream=_stream(body),
-        session_key=session_key,
+        session=session,
         seed=_seed(chat.fields, model),
         messages=_check_messages(messages, limits) if messages else (),
         prompt=None,
@@ -334,17 +302,18 @@ def _client_request(
         history_blocks=min(history_blocks, len(key.hashes)),
         continues=body.continues,
         reply_tokens=reply_tokens,
+        session_source=body.session_source,
     )
 
 
 def parse_request(
     kind: Kind,
     raw: bytes,
-    session_header: str | bytes | None,
-    session_fields: Sequence[str],
     block_bytes: int,
+    session_headers: Mapping[bytes, bytes] = NO_HEADERS,
+    sources: SessionSources = DEFAULT_SOURCES,
     limits: RequestLimits = DEFAULT_LIMITS,
 ) -> ClientRequest:
     """Read, check and key a request by its text (``read_request``, ``keyed_by_text``)."""
-    body = read_request(kind, raw, session_header, session_fields, limits)
+    body = read_request(kind, raw, session_headers, sources, limits)
     return keyed_by_text(body, block_bytes)

@@ -12,19 +12,13 @@ from router.apis.invalid import InvalidBody
 from router.apis.responses_chat import chat_messages, input_messages
 from router.errors import BadRequest
 
-OWN_SESSION = ("session",)
-
 
 @dataclass(frozen=True, slots=True)
 class ChatView:
     fields: Mapping[str, Any]  # a chat completion body: model, messages, tools, …
-    session_field: str | None = None  # the API's own session-like field, if set
+    # The API's own session-like field, if set: its parameter's name and its value.
+    session: tuple[str, str] | None = None
     continues: str | None = None  # a stored response this request continues
-
-    @property
-    def own_session(self) -> Mapping[str, Any]:
-        """The API's session field where ``router.apis.request.session_key_of`` reads it."""
-        return {OWN_SESSION[0]: self.session_field}
 
 
 def _checked(convert: Callable[[], ChatView]) -> ChatView:
@@ -44,7 +38,8 @@ def messages_chat(body: Mapping[str, Any]) -> ChatView:
     def convert() -> ChatView:
         metadata = body.get("metadata")
         user = metadata.get("user_id") if isinstance(metadata, dict) else None
-        return ChatView(chat_request(body), user if isinstance(user, str) and user else None)
+        session = ("metadata.user_id", user) if isinstance(user, str) and user else None
+        return ChatView(chat_request(body), session)
 
     return _checked(convert)
 
@@ -73,7 +68,8 @@ def responses_chat(body: Mapping[str, Any]) -> ChatView:
             if body.get(name) is not None:
                 fields[name] = body[name]
         cache_key = _optional_str(body, "prompt_cache_key")
-        return ChatView(fields, cache_key or None, previous or None)
+        session = ("prompt_cache_key", cache_key) if cache_key else None
+        return ChatView(fields, session, previous or None)
 
     return _checked(convert)
 

@@ -105,6 +105,14 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         help="send X-Kvrouter-Worker (which worker served) on responses",
     )
     serve.add_argument(
+        "--session-header",
+        dest="session_headers",
+        action="append",
+        metavar="NAME",
+        help="read a session key from this request header before the built-in sources "
+        "(repeatable; see session_keys in the configuration)",
+    )
+    serve.add_argument(
         "--log-requests",
         action="store_true",
         default=None,
@@ -164,6 +172,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values.setdefault("prefix", {})["tokenizer"] = args.tokenizer
     if args.max_attempts is not None:
         values["upstream"] = {"max_attempts": args.max_attempts}
+    if args.session_headers:
+        values["session_headers"] = args.session_headers
     if args.log_requests:
         values["log_requests"] = True
     if args.admin_token:

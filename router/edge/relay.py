@@ -90,25 +90,26 @@ class _ClientHeaders:
 
     forwarded: bytes  # the header lines an engine is meant to see
     request_id: str | None
-    session: bytes | None
+    sessions: dict[bytes, bytes]  # the session headers sent: lower-case name -> value
 
 
-def _read_headers(raw: Headers, session_header: bytes) -> _ClientHeaders:
+def _read_headers(raw: Headers, session_headers: frozenset[bytes]) -> _ClientHeaders:
     """An allow-list, so the client's credentials (Authorization, Cookie) stay here and a
     Content-Encoding its server undid on reading is not claimed for the plain body sent
-    on. ``session_header`` is lower case."""
+    on. ``session_headers``: the names of the headers a session key is read from, lower
+    case; the first of each name counts."""
     lines: list[bytes] = []
     request_id: str | None = None
-    session: bytes | None = None
+    sessions: dict[bytes, bytes] = {}
     for name, value in raw:
         key = name.lower()
         if key in FORWARDED_HEADERS:
             lines.append(b"%s: %s\r\n" % (name, value))
         elif key == _REQUEST_ID:
             request_id = request_id or value.decode("latin-1") or None
-        elif key == session_header and session is None:
-            session = value
-    return _ClientHeaders(b"".join(lines), request_id, session)
+        elif key in session_headers:
+            sessions.setdefault(key, value)
+    return _ClientHeaders(b"".join(lines), request_id, sessions)
 
 
 async def serve(kind: Kind, call: Call) -> None:
@@ -119,8 +120,10 @@ async def serve(kind: Kind, call: Call) -> None:
     raw, raw_headers = call.request.body, call.request.headers
     config = state.config
     arrived = monotonic()
-    headers = _read_headers(raw_headers, state.session_header)
-    body = read_request(kind, raw, headers.session, config.session_body_fields, config.limits)
+    sources = state.session_sources
+    headers = _read_headers(raw_headers, sources.header_names)
+    body = read_request(kind, raw, headers.sessions, sources, config.limits)
+    state.metrics.counter(state.metrics.session_keys, body.session_source).inc()
     tenant = state.tenant_of(raw_headers)
     holder = None
     if body.continues is not None:  # only the worker that stored it can continue it

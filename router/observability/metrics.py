@@ -216,6 +216,13 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        # Labelled by the configured sources (``session_keys``) and "none": a fixed set.
+        self.session_keys = LoopCounter(
+            "kvrouter_session_keys",
+            "Requests by where their session key was read (none: the request named none).",
+            ["source"],
+            registry=r,
+        )
         # By client API (chat, completion, responses, messages): a fixed set of labels.
         self.api_requests = LoopCounter(
             "kvrouter_api_requests",

@@ -62,7 +62,7 @@ def connect(url: str) -> RedisHandle:
         if not path:
             raise ConfigError("state.url: redis+sentinel:// needs /service_name")
         db = int(path[1]) if len(path) > 1 else 0
-        sentinel = Sentinel(hosts, socket_timeout=SOCKET_TIMEOUT_S)  # type: ignore[no-untyped-call]
+        sentinel = Sentinel(hosts, socket_timeout=SOCKET_TIMEOUT_S)  # type: ignore[no-untyped-call,unused-ignore]
         client: Redis = sentinel.master_for(path[0], db=db, **_options())
         return RedisHandle(client, list(sentinel.sentinels))
     return RedisHandle(Redis.from_url(url, **_options()))

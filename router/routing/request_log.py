@@ -35,6 +35,7 @@ def request_line(
         "request_id": route.request_id,
         "model": route.model,
         "session": session_tag(route.session_key),
+        "session_source": dispatch.request.session_source,
         "worker": dispatch.worker.name,
         "policy_reason": decision.reason,
         "attempt": attempt,

@@ -26,7 +26,7 @@ TOOL_INPUT = {"path": "a.py", "lines": [1, 80], "note": "café"}
 
 
 def keyed(kind: Kind, body: dict[str, Any]) -> ClientRequest:
-    return parse_request(kind, orjson.dumps(body), None, (), BLOCK_BYTES)
+    return parse_request(kind, orjson.dumps(body), BLOCK_BYTES)
 
 
 def sse(*events: dict[str, Any]) -> bytes:
@@ -268,7 +268,7 @@ BAD_BODIES = [
 )
 def test_a_body_the_engine_would_refuse_is_a_400(kind: Kind, raw: bytes) -> None:
     with pytest.raises(BadRequest):
-        parse_request(kind, raw, None, (), BLOCK_BYTES)
+        parse_request(kind, raw, BLOCK_BYTES)
 
 
 def test_a_tool_input_nested_too_deep_to_rebuild_stops_the_capture_not_the_stream() -> None:

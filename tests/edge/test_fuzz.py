@@ -33,13 +33,13 @@ from bench.fuzz.inputs import (
     wild_requests,
 )
 from router.apis.request import parse_request
+from router.apis.sessions import SessionSources
 from router.config import RequestLimits
 from router.errors import RouterError
 from router.wire.kinds import Kind
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 
 TARGET = Target(api_key="fuzz-key", admin_token="fuzz-admin", model=TEST_MODEL)
-FIELDS = ("session_id", "user")
 # Small limits, so that examples cross them without megabytes of input.
 LIMITS = RequestLimits(max_messages=50, max_content_parts=50, max_session_key_bytes=64)
 MAX_BODY_BYTES = 256 * 1024
@@ -76,8 +76,10 @@ def check_all(examples: int, strategy: st.SearchStrategy[T], check: Callable[[T]
 # escapes), and any text at all: the parser's contract is on any ``str``.
 _SESSION_HEADERS = st.one_of(
     st.none(),
-    st.binary(max_size=80).map(lambda b: b.decode("utf-8", "surrogateescape")),
-    st.text(st.characters(exclude_categories=()), max_size=20),
+    st.binary(max_size=80),
+    st.text(st.characters(exclude_categories=()), max_size=20).map(
+        lambda t: t.encode("utf-8", "surrogatepass")
+    ),
 )
 _KINDS: list[tuple[Kind, st.SearchStrategy[bytes]]] = [
     ("chat", bodies(chat_bodies(TEST_MODEL))),
@@ -94,10 +96,11 @@ _CASES = st.tuples(
 )
 
 
-def _parse_or_refuse(case: tuple[tuple[Kind, bytes], str | None, int]) -> None:
+def _parse_or_refuse(case: tuple[tuple[Kind, bytes], bytes | None, int]) -> None:
     (kind, raw), header, block_bytes = case
+    headers = {} if header is None else {b"x-claude-code-session-id": header}
     try:
-        request = parse_request(kind, raw, header, FIELDS, block_bytes, LIMITS)
+        request = parse_request(kind, raw, block_bytes, headers, SessionSources(), LIMITS)
     except RouterError as exc:
         assert 400 <= exc.status < 500, exc
         assert exc.message

@@ -16,7 +16,6 @@ import pytest
 from bench.fuzz.client import Answer, RawRequest, send
 from policies.base import Decision, RouteRequest, WorkerView
 from policies.round_robin import RoundRobinPolicy
-from router.apis.request import parse_request
 from router.edge.decoding import DECODED_CODINGS
 from router.routing.policy_slot import ActivePolicy
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
@@ -195,17 +194,6 @@ async def test_admin_refuses_a_worker_with_fields_of_the_wrong_type(
         assert added.status == 201, added
         assert orjson.loads(added.body)["name"] == "5"
         assert (await raw(router, RawRequest(b"GET", b"/metrics", ()))).status == 200
-
-
-def test_a_session_header_with_any_surrogate_has_a_key() -> None:
-    # Found by the parser property: "\ud800" (which no decoding of header bytes makes; a
-    # caller other than aiohttp can pass it) raised UnicodeEncodeError, not a RouterError.
-    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": ""}]})
-    keys = {
-        parse_request("chat", body, header, ("user",), 16).session_key
-        for header in ("\ud800", "\udfff", "a\udcffb\ud800", "a\udcffb")
-    }
-    assert None not in keys and len(keys) == 4
 
 
 async def test_a_method_the_path_does_not_have_is_a_json_405_that_names_those_it_has(

@@ -15,6 +15,7 @@ import orjson
 import pytest
 
 from router.apis.request import DEFAULT_LIMITS, ClientRequest, parse_request
+from router.apis.sessions import SessionSources
 from router.config import (
     DEFAULT_MAX_CONTENT_PARTS,
     DEFAULT_MAX_MESSAGES,
@@ -28,16 +29,18 @@ from router.index.prefix import render_prompt
 from tests.conftest import TEST_MODEL, EngineFactory, router_config, serve_router
 from tests.router_client import WORKER, chat_body, conversation, engines, metric, post
 
-FIELDS = ("session_id", "user")
+SOURCES = SessionSources(("header:X-Session-Id", "body:session_id", "body:user"))
 BLOCK = 16
 USER = [{"role": "user", "content": "hi"}]
 
 
 def chat(
-    header: str | None = None, limits: RequestLimits = DEFAULT_LIMITS, **body: Any
+    header: str | bytes | None = None, limits: RequestLimits = DEFAULT_LIMITS, **body: Any
 ) -> ClientRequest:
     raw = orjson.dumps({"model": "m", "messages": USER, **body})
-    return parse_request("chat", raw, header, FIELDS, BLOCK, limits)
+    value = header.encode() if isinstance(header, str) else header
+    headers = {} if value is None else {b"x-session-id": value}
+    return parse_request("chat", raw, BLOCK, headers, SOURCES, limits)
 
 
 def nest(depth: int, leaf: bytes = b"0") -> bytes:
@@ -74,9 +77,8 @@ def test_session_keys_longer_than_the_cap_are_refused() -> None:
 
 
 def test_a_session_header_that_is_not_utf8_still_has_a_key() -> None:
-    # aiohttp hands undecodable header bytes over as surrogate escapes.
-    key = chat(header="a\udcffb").session_key
-    assert key is not None and key != chat(header="a\udcfeb").session_key
+    key = chat(header=b"a\xffb").session_key
+    assert key is not None and key != chat(header=b"a\xfeb").session_key
 
 
 # -- counts -------------------------------------------------------------------------------
@@ -126,7 +128,7 @@ def test_the_history_is_what_the_previous_turn_sent() -> None:
 
     def parsed(messages: list[dict[str, str]]) -> ClientRequest:
         raw = orjson.dumps({"model": "m", "messages": messages})
-        return parse_request("chat", raw, None, FIELDS, BLOCK, DEFAULT_LIMITS)
+        return parse_request("chat", raw, BLOCK)
 
     turn1, turn2 = parsed(first), parsed(second)
     # The first turn's history is its system prompt; the second's, the first turn's prompt.
@@ -134,7 +136,7 @@ def test_the_history_is_what_the_previous_turn_sent() -> None:
     assert turn2.history_blocks == len(turn1.key.hashes)
     assert turn2.key.hashes[: turn2.history_blocks] == turn1.key.hashes
     completion = parse_request(
-        "completion", orjson.dumps({"model": "m", "prompt": "p" * 200}), None, FIELDS, BLOCK
+        "completion", orjson.dumps({"model": "m", "prompt": "p" * 200}), BLOCK
     )
     assert completion.history_blocks == 1
 
@@ -143,11 +145,11 @@ def test_token_ids_render_as_four_little_endian_bytes_each() -> None:
     ids = [0, 1, 258, 2**32 - 1]
     assert render_prompt(ids) == b"\x1d" + b"".join(t.to_bytes(4, "little") for t in ids)
     raw = orjson.dumps({"model": "m", "prompt": ids})
-    assert parse_request("completion", raw, None, FIELDS, 4).key.hashes  # accepted
+    assert parse_request("completion", raw, 4).key.hashes  # accepted
     for prompt in ([-1], [2**32], [1, True], [1, 2.0], [1, "a"], [[1], [2]]):
         raw = orjson.dumps({"model": "m", "prompt": prompt})
         with pytest.raises(BadRequest) as info:
-            parse_request("completion", raw, None, FIELDS, BLOCK)
+            parse_request("completion", raw, BLOCK)
         assert info.value.param == "prompt", prompt
 
 
@@ -276,8 +278,6 @@ async def test_the_router_remembers_sessions_by_digest(engine_factory: EngineFac
         key = parse_request(
             "chat",
             orjson.dumps(body),
-            None,
-            router.config.session_body_fields,
             router.config.prefix.key_block_bytes,
         ).session_key
         assert key is not None and len(key) == 32

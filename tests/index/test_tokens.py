@@ -346,7 +346,7 @@ def _with_template(model_dir: Path, directory: Path, template: str) -> ModelToke
 
 def _body(messages: list[dict[str, Any]], **fields: Any) -> RequestBody:
     raw = orjson.dumps({"model": "m", "messages": messages, **fields})
-    return read_request("chat", raw, None, ())
+    return read_request("chat", raw)
 
 
 async def test_a_later_turns_history_is_the_previous_prompt(model: ModelTokenizer) -> None:
@@ -478,8 +478,7 @@ async def test_a_messages_or_responses_request_is_keyed_by_the_tokens_of_its_cha
     keys = TokenKeys(model, 1_000_000, TokenMetrics(CollectorRegistry()))
     try:
         keyed = [
-            await keys.key(read_request(kind, orjson.dumps(body), None, ()), 64)
-            for kind, body in bodies
+            await keys.key(read_request(kind, orjson.dumps(body)), 64) for kind, body in bodies
         ]
     finally:
         keys.close()

@@ -277,7 +277,7 @@ async def test_a_binding_does_not_outvote_the_index_that_saw_the_session_evicted
         lambda: True,
     )  # fmt: skip
     raw = orjson.dumps({"model": "m", "messages": conversation("ev", 400, 100), "user": "ev"})
-    request = keyed_by_text(read_request("chat", raw, None, ("user",)), 64)
+    request = keyed_by_text(read_request("chat", raw), 64)
     hashes = list(request.key.hashes)
     try:
         await path.record(workers[0], hashes, [], request.session_key)

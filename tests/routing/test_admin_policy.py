@@ -250,8 +250,6 @@ def test_a_request_in_flight_finishes_with_the_policy_that_chose_it() -> None:
     request = parse_request(
         "chat",
         orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hello " * 50}]}),
-        None,
-        ("user",),
         256,
     )
     route = router.route_request(request, "r")

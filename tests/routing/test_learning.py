@@ -63,7 +63,7 @@ def _a_settled_router() -> Router:
 
 def _dispatch_to(router: Router, worker: str, prompt_words: int) -> Dispatch:
     body = {"model": "m", "messages": [{"role": "user", "content": "word " * prompt_words}]}
-    request = parse_request("chat", orjson.dumps(body), None, ("user",), 256)
+    request = parse_request("chat", orjson.dumps(body), 256)
     others = [w.name for w in router.fleet.all() if w.name != worker]
     return router.dispatch(request, router.route_request(request, "r"), others)
 

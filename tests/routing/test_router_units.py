@@ -13,6 +13,7 @@ import pytest
 
 from router.apis.capture import ChatCapture, CompletionCapture
 from router.apis.request import ClientRequest, parse_request
+from router.apis.sessions import SessionSources
 from router.cli.serve import GC_YOUNG_THRESHOLD, tune_gc
 from router.edge.relay import MAX_HELD_EVENT_BYTES, WholeEvents
 from router.fleet.workers import Lease, Worker
@@ -30,12 +31,12 @@ MODEL = "m"
 
 def chat(messages: list[dict[str, Any]], **extra: Any) -> ClientRequest:
     raw = orjson.dumps({"model": MODEL, "messages": messages, **extra})
-    return parse_request("chat", raw, None, ("session_id", "user"), BLOCK)
+    return parse_request("chat", raw, BLOCK)
 
 
 def completion(prompt: Any, **extra: Any) -> ClientRequest:
     raw = orjson.dumps({"model": MODEL, "prompt": prompt, **extra})
-    return parse_request("completion", raw, None, ("session_id", "user"), BLOCK)
+    return parse_request("completion", raw, BLOCK)
 
 
 def pieces(text: str, sizes: Sequence[int]) -> list[str]:
@@ -82,7 +83,7 @@ def test_model_and_cache_salt_change_every_hash() -> None:
     salted = chat(TURNS[:2], cache_salt="tenant-a").key
     other_salt = chat(TURNS[:2], cache_salt="tenant-b").key
     other_model = parse_request(
-        "chat", orjson.dumps({"model": "m2", "messages": TURNS[:2]}), None, (), BLOCK
+        "chat", orjson.dumps({"model": "m2", "messages": TURNS[:2]}), BLOCK
     ).key
     assert base.seed == chain_seed(MODEL) == chain_seed(MODEL, "")
     keys = [base, salted, other_salt, other_model]
@@ -96,12 +97,14 @@ def test_model_and_cache_salt_change_every_hash() -> None:
 def test_the_session_key_comes_from_the_header_then_the_body() -> None:
     raw = orjson.dumps({"model": MODEL, "messages": TURNS[:2], "user": "u1"})
 
-    def key(header: str | None, fields: Sequence[str]) -> str | None:
-        return parse_request("chat", raw, header, fields, BLOCK).session_key
+    def key(header: bytes | None, fields: Sequence[str]) -> str | None:
+        sources = SessionSources(("header:x-session-id", *(f"body:{f}" for f in fields)))
+        headers = {} if header is None else {b"x-session-id": header}
+        return parse_request("chat", raw, BLOCK, headers, sources).session_key
 
     # Keys are kept as digests: the body's "u1" is the session a header "u1" names.
-    assert key(None, ("session_id", "user")) == key("u1", ()) is not None
-    assert key("h1", ("session_id", "user")) == key("h1", ()) != key("u1", ())
+    assert key(None, ("session_id", "user")) == key(b"u1", ()) is not None
+    assert key(b"h1", ("session_id", "user")) == key(b"h1", ()) != key(b"u1", ())
     assert key(None, ("session_id",)) is None
 
 
