@@ -18,6 +18,7 @@ from typing import Any, Final
 
 from bench.workloads import (
     agent,
+    agentx,
     aiperf_agentic,
     azure,
     burst,
@@ -125,6 +126,12 @@ GENERATORS: Final[Mapping[str, Generator]] = MappingProxyType(
             "coding-agent sessions from aiperf's 'synthesize agentic-code' dataset.jsonl",
             aiperf_agentic.add_arguments,
             aiperf_agentic.from_args,
+            False,
+        ),
+        agentx.KIND: Generator(
+            "Claude Code sessions and subagents from InferenceX AgentX (Weka) traces",
+            agentx.add_arguments,
+            agentx.from_args,
             False,
         ),
     }
