@@ -10,6 +10,8 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.compare.demo import DemoConfig
+from bench.compare.matrix import rows as matrix_rows
 from bench.workloads import agentx
 from bench.workloads.agentx_format import AgentxRequest, read_traces
 from bench.workloads.sampling import poisson_arrivals
@@ -260,3 +262,11 @@ def test_the_trace_format_refuses_unknown_endings_and_empty_parents() -> None:
         turn_from_json(line | {"ended_by": "timeout"})
     with pytest.raises(TraceFormatError, match="parent"):
         turn_from_json(line | {"parent": ""})
+
+
+def test_the_matrix_has_an_agentx_row_only_for_a_given_trace(tmp_path: Path) -> None:
+    path = _write(tmp_path / "tr1.json", TRACE)
+    assert "agentx" not in {r.name for r in matrix_rows()}
+    row = {r.name: r for r in matrix_rows(agentx_source=path)}["agentx"]
+    turns = row.workload(DemoConfig(seed=2))
+    assert {t.session for t in turns} == set(_load(tmp_path))

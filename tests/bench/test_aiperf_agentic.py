@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
+from bench.compare.demo import DemoConfig
+from bench.compare.matrix import rows as matrix_rows
 from bench.workloads import aiperf_agentic
 from bench.workloads import cli as workloads_cli
 from bench.workloads.sampling import poisson_arrivals
@@ -206,3 +208,10 @@ def test_kvrouter_bench_gen_reads_the_sample(tmp_path: Path) -> None:
     written = read_trace(out)
     assert len(written) == sum(len(rows) for rows in _raw_sessions().values())
     assert {t.session for t in written} == set(_raw_sessions())
+
+
+def test_the_matrix_row_replays_the_committed_sample() -> None:
+    row = {r.name: r for r in matrix_rows()}["aiperf-agentic"]
+    turns = row.workload(DemoConfig(seed=5))
+    assert {t.session for t in turns} == set(_raw_sessions())
+    assert "agentx" not in {r.name for r in matrix_rows()}  # no trace given, no row
