@@ -1,12 +1,15 @@
 """``kvrouter bench matrix``: every router over every workload shape, one table.
 
 Each row is a workload and a fleet: the coding-agent sessions with and without cache
-pressure, chat, shared system prompts, a mix, multi-user QA, the Mooncake conversation
-trace on Azure arrival times, bursts of (near-)identical prompts, and a fleet with one
-slower worker. Each row runs through ``bench.compare.demo.run_comparison``: every router
-``--repeat`` times, interleaved, the figures reported as median (min-max). With
-``--peer-bin`` the peer routers (SMG, vllm-router) run beside kvrouter's policies; run
-it inside a loopback-only network namespace then (see ``bench.compare.peers``).
+pressure, aiperf's synthesized agentic-code sessions (the committed sample, or
+``--aiperf-agentic``), InferenceX AgentX Claude Code traces (only with
+``--agentx-trace``: none are shipped), chat, shared system prompts, a mix, multi-user
+QA, the Mooncake conversation trace on Azure arrival times, bursts of (near-)identical
+prompts, and a fleet with one slower worker. Each row runs through
+``bench.compare.demo.run_comparison``: every router ``--repeat`` times, interleaved, the
+figures reported as median (min-max). With ``--peer-bin`` the peer routers (SMG,
+vllm-router) run beside kvrouter's policies; run it inside a loopback-only network
+namespace then (see ``bench.compare.peers``).
 
 Writes ``matrix.json`` (every figure's median and range by row and router),
 ``matrix.md`` (the table) and ``matrix-*.png`` to ``--out``; each row's runs and plots
@@ -28,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.compare.demo import (
+    DEFAULT_MAX_CONTEXT,
     DemoConfig,
     RouterSpec,
     add_workload_arguments,
@@ -39,12 +43,26 @@ from bench.compare.demo import (
 )
 from bench.compare.peers import peer_specs
 from bench.replay.rounds import FIGURE_BY_KEY, Rounds, show_spread
-from bench.workloads import azure, burst, chat, mix, mooncake, qa, shared_prompt
+from bench.workloads import (
+    agentx,
+    aiperf_agentic,
+    azure,
+    burst,
+    chat,
+    mix,
+    mooncake,
+    qa,
+    shared_prompt,
+)
 from bench.workloads.trace import Turn
 
 DEFAULT_POLICIES = ("ttft", "cache_aware", "round_robin")
 DEFAULT_OUT = Path("results/matrix")
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
+AIPERF_AGENTIC_SAMPLE = (
+    Path(__file__).resolve().parents[2] / "tests/bench/data/aiperf_agentic/dataset.jsonl"
+)
+DEFAULT_AGENTX_TRACES = 20
 ROOMY_KV_TOKENS = 1_000_000
 # The columns of the one table; every figure is in matrix.json.
 TABLE_FIGURES = (
@@ -82,7 +100,47 @@ def _mooncake_on_azure(config: DemoConfig, traces: Path, rows: int) -> list[Turn
     return azure.with_arrivals(turns, arrivals)
 
 
-def rows(traces: Path = TRACES, mooncake_rows: int = 400) -> list[Row]:
+def _aiperf_agentic(config: DemoConfig, source: Path) -> list[Turn]:
+    params = aiperf_agentic.AiperfAgenticParams(max_context_tokens=DEFAULT_MAX_CONTEXT)
+    return aiperf_agentic.load(source, params, config.seed)
+
+
+def _agentx(config: DemoConfig, source: Path, traces: int) -> list[Turn]:
+    params = agentx.AgentxParams(max_traces=traces, max_context_tokens=DEFAULT_MAX_CONTEXT)
+    return agentx.load(source, params, config.seed)
+
+
+def _agent_trace_rows(
+    aiperf_agentic_source: Path, agentx_source: Path | None, agentx_traces: int
+) -> list[Row]:
+    """The outside agent traffic: aiperf's synthesized sessions, and AgentX traces when
+    a file of them is given (none is shipped)."""
+    found = [
+        Row(
+            "aiperf-agentic",
+            f"aiperf 'synthesize agentic-code' sessions from {aiperf_agentic_source.name}",
+            lambda c: _aiperf_agentic(c, aiperf_agentic_source),
+        )
+    ]
+    if agentx_source is not None:
+        found.append(
+            Row(
+                "agentx",
+                f"InferenceX AgentX Claude Code traces and subagents, first {agentx_traces}",
+                lambda c: _agentx(c, agentx_source, agentx_traces),
+            )
+        )
+    return found
+
+
+def rows(
+    traces: Path = TRACES,
+    mooncake_rows: int = 400,
+    *,
+    aiperf_agentic_source: Path = AIPERF_AGENTIC_SAMPLE,
+    agentx_source: Path | None = None,
+    agentx_traces: int = DEFAULT_AGENTX_TRACES,
+) -> list[Row]:
     return [
         Row("agent", "coding-agent sessions, fleet holds ~60% of their context", demo_workload),
         Row(
@@ -91,6 +149,7 @@ def rows(traces: Path = TRACES, mooncake_rows: int = 400) -> list[Row]:
             demo_workload,
             kv_tokens=ROOMY_KV_TOKENS,
         ),
+        *_agent_trace_rows(aiperf_agentic_source, agentx_source, agentx_traces),
         Row(
             "chat",
             "short chat sessions",
@@ -247,12 +306,37 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         default=400,
         help="first rows of the Mooncake conversation trace to replay",
     )
+    parser.add_argument(
+        "--aiperf-agentic",
+        type=Path,
+        default=AIPERF_AGENTIC_SAMPLE,
+        help="dataset.jsonl of 'aiperf synthesize agentic-code' (default: the small "
+        "committed sample)",
+    )
+    parser.add_argument(
+        "--agentx-trace",
+        type=Path,
+        help="AgentX (Weka-layout) traces: a .json, a directory of them or a .jsonl; "
+        "adds the agentx row",
+    )
+    parser.add_argument(
+        "--agentx-max-traces",
+        type=int,
+        default=DEFAULT_AGENTX_TRACES,
+        help="first traces of --agentx-trace to replay",
+    )
     parser.set_defaults(func=run, out=DEFAULT_OUT, policies=",".join(DEFAULT_POLICIES))
 
 
 def run(args: argparse.Namespace) -> int:
     config = demo_config(args)
-    every = rows(args.traces, args.mooncake_rows)
+    every = rows(
+        args.traces,
+        args.mooncake_rows,
+        aiperf_agentic_source=args.aiperf_agentic,
+        agentx_source=args.agentx_trace,
+        agentx_traces=args.agentx_max_traces,
+    )
     wanted = [name for name in args.rows.split(",") if name]
     unknown = set(wanted) - {r.name for r in every}
     if unknown:

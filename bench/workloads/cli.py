@@ -16,7 +16,18 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final
 
-from bench.workloads import agent, azure, burst, chat, mix, mooncake, qa, shared_prompt
+from bench.workloads import (
+    agent,
+    agentx,
+    aiperf_agentic,
+    azure,
+    burst,
+    chat,
+    mix,
+    mooncake,
+    qa,
+    shared_prompt,
+)
 from bench.workloads.api_bodies import APIS, Api
 from bench.workloads.flags import named_weights
 from bench.workloads.stats import describe, summarize
@@ -109,6 +120,18 @@ GENERATORS: Final[Mapping[str, Generator]] = MappingProxyType(
             "single-turn sessions from an Azure LLM 2023 CSV",
             azure.add_arguments,
             azure.from_args,
+            False,
+        ),
+        aiperf_agentic.KIND: Generator(
+            "coding-agent sessions from aiperf's 'synthesize agentic-code' dataset.jsonl",
+            aiperf_agentic.add_arguments,
+            aiperf_agentic.from_args,
+            False,
+        ),
+        agentx.KIND: Generator(
+            "Claude Code sessions and subagents from InferenceX AgentX (Weka) traces",
+            agentx.add_arguments,
+            agentx.from_args,
             False,
         ),
     }

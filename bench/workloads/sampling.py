@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bench.workloads.trace import TextBlock, TextSpec, Turn
+from bench.workloads.trace import TextBlock, TextSpec, Turn, text_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,22 @@ def shift_session(turns: Sequence[Turn], arrival: float) -> list[Turn]:
         return []
     delta = arrival - turns[0].arrival
     return [replace(turn, arrival=turn.arrival + delta) for turn in turns]
+
+
+def within_context(turns: Sequence[Turn], limit: int) -> list[Turn]:
+    """A session's turns before the first whose prompt plus reply passes ``limit`` tokens
+    (0: no limit): where an agent compacts or stops, and past which engines refuse."""
+    if not limit:
+        return list(turns)
+    kept: list[Turn] = []
+    context = 0
+    for turn in turns:
+        context += text_tokens(turn.user) + (text_tokens(turn.system) if turn.system else 0)
+        if context + turn.output_tokens > limit:
+            break
+        kept.append(turn)
+        context += turn.output_tokens
+    return kept
 
 
 def sessions_in_order(turns: Sequence[Turn]) -> list[list[Turn]]:

@@ -16,6 +16,14 @@ Fields of a line::
     api            str    optional, turn 0 only: the API the session's client speaks,
                           "chat", "responses" or "messages" (``bench.workloads.api_bodies``);
                           without it the replay's ``--api`` carries the session
+    parent         str    optional, turn 0 only: the id of the session that spawned this
+                          one (a coding agent's subagent), whose prefix its turn 0 usually
+                          starts with. Informational: the replay starts the session at its
+                          own arrival and does not wait on or for the parent.
+    ended_by       str    optional: how the source's reply to this turn ended, "tool" (a
+                          tool call: the next turn is its result, sent without a person)
+                          or "user" (the reply waited for a person). Absent when the source
+                          does not say. Informational: the replay waits ``gap`` either way.
 
 A *text* is either a literal string, or ``{"id": KEY, "tokens": N}`` (N stand-in tokens
 of deterministic filler drawn from KEY, see ``bench.textgen``), or a list of those,
@@ -28,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, Literal
 
 import orjson
 
@@ -43,6 +51,8 @@ class TextBlock:
 
 
 TextSpec = str | tuple[TextBlock, ...]
+EndedBy = Literal["tool", "user"]
+ENDINGS: Final[tuple[EndedBy, ...]] = ("tool", "user")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,8 @@ class Turn:
     output_tokens: int
     system: TextSpec | None = None
     api: Api | None = None
+    parent: str | None = None
+    ended_by: EndedBy | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +133,10 @@ def turn_to_json(turn: Turn) -> dict[str, Any]:
         line["system"] = _text_to_json(turn.system)
     if turn.api is not None:
         line["api"] = turn.api
+    if turn.parent is not None:
+        line["parent"] = turn.parent
+    if turn.ended_by is not None:
+        line["ended_by"] = turn.ended_by
     return line
 
 
@@ -131,6 +147,23 @@ def _api_from_json(value: Any, where: str) -> Api | None:
         if value == api:
             return api
     raise TraceFormatError(f"{where}: unknown api {value!r}; known: {', '.join(APIS)}")
+
+
+def _ended_by_from_json(value: Any, where: str) -> EndedBy | None:
+    if value is None:
+        return None
+    for ending in ENDINGS:
+        if value == ending:
+            return ending
+    raise TraceFormatError(f"{where}: unknown ended_by {value!r}; known: {', '.join(ENDINGS)}")
+
+
+def _parent_from_json(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TraceFormatError(f"{where}: parent must be a non-empty session id")
+    return value
 
 
 def turn_from_json(obj: Any, where: str = "trace") -> Turn:
@@ -151,7 +184,9 @@ def turn_from_json(obj: Any, where: str = "trace") -> Turn:
         raise TraceFormatError(f"{where}: {exc}") from exc
     system = _text_from_json(obj["system"], f"{where}.system") if obj.get("system") else None
     api = _api_from_json(obj.get("api"), f"{where}.api")
-    return Turn(session, turn, arrival, gap, user, output_tokens, system, api)
+    parent = _parent_from_json(obj.get("parent"), f"{where}.parent")
+    ended_by = _ended_by_from_json(obj.get("ended_by"), f"{where}.ended_by")
+    return Turn(session, turn, arrival, gap, user, output_tokens, system, api, parent, ended_by)
 
 
 def write_trace(turns: Iterable[Turn], path: Path) -> int:

@@ -31,6 +31,7 @@ from bench.workloads.trace import (
 
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 CONVERSATION = TRACES / "mooncake_fast25" / "conversation_trace.jsonl"
+AIPERF_AGENTIC_SAMPLE = Path(__file__).parent / "data" / "aiperf_agentic" / "dataset.jsonl"
 
 
 def _agent(seed: int) -> list[Turn]:
@@ -330,10 +331,19 @@ def _gen_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _agentx_trace(path: Path) -> Path:
+    call = {"type": "n", "t": 0.0, "model": "m", "in": 300, "out": 20, "hash_ids": [1, 2]}
+    trace = {"id": "t", "models": ["m"], "block_size": 64, "requests": [call]}
+    path.write_bytes(orjson.dumps(trace))
+    return path
+
+
 def _kind_args(kind: str, tmp_path: Path) -> list[str]:
     sources = {
         "mooncake": ["--source", str(_write_jsonl(tmp_path / "mc.jsonl", MOONCAKE_SAMPLE))],
         "azure": ["--source", str(_azure_csv(tmp_path))],
+        "aiperf-agentic": ["--source", str(AIPERF_AGENTIC_SAMPLE)],
+        "agentx": ["--source", str(_agentx_trace(tmp_path / "agentx.json"))],
         "qa": ["--users", "6", "--rounds", "3"],
         "burst": ["--groups", "2", "--group-size", "3"],
     }
