@@ -33,6 +33,9 @@ class RouteRequest(NamedTuple):
     block_hashes: tuple[int, ...]
     block_tokens: int  # estimated tokens per block
     prompt_tokens: int  # estimated tokens of the whole prompt
+    # The conversation's first turn (no reply in it yet): what of it a worker holds is
+    # a prefix other sessions share, not this session's own history.
+    first_turn: bool = False
 
 
 class WorkerView(NamedTuple):

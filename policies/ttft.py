@@ -21,8 +21,17 @@ session off a full cache also frees its old copy, so on the agent workload the m
 trade was poor (``docs/benchmarks.md``, the sweep).
 
 Prefixes that every worker holds (a shared system prompt) add the same saving to every
-candidate and cancel out of the comparison, so they never pin traffic to one worker:
-only the part of a prefix that distinguishes workers attracts a request. Siblings that
+candidate and cancel out of the comparison: only the part of a prefix that
+distinguishes workers attracts a request. A shared prefix that only some workers hold
+yet would pin every new session to them: each first turn is cheapest where the prefix
+already is, and is sent there, so no other worker ever gets it (on aiperf's agentic-code
+sessions, whose prompts all begin with the same 8K tokens, every turn went to one worker
+of four). So a conversation's first turn (``RouteRequest.first_turn``: no reply in it,
+so what any worker holds of it, other sessions put there) counts the prefill of the
+best worker's match as part of the near-tie: a worker that would prefill the shared
+prefix again, once, is as near as the one that holds it, and the tie rules below place
+the new session. Its later turns follow its own history as every turn does
+(``spread_first_turns``, default on). Siblings that
 share a fresh prefix land together because the router reserves a dispatched request's
 blocks on its worker at once (recorded when the worker has computed them, withdrawn if
 the dispatch fails or is refused): the second waits for the first's prefill on its
@@ -74,6 +83,7 @@ class TtftParams:
     temperature: float = DEFAULT_TEMPERATURE_S
     eviction_weight: float = DEFAULT_EVICTION_WEIGHT
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE
+    spread_first_turns: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.tie_tolerance < 1:
@@ -125,13 +135,17 @@ class TtftPolicy(Policy):
         if params.temperature > 0 and len(scored) > 1:
             chosen = self._sample(scored)
         else:
-            chosen = self._best(scored)
+            chosen = self._best(scored, request.first_turn and params.spread_first_turns)
         best_match = max(v.matched_tokens for v in candidates)
         followed_cache = best_match > 0 and chosen.matched_tokens == best_match
         return Decision(chosen.name, "prefix" if followed_cache else "load", chosen.matched_tokens)
 
-    def _best(self, scored: Sequence[_Scored]) -> WorkerView:
-        near = min(s.estimate for s in scored) * (1 + self.params.tie_tolerance)
+    def _best(self, scored: Sequence[_Scored], shared_prefix_ties: bool) -> WorkerView:
+        best = min(scored, key=lambda s: s.estimate)
+        near = best.estimate * (1 + self.params.tie_tolerance)
+        if shared_prefix_ties:
+            rate = max(best.view.prefill_tokens_per_s, MIN_RATE)
+            near += self.params.cache_weight * best.view.matched_tokens / rate
         close = [s for s in scored if s.estimate <= near]
         roomy = [s for s in close if s.filled <= s.view.capacity_tokens]
         if roomy:

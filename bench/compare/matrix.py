@@ -1,7 +1,7 @@
 """``kvrouter bench matrix``: every router over every workload shape, one table.
 
 Each row is a workload and a fleet: the coding-agent sessions with and without cache
-pressure, aiperf's synthesized agentic-code sessions (the committed sample, or
+pressure, aiperf's synthesized agentic-code sessions (24 committed ones, or
 ``--aiperf-agentic``), InferenceX AgentX Claude Code traces (only with
 ``--agentx-trace``: none are shipped), chat, shared system prompts, a mix, multi-user
 QA, the Mooncake conversation trace on Azure arrival times, bursts of (near-)identical
@@ -60,7 +60,7 @@ DEFAULT_POLICIES = ("ttft", "cache_aware", "round_robin")
 DEFAULT_OUT = Path("results/matrix")
 TRACES = Path(__file__).resolve().parents[3] / "shared" / "traces"
 AIPERF_AGENTIC_SAMPLE = (
-    Path(__file__).resolve().parents[2] / "tests/bench/data/aiperf_agentic/dataset.jsonl"
+    Path(__file__).resolve().parents[1] / "workloads/data/aiperf_agentic_24/dataset.jsonl"
 )
 DEFAULT_AGENTX_TRACES = 20
 ROOMY_KV_TOKENS = 1_000_000
@@ -310,8 +310,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         "--aiperf-agentic",
         type=Path,
         default=AIPERF_AGENTIC_SAMPLE,
-        help="dataset.jsonl of 'aiperf synthesize agentic-code' (default: the small "
-        "committed sample)",
+        help="dataset.jsonl of 'aiperf synthesize agentic-code' (default: 24 sessions "
+        "sharing an 8K prefix, bench/workloads/data/aiperf_agentic_24)",
     )
     parser.add_argument(
         "--agentx-trace",

@@ -57,6 +57,9 @@ class ClientRequest:
     # text's tokens (router.tokens.reply).
     reply_tokens: bool = False
     session_source: str = NO_SESSION  # where the session key was read (its label)
+    # A conversation with no reply in it yet: whatever of its prompt a worker holds, other
+    # sessions put there (a shared system prompt, an agent's tool definitions).
+    first_turn: bool = False
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -303,7 +306,16 @@ def _client_request(
         continues=body.continues,
         reply_tokens=reply_tokens,
         session_source=body.session_source,
+        first_turn=_first_turn(body),
     )
+
+
+def _first_turn(body: RequestBody) -> bool:
+    """A chat conversation (or a Messages or Responses one, converted) with no assistant
+    message and no stored response it continues; a completion's prompt says nothing."""
+    if body.messages is None or body.continues is not None:
+        return False
+    return all(message.get("role") != "assistant" for message in body.messages)
 
 
 def parse_request(

@@ -159,6 +159,7 @@ class Router:
             block_hashes=request.key.hashes,
             block_tokens=self.block_tokens,
             prompt_tokens=max(1, -(-request.key.total_bytes // BYTES_PER_TOKEN_ESTIMATE)),
+            first_turn=request.first_turn,
         )
 
     def eligible(self, model: str | None, exclude: list[str]) -> list[Worker]:

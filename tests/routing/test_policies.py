@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import get_args
 
+import orjson
 import pytest
 
 from policies.base import REASONS, PolicyConfigError, Reason, RouteRequest, WorkerView
@@ -26,6 +27,7 @@ from policies.registry import (
 )
 from policies.round_robin import RoundRobinPolicy
 from policies.session import SessionPolicy
+from router.apis.request import parse_request
 
 # Assigning the classes to the registry's protocol makes mypy check they fit it.
 WRITTEN: tuple[PolicyClass, ...] = (
@@ -537,3 +539,50 @@ def test_ttft_places_a_new_session_beside_the_least_live_context_once_caches_are
         _ttft_view("busy-idle-now", resident=100_000, recent=300_000),
     ]
     assert policy.choose(request(prompt_tokens=4_000), queued).worker == "busy-idle-now"
+
+
+def test_ttft_does_not_pin_every_new_session_to_the_worker_holding_a_shared_prefix() -> None:
+    """Every session's prompt begins with the same 8K tokens, which one worker holds: a
+    first turn is placed as if every worker held them (it pays their prefill once where
+    they are not), a later turn follows its own history."""
+    policy = build_policy("ttft", seed=1)
+    views = [
+        _ttft_view("holder", matched=8_000, resident=60_000, recent=200_000),
+        _ttft_view("b", resident=8_000, recent=20_000),
+        _ttft_view("c", resident=30_000, recent=20_000),
+    ]
+    first = request(prompt_tokens=9_500)._replace(first_turn=True)
+    assert policy.choose(first, views).worker == "b"  # the emptier cache
+    later = request(prompt_tokens=9_500)  # the same match, as a later turn's history
+    assert policy.choose(later, views).worker == "holder"
+    pinned = build_policy("ttft", {"spread_first_turns": False}, seed=1)
+    assert pinned.choose(first, views).worker == "holder"
+    # Still an estimate: a worker whose queue outweighs the shared prefix is not near.
+    queued = [views[0], _ttft_view("b", resident=8_000, queued=20_000)]
+    assert policy.choose(first, queued).worker == "holder"
+
+
+@pytest.mark.parametrize(
+    ("messages", "first"),
+    [
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], True),
+        ([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], False),
+        (
+            [
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "tool_calls": []},
+                {"role": "tool", "content": "r"},
+            ],
+            False,
+        ),
+    ],
+)
+def test_a_first_turn_is_a_conversation_with_no_reply_in_it(
+    messages: list[dict[str, object]], first: bool
+) -> None:
+    raw = orjson.dumps({"model": "m", "messages": messages})
+    assert parse_request("chat", raw, 64).first_turn is first
+    completion = orjson.dumps({"model": "m", "prompt": "p"})
+    assert parse_request("completion", completion, 64).first_turn is False
+    follow_up = orjson.dumps({"model": "m", "input": "u", "previous_response_id": "resp_1"})
+    assert parse_request("responses", follow_up, 64).first_turn is False
