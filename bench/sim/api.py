@@ -124,6 +124,7 @@ async def _respond_whole(parsed: ParsedRequest, sim: SimRequest, block_tokens: i
             sim.cache_written_tokens(block_tokens),
         ),
         parsed.fingerprint,
+        parsed.calls,
     )
     return json_reply(body)
 

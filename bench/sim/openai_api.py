@@ -33,6 +33,9 @@ class ParsedRequest:
     min_tokens: int
     ignore_eos: bool
     fingerprint: str  # the replies' system_fingerprint
+    # The function a chat reply calls (``tool_choice`` "required" or a named function,
+    # as vLLM constrains the reply to a call): the generated text becomes its arguments.
+    calls: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -79,6 +82,7 @@ async def parse_request(
     ignore_eos = bool(field(body, "ignore_eos", bool, False))
     stream_options = field(body, "stream_options", dict, {})
     return ParsedRequest(
+        calls=_called_function(body) if kind == "chat" else None,
         kind=kind,
         model=model,
         prompt=prompt,
@@ -92,6 +96,42 @@ async def parse_request(
         ignore_eos=ignore_eos,
         fingerprint=system_fingerprint(served_model, max_model_len),
     )
+
+
+def _called_function(body: dict[str, Any]) -> str | None:
+    """The function ``tool_choice`` makes the reply call: a named one, or with
+    "required" the first of ``tools``; None where the model may answer in text."""
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "tool_choice must name a function", param="tool_choice")
+        return name
+    if choice != "required":
+        return None
+    tools = body.get("tools")
+    first = tools[0] if isinstance(tools, list) and tools else None
+    function = first.get("function") if isinstance(first, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, 'tool_choice "required" needs a function in tools', param="tools")
+    return name
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def call_arguments_head() -> str:
+    """A call's arguments are ``{"input": <the generated text as a JSON string>}``: the
+    part before the text."""
+    return '{"input": "'
+
+
+def call_arguments(text: str) -> str:
+    """The JSON of the generated text inside the arguments' string, quotes left off."""
+    return orjson.dumps(text).decode()[1:-1]
 
 
 def _invalid_value(message: str, parameter: str, value: object) -> ApiError:
@@ -182,6 +222,25 @@ def stream_chunk(
     return chunk
 
 
+def call_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    arguments: str,
+    finish_reason: str | None,
+    head: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """A chat chunk carrying a piece of a tool call's arguments; ``head`` (the call's id
+    and function name) on the call's first."""
+    call: dict[str, Any] = {"index": 0}
+    if head is not None:
+        call |= {"id": head[0], "type": "function", "function": {"name": head[1]}}
+    call.setdefault("function", {})["arguments"] = arguments
+    chunk = stream_chunk("chat", rid, model, created, None, finish_reason)
+    chunk["choices"][0]["delta"] = {"tool_calls": [call]}
+    return chunk
+
+
 def sse_event(obj: dict[str, Any]) -> bytes:
     """One server-sent event carrying ``obj`` as JSON."""
     return b"data: " + orjson.dumps(obj) + b"\n\n"
@@ -244,15 +303,23 @@ def full_response(
     finish_reason: str,
     usage_body: dict[str, Any],
     fingerprint: str,
+    calls: str | None = None,
 ) -> dict[str, Any]:
     if kind == "chat":
+        tool_calls: list[dict[str, Any]] = []
+        if calls is not None:
+            arguments = call_arguments_head() + call_arguments(text) + '"}'
+            function = {"name": calls, "arguments": arguments}
+            tool_calls.append({"id": tool_call_id(), "type": "function", "function": function})
+            text, finish_reason = "", "tool_calls"
         message = {
             "role": "assistant",
-            "content": text,
+            "content": text if not tool_calls else None,
             "refusal": None,
             "annotations": None,
             "audio": None,
             "function_call": None,
+            "tool_calls": tool_calls,
             "reasoning": None,
         }
         choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None}

@@ -11,9 +11,13 @@ from bench.sim.faults import Faults
 from bench.sim.openai_api import (
     ChunkEvents,
     ParsedRequest,
+    call_arguments,
+    call_arguments_head,
+    call_chunk,
     new_id,
     sse_event,
     stream_chunk,
+    tool_call_id,
     usage,
     usage_chunk,
 )
@@ -41,7 +45,16 @@ class StreamEvents:
     The events due at one time go out in one write: the same bytes in fewer syscalls
     (the role chunk with the first text, the last text with the usage and [DONE])."""
 
-    __slots__ = ("_block_tokens", "_chunks", "_created", "_parsed", "_rid", "_started", "sent")
+    __slots__ = (
+        "_block_tokens",
+        "_call_id",
+        "_chunks",
+        "_created",
+        "_parsed",
+        "_rid",
+        "_started",
+        "sent",
+    )
 
     def __init__(self, parsed: ParsedRequest, block_tokens: int) -> None:
         self._parsed = parsed
@@ -49,6 +62,7 @@ class StreamEvents:
         self._rid, self._created = new_id(parsed.kind), int(time.time())
         self._chunks = ChunkEvents(parsed.kind, self._rid, parsed.model, self._created)
         self._started = False
+        self._call_id = tool_call_id()  # a reply that calls a function (parsed.calls)
         self.sent = 0  # output tokens already handed out
 
     def due(self, sim: SimRequest) -> bytes:
@@ -62,7 +76,9 @@ class StreamEvents:
                 # As vLLM: the role chunk goes out with the first token, after the prefill.
                 role = stream_chunk(kind, rid, model, created, "", None, first=True)
                 events.append(sse_event(role))
-        if sim.output_tokens > self.sent:
+        if parsed.calls is not None:
+            events.extend(self._call_events(sim))
+        elif sim.output_tokens > self.sent:
             finish = sim.finish_reason if sim.finished else None
             events.append(self._chunks.text(sim.output_text(self.sent), finish))
             self.sent = sim.output_tokens
@@ -80,6 +96,23 @@ class StreamEvents:
                 events.append(sse_event(chunk))
             events.append(b"data: [DONE]\n\n")
         return b"".join(events)
+
+    def _call_events(self, sim: SimRequest) -> list[bytes]:
+        """A reply that calls ``parsed.calls``: its text streamed as the arguments."""
+        parsed, rid, created = self._parsed, self._rid, self._created
+        assert parsed.calls is not None
+        events = []
+        if sim.output_tokens > self.sent:
+            head = (self._call_id, parsed.calls) if self.sent == 0 else None
+            piece = call_arguments(sim.output_text(self.sent))
+            if head is not None:
+                piece = call_arguments_head() + piece
+            events.append(sse_event(call_chunk(rid, parsed.model, created, piece, None, head)))
+            self.sent = sim.output_tokens
+        if sim.finished:
+            end = call_chunk(rid, parsed.model, created, '"}', "tool_calls")
+            events.append(sse_event(end))
+        return events
 
 
 async def stream_completion(

@@ -64,6 +64,7 @@ class MessagesCapture(ReplyCapture):
         elif kind == "content_block_start":
             block = obj.get("content_block")
             if isinstance(block, dict) and block.get("type") == "tool_use":
+                self.called_tool = True
                 self._tool_use, self._tool_input = block, []
         elif kind == "content_block_stop" and self._tool_use is not None:
             block, self._tool_use = self._tool_use, None

@@ -13,7 +13,7 @@ here, Responses and Messages in ``router.apis``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import orjson
 
@@ -24,6 +24,9 @@ MAX_LINE_BYTES = 1 << 20
 # The most of a reply's tool calls kept until the reply ends.
 MAX_TOOL_CALL_BYTES = 1 << 20
 _CHAT_DONE = CHAT_DONE.encode()
+# What a reply leaves its session doing: waiting on a tool it called (an agent is back as
+# soon as the tool returns, often within a second) or on a person (minutes).
+TurnEnd = Literal["tool", "user"]
 
 
 class ReplyChain(Protocol):
@@ -48,6 +51,7 @@ class ReplyCapture:
         "_tool_calls",
         "broken",
         "cached_tokens",
+        "called_tool",
         "completion_tokens",
         "ended",
         "errored",
@@ -65,6 +69,7 @@ class ReplyCapture:
         # The stream's terminal event has been read: the engine has sent everything.
         self.ended = False
         self.broken = False  # capture gave up; the reply is incomplete
+        self.called_tool = False  # the reply calls a tool (as far as it was read)
         self.prompt_tokens: int | None = None
         self.cached_tokens: int | None = None  # None: the engine did not say
         self.usage_rejected = False  # a usage field was not a token count
@@ -118,8 +123,13 @@ class ReplyCapture:
         if isinstance(text, str) and self._extender is not None:
             self._extender.feed(text)
 
+    @property
+    def turn_end(self) -> TurnEnd:
+        return "tool" if self.called_tool else "user"
+
     def _tool_call(self, call_id: Any, name: Any, arguments: Any) -> None:
         """A tool call of the reply, as the next turn's chat message carries it."""
+        self.called_tool = True
         if not isinstance(name, str) or not isinstance(arguments, str):
             self._give_up()
             return
@@ -178,6 +188,7 @@ class ChatCapture(ReplyCapture):
                 self._call_delta(call)
 
     def _call_delta(self, call: Any) -> None:
+        self.called_tool = True
         if not isinstance(call, dict) or not isinstance(call.get("index"), int):
             self._give_up()
             return

@@ -60,6 +60,7 @@ class ClientRequest:
     # A conversation with no reply in it yet: whatever of its prompt a worker holds, other
     # sessions put there (a shared system prompt, an agent's tool definitions).
     first_turn: bool = False
+    ends_session: bool = False  # the session's last request (SESSION_END_HEADER)
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -154,6 +155,10 @@ class RequestBody:
     @property
     def session_key(self) -> str | None:
         return None if self.session is None else self.session.digest
+
+    @property
+    def ends_session(self) -> bool:
+        return self.session is not None and self.session.ends
 
     @property
     def session_source(self) -> str:
@@ -307,6 +312,7 @@ def _client_request(
         reply_tokens=reply_tokens,
         session_source=body.session_source,
         first_turn=_first_turn(body),
+        ends_session=body.ends_session,
     )
 
 

@@ -57,6 +57,8 @@ class ResponsesCapture(ReplyCapture):
                 self.ended = True
 
     def _item_added(self, item: Any) -> None:
+        if isinstance(item, dict) and item.get("type") == "function_call":
+            self.called_tool = True
         if isinstance(item, dict) and item.get("type") == "message":
             self._messages += 1
             if self._messages > 1:

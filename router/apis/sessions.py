@@ -10,9 +10,12 @@ from typing import Any
 import xxhash
 
 from router.errors import BadRequest
+from router.wire.headers import SESSION_END_HEADER
 from router.wire.sessions import DEFAULT_SESSION_KEYS, parse_source
 
 NO_SESSION = "none"  # the source label of a request that names no session
+_END = SESSION_END_HEADER.lower().encode()
+_END_VALUES = frozenset({b"1", b"true", b"True", b"TRUE"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +24,7 @@ class SessionKey:
     # is the same size whatever the client sent, and never the key itself.
     digest: str
     source: str  # the source's label: "header:x-claude-code-session-id", "body:user", …
+    ends: bool = False  # the client marked this its session's last request
 
 
 class SessionSources:
@@ -30,9 +34,10 @@ class SessionSources:
 
     def __init__(self, keys: Sequence[str] = DEFAULT_SESSION_KEYS) -> None:
         self.order = tuple(parse_source(key) for key in keys)
-        # The headers the request path collects, lower case as the wire compares them.
+        # The headers the request path collects, lower case as the wire compares them:
+        # the sources, and the mark of a session's last request.
         self.header_names = frozenset(
-            s.name.encode("latin-1") for s in self.order if s.kind == "header"
+            {_END, *(s.name.encode("latin-1") for s in self.order if s.kind == "header")}
         )
         # Every label a request can be counted under: a fixed set, for metrics.
         self.labels = (*(s.label for s in self.order), NO_SESSION)
@@ -48,6 +53,18 @@ class SessionSources:
         session headers it sent (``header_names``, the first of each name), ``body`` is
         the parsed body, ``api_session`` the API's own session field (its parameter's
         name and value), if set. A key longer than ``max_bytes`` is a ``BadRequest``."""
+        found = self._find(headers, body, api_session, max_bytes)
+        if found is not None and headers.get(_END) in _END_VALUES:
+            return SessionKey(found.digest, found.source, ends=True)
+        return found
+
+    def _find(
+        self,
+        headers: Mapping[bytes, bytes],
+        body: Mapping[str, Any],
+        api_session: tuple[str, str] | None,
+        max_bytes: int,
+    ) -> SessionKey | None:
         for source in self.order:
             if source.kind == "header":
                 value = headers.get(source.name.encode("latin-1"))

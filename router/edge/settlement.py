@@ -70,6 +70,7 @@ class Settlement:
             else None
         )
         reply = capture.reply_hashes() if outcome == "success" else []
+        self._dispatch.turn_end = capture.turn_end
         self._lifecycle.finished(self._dispatch, outcome, reply, usage, prompt)
 
     def fail(self, outcome: Outcome) -> None:

@@ -22,12 +22,15 @@ from router.observability.metric_types import (
     LoopCounter,
     LoopHistogram,
 )
-from router.observability.outcomes import CAUSES, TURN_OUTCOMES
+from router.observability.outcomes import CAUSES, TURN_OUTCOMES, WAITING
 from router.wire.buckets import VLLM_TTFT_BUCKETS
 from router.wire.kinds import Kind
 
 # TTFT and latency buckets: vLLM's TTFT buckets.
 TTFT_BUCKETS = VLLM_TTFT_BUCKETS
+# How long a session is away between turns: an agent's tool call returns within seconds,
+# a person within minutes, or never.
+RETURN_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
@@ -280,6 +283,21 @@ class RouterMetrics:
             ["cause"],
             registry=r,
         )
+        self.session_turn_ends = LoopCounter(
+            "kvrouter_session_turn_ends",
+            "Turns of sessions with a key, by what the reply left the session waiting on: "
+            "a tool it called, a person, or nothing (finished: X-Session-End).",
+            ["waiting_on"],
+            registry=r,
+        )
+        self.session_return = LoopHistogram(
+            "kvrouter_session_return_seconds",
+            "Time from the end of a session's turn to its next request, by what that turn "
+            "left it waiting on (tool, user, finished).",
+            ["after"],
+            buckets=RETURN_BUCKETS,
+            registry=r,
+        )
         self.turn_ttft = LoopHistogram(
             "kvrouter_turn_time_to_first_token_seconds",
             "TTFT of streamed turns by outcome (hit, partial, miss, first_turn).",
@@ -352,6 +370,9 @@ class RouterMetrics:
             self.api_requests.labels(api, "success")
         for outcome in TURN_OUTCOMES:
             self.turns.labels(outcome)
+        for waiting in WAITING:
+            self.session_turn_ends.labels(waiting)
+            self.session_return.labels(waiting)
         for cause in CAUSES:
             self.lost_turns.labels(cause)
             self.lost_tokens.labels(cause)

@@ -14,17 +14,27 @@ A turn that lost part of its history is given one cause:
 Sessions are keyed by the session key (header or body field); requests without one are
 classified by hit ratio alone and their cause is ``unknown``. The tracker is a bounded
 LRU, so it costs a fixed amount of memory whatever clients send.
+
+Each turn's end says what its session does next (``Waiting``): waits on a tool its reply
+called, on a person, or nothing (the client marked the request its session's last); the
+time until the session's next request is observed by what it waited on.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
+
+from router.apis.capture import TurnEnd
 
 # What happened to a turn's prefix (a request's own end is policies.base.Outcome).
 TurnOutcome = Literal["first_turn", "hit", "partial", "miss"]
 Cause = Literal["worker_failed", "routed_elsewhere", "evicted", "router_state_lost", "unknown"]
+# What a session does after a turn: the reply's end (router.apis.capture.TurnEnd), or
+# nothing more where the client said so.
+Waiting = TurnEnd | Literal["finished"]
+WAITING: tuple[Waiting, ...] = ("tool", "user", "finished")
 TURN_OUTCOMES: tuple[TurnOutcome, ...] = get_args(TurnOutcome)
 CAUSES: tuple[Cause, ...] = get_args(Cause)
 
@@ -38,6 +48,9 @@ class SessionMemory:
     worker: str
     worker_epoch: int  # the worker's restart count when the turn ran there
     history_tokens: int  # prompt + reply tokens the next turn will carry
+    ended_at: float | None = None  # when the turn's reply ended (router.clock.monotonic)
+    waiting_on: Waiting = "user"
+    returned: bool = False  # a later request of the session has arrived since
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +103,16 @@ class SessionTracker:
     def get(self, key: str | None) -> SessionMemory | None:
         return self._sessions.get(key) if key is not None else None
 
+    def returning(self, key: str | None) -> SessionMemory | None:
+        """The session's last turn, if it ended and this is the first request of the
+        session since: how long it was away is then known (once per turn)."""
+        memory = self.get(key)
+        if memory is None or memory.returned or memory.ended_at is None:
+            return None
+        assert key is not None
+        self._sessions[key] = replace(memory, returned=True)
+        return memory
+
     def remember(self, key: str | None, memory: SessionMemory) -> None:
         if key is None:
             return
@@ -104,7 +127,7 @@ class SessionTracker:
         moved = 0
         for key, memory in self._sessions.items():  # values replaced, the order kept
             if memory.worker == source:
-                self._sessions[key] = SessionMemory(target, target_epoch, memory.history_tokens)
+                self._sessions[key] = replace(memory, worker=target, worker_epoch=target_epoch)
                 moved += 1
         return moved
 

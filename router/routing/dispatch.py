@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Decision, Outcome, Policy, RouteRequest, WorkerView
+from router.apis.capture import TurnEnd
 from router.apis.request import ClientRequest
 from router.clock import monotonic
 from router.config import BYTES_PER_TOKEN_ESTIMATE
@@ -63,6 +64,7 @@ class Dispatch:
     ttft: float | None = None
     done: bool = False
     reserved: bool = True  # the prompt's blocks are reserved, not yet recorded
+    turn_end: TurnEnd = "user"  # what the reply leaves the session waiting on
 
     def expected_prefill_s(self) -> float:
         """When the worker should have prefilled this request: the queue found ahead of
@@ -152,6 +154,7 @@ class Router:
         self.recorder = Recorder(fleet, metrics, self.learner, log_requests)
 
     def route_request(self, request: ClientRequest, request_id: str) -> RouteRequest:
+        self.learner.session_returns(request.session_key)
         return RouteRequest(
             request_id=request_id,
             model=request.model,

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from router.clock import monotonic
 from router.fleet.workers import Fleet, Worker
 from router.index.residency import PrefixIndex
 from router.observability.metrics import RouterMetrics
-from router.observability.outcomes import SessionMemory, SessionTracker, classify
+from router.observability.outcomes import SessionMemory, SessionTracker, Waiting, classify
 
 if TYPE_CHECKING:
     from router.routing.dispatch import Dispatch, EngineUsage
@@ -214,11 +215,25 @@ class Learner:
             metrics.counter(metrics.lost_tokens, report.cause).inc(report.lost_tokens)
         if dispatch.ttft is not None:
             metrics.histogram(metrics.turn_ttft, report.outcome).observe(dispatch.ttft)
+        waiting: Waiting = "finished" if dispatch.request.ends_session else dispatch.turn_end
+        if key is not None:
+            metrics.counter(metrics.session_turn_ends, waiting).inc()
         self.sessions.remember(
             key,
             SessionMemory(
                 dispatch.worker.name,
                 dispatch.worker.epoch,
                 usage.prompt_tokens + usage.completion_tokens,
+                ended_at=monotonic(),
+                waiting_on=waiting,
             ),
         )
+
+    def session_returns(self, key: str | None) -> None:
+        """A request of session ``key`` arrives: how long the session was away since its
+        last turn ended is observed by what that turn left it waiting on."""
+        memory = self.sessions.returning(key)
+        if memory is not None and memory.ended_at is not None:
+            away = max(0.0, monotonic() - memory.ended_at)
+            metrics = self._metrics
+            metrics.histogram(metrics.session_return, memory.waiting_on).observe(away)

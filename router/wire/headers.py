@@ -7,5 +7,8 @@ from __future__ import annotations
 WORKER_HEADER = "X-Kvrouter-Worker"
 # The client's session key (``session_header``'s default).
 SESSION_HEADER = "X-Session-Id"
+# On a session's last request ("1" or "true"): nothing follows its reply, so what the
+# session left cached is the first to give up.
+SESSION_END_HEADER = "X-Session-End"
 # A request's id: the client's, passed on to the engine, or the router's own.
 REQUEST_ID_HEADER = "X-Request-Id"

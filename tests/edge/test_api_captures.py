@@ -120,6 +120,7 @@ def test_a_streamed_message_with_a_tool_call_extends_the_chain_as_the_next_turn_
         capture.feed_stream(stream[i : i + 13])
     assert_extends(first, capture.reply_hashes(), keyed("messages", messages_next_turn()))
     assert (capture.prompt_tokens, capture.cached_tokens, capture.completion_tokens) == (55, 32, 30)
+    assert capture.turn_end == "tool"  # the session waits on the tool
 
 
 def test_a_whole_message_extends_the_chain_alike() -> None:
@@ -135,6 +136,7 @@ def test_a_whole_message_extends_the_chain_alike() -> None:
         )
     )
     assert_extends(first, capture.reply_hashes(), keyed("messages", messages_next_turn()))
+    assert capture.turn_end == "tool"
     # Without cache_read_input_tokens (vLLM without prompt-token details) the hit is unknown.
     assert (capture.prompt_tokens, capture.cached_tokens) == (40, None)
 
@@ -187,6 +189,7 @@ def test_a_streamed_response_with_a_function_call_extends_the_chain() -> None:
     assert capture.response_id == "resp_abc"
     assert_extends(first, capture.reply_hashes(), keyed("responses", responses_next_turn()))
     assert (capture.prompt_tokens, capture.cached_tokens, capture.completion_tokens) == (60, 48, 9)
+    assert capture.turn_end == "tool"  # the session waits on the tool
 
 
 def test_a_whole_response_extends_the_chain_alike() -> None:
@@ -198,6 +201,7 @@ def test_a_whole_response_extends_the_chain_alike() -> None:
     )
     assert capture.response_id == "resp_x" and not capture.errored
     assert_extends(first, capture.reply_hashes(), keyed("responses", responses_next_turn()))
+    assert capture.turn_end == "tool"  # the session waits on the tool
 
 
 def test_a_continued_response_claims_no_blocks() -> None:
@@ -328,6 +332,7 @@ def test_a_streamed_chat_reply_with_tool_calls_extends_the_chain_as_the_next_tur
         + b"data: [DONE]\n\n"
     )
     assert_extends(first, capture.reply_hashes(), keyed("chat", chat_next_turn(REPLY_TEXT)))
+    assert capture.turn_end == "tool"  # the session waits on the tool
 
 
 def test_a_whole_chat_reply_of_tool_calls_alone_extends_the_chain() -> None:
@@ -337,3 +342,21 @@ def test_a_whole_chat_reply_of_tool_calls_alone_extends_the_chain() -> None:
     message = {"role": "assistant", "content": None, "tool_calls": [call]}
     capture.feed_whole(orjson.dumps({"choices": [{"message": message}]}))
     assert_extends(first, capture.reply_hashes(), keyed("chat", chat_next_turn(None)))
+    assert capture.turn_end == "tool"  # the session waits on the tool
+
+
+def test_a_reply_without_a_tool_call_leaves_its_session_waiting_on_a_person() -> None:
+    chat = capture_for(keyed("chat", {"model": "m", "messages": FIRST_MESSAGES}), ChatCapture)
+    chat.feed_stream(
+        b"data: %s\n\ndata: [DONE]\n\n"
+        % orjson.dumps({"choices": [{"delta": {"content": REPLY_TEXT}}]})
+    )
+    messages = capture_for(keyed("messages", MESSAGES_TURN), MessagesCapture)
+    messages.feed_whole(
+        orjson.dumps({"type": "message", "content": [{"type": "text", "text": REPLY_TEXT}]})
+    )
+    responses = capture_for(keyed("responses", RESPONSES_TURN), ResponsesCapture)
+    text = {"type": "output_text", "text": REPLY_TEXT}
+    item = {"type": "message", "role": "assistant", "content": [text]}
+    responses.feed_whole(orjson.dumps({"id": "r", "object": "response", "output": [item]}))
+    assert [c.turn_end for c in (chat, messages, responses)] == ["user"] * 3
