@@ -149,6 +149,7 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         return
     handle = connect(state.config.state.url)
     router = state.router
+    redis_metrics = RedisMetrics(state.metrics.registry)
     sync = RedisSync(
         handle.client,
         index,
@@ -156,7 +157,7 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         router.learner.prefill_rate,
         router.policies,
         state.config.state,
-        RedisMetrics(state.metrics.registry),
+        redis_metrics,
     )
     await sync.start()
     task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")
@@ -172,6 +173,7 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
             PathMetrics(state.metrics.registry),
             lambda: sync.up and sync.has_peers(),
             sync.repairs,
+            redis_metrics.bad_entries,
         )
     try:
         yield

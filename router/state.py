@@ -22,7 +22,12 @@ from router.routing.admission import Admission
 from router.routing.attempts import Retry
 from router.routing.dispatch import Router
 from router.routing.membership import Membership
-from router.routing.response_owners import ResponseOwners, holder_of
+from router.routing.response_owners import (
+    Continuation,
+    ResponseOwners,
+    continuation_of,
+    holder_of,
+)
 from router.tokens.keys import PromptKeys
 
 log = logging.getLogger(__name__)
@@ -69,6 +74,12 @@ class RouterState:
         """The worker holding a stored response of ``tenant``'s; ``ResponseNotFound``
         where none does."""
         return await holder_of(
+            response_id, tenant, self.response_owners, self.router.fleet, self.shared_path
+        )
+
+    async def continuation_of(self, response_id: str, tenant: str | None) -> Continuation:
+        """``holder_of``, with the stored conversation's chain where it is known."""
+        return await continuation_of(
             response_id, tenant, self.response_owners, self.router.fleet, self.shared_path
         )
 

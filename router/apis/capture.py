@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 import orjson
 
-from router.index.prefix import render_tool_calls
+from router.index.prefix import PrefixKey, render_tool_calls
 from router.wire.streams import CHAT_DONE, Usage, chat_usage, first_choice, stream_error
 
 MAX_LINE_BYTES = 1 << 20
@@ -42,6 +42,14 @@ class ReplyChain(Protocol):
 
     def finish(self) -> list[int]: ...
 
+    def key(self) -> PrefixKey | None:
+        """The request's key extended by the reply's text as fed so far (after
+        ``settle``): the conversation that carries the reply as one assistant message;
+        None where that is not known."""
+
+    def unreplied_key(self) -> PrefixKey | None:
+        """The conversation where the reply adds no message; None where not known."""
+
 
 class ReplyCapture:
     __slots__ = (
@@ -53,6 +61,7 @@ class ReplyCapture:
         "cached_tokens",
         "called_tool",
         "completion_tokens",
+        "continuation",
         "ended",
         "errored",
         "prompt_tokens",
@@ -75,6 +84,9 @@ class ReplyCapture:
         self.usage_rejected = False  # a usage field was not a token count
         self.completion_tokens = 0
         self.response_id: str | None = None  # a Responses reply's id
+        # A Responses reply: the key of the conversation a request continuing it
+        # (previous_response_id) goes on from, once settled; None where not known.
+        self.continuation: PrefixKey | None = None
 
     def feed_stream(self, chunk: bytes) -> None:
         """A chunk of an SSE stream (lines may be split across chunks)."""

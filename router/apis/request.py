@@ -15,16 +15,18 @@ from typing import Any
 import orjson
 
 from router.apis.sessions import NO_SESSION, SessionKey, SessionSources
-from router.apis.views import ChatView, messages_chat, responses_chat
+from router.apis.views import ChatView, ResponsesLink, messages_chat, responses_chat
 from router.config import RequestLimits
 from router.errors import BadRequest
 from router.index.prefix import (
     PrefixKey,
     chain_seed,
+    extended_key,
     prefix_key,
     render_chat_history,
     render_prompt,
 )
+from router.index.stored_chain import StoredChain
 from router.wire.kinds import Kind
 
 CONVERTED: dict[Kind, Callable[[Mapping[str, Any]], ChatView]] = {
@@ -61,6 +63,12 @@ class ClientRequest:
     # sessions put there (a shared system prompt, an agent's tool definitions).
     first_turn: bool = False
     ends_session: bool = False  # the session's last request (SESSION_END_HEADER)
+    # A Responses request's place in its conversation: whether, and how, the chain of
+    # its prompt and reply is kept for a request continuing it.
+    link: ResponsesLink | None = None
+    # The key holds only the first blocks of a conversation cut at its bound
+    # (router.index.stored_chain): nothing extends it.
+    cut: bool = False
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -151,6 +159,7 @@ class RequestBody:
     # sent); for chat and completions ``fields`` itself.
     chat_fields: Mapping[str, Any] | None = None
     continues: str | None = None  # Responses' previous_response_id
+    link: ResponsesLink | None = None  # Responses: its place in its conversation
 
     @property
     def session_key(self) -> str | None:
@@ -252,6 +261,7 @@ def _converted(
         prompt=None,
         chat_fields=chat.fields,
         continues=chat.continues,
+        link=chat.link,
     )
 
 
@@ -273,6 +283,36 @@ def keyed_blind(body: RequestBody) -> ClientRequest:
     canonical, _ = _render_chat(body.messages)
     key = PrefixKey((), b"", body.seed, len(canonical))
     return _client_request(body, key, 0, record_reply=False)
+
+
+def new_input(body: RequestBody) -> Sequence[Mapping[str, Any]]:
+    """A Responses request's input as chat messages (after its instructions)."""
+    assert body.messages is not None and body.link is not None
+    return body.messages[body.link.input_from :]
+
+
+def keyed_continuing(body: RequestBody, chain: StoredChain, block_bytes: int) -> ClientRequest:
+    """A request continuing a stored response whose conversation was keyed by text,
+    keyed as the whole conversation would be. The caller has checked that ``chain``
+    fits the request (``StoredChain.fits``)."""
+    suffix, _ = _render_chat(new_input(body))
+    return keyed_after(body, chain, suffix, block_bytes)
+
+
+def keyed_after(
+    body: RequestBody, chain: StoredChain, suffix: bytes, block_bytes: int
+) -> ClientRequest:
+    """``body`` keyed as ``chain``'s conversation followed by ``suffix``, canonical bytes
+    of the chain's kind (text, or token ids); its reply extends it alike. A cut chain
+    is the key as it is: the request matches no more than its blocks, and its size is
+    the conversation's and the suffix's."""
+    if not chain.whole:
+        conversation = chain.key()
+        cut = PrefixKey(conversation.hashes, b"", body.seed, chain.total_bytes + len(suffix))
+        return _client_request(body, cut, chain.blocks, record_reply=False, cut=True)
+    key = extended_key(chain.key(), suffix, block_bytes)
+    by_tokens = chain.keyed_by == "tokens"
+    return _client_request(body, key, chain.blocks, not by_tokens, reply_tokens=by_tokens)
 
 
 def keyed(
@@ -298,6 +338,7 @@ def _client_request(
     history_blocks: int,
     record_reply: bool,
     reply_tokens: bool = False,
+    cut: bool = False,
 ) -> ClientRequest:
     return ClientRequest(
         kind=body.kind,
@@ -313,6 +354,8 @@ def _client_request(
         session_source=body.session_source,
         first_turn=_first_turn(body),
         ends_session=body.ends_session,
+        link=body.link,
+        cut=cut,
     )
 
 

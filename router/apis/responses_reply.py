@@ -8,6 +8,12 @@
   vLLM reads the first content part of an assistant ``message`` and merges each
   ``function_call`` into it as a chat tool call (``router.apis.responses_chat``); the
   capture rebuilds that. A reply of several messages is not rebuilt.
+* A request continuing the response (``previous_response_id``) carries its output as
+  the engine stored it: one assistant message per content part of each ``message``
+  item, no function calls. The capture keeps the key of that conversation
+  (``continuation``) where it is the reply chain's: a reply of one part (its text
+  alone, before any tool calls), or of none (the prompt's key, where the chain knows
+  it); a reply of several parts leaves it unknown.
 * usage (in ``response.completed`` or ``response.incomplete``, or the whole object):
   ``input_tokens`` is the whole prompt, ``input_tokens_details.cached_tokens`` the hit.
 """
@@ -27,11 +33,13 @@ from router.wire.streams import (
 
 
 class ResponsesCapture(ReplyCapture):
-    __slots__ = ("_messages",)
+    __slots__ = ("_message_at", "_messages", "_parts")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._messages = 0  # message output items seen
+        self._message_at: Any = None  # the streamed message item's output_index
+        self._parts = 0  # content parts of message items seen
 
     def _event(self, obj: dict[str, Any]) -> None:
         kind = obj.get("type")
@@ -39,7 +47,10 @@ class ResponsesCapture(ReplyCapture):
             if not obj.get("content_index"):  # vLLM reads a message's first part only
                 self._text(obj.get("delta"))
         elif kind == "response.output_item.added":
-            self._item_added(obj.get("item"))
+            self._item_added(obj.get("item"), obj.get("output_index"))
+        elif kind == "response.content_part.added":
+            if obj.get("output_index") == self._message_at:
+                self._parts += 1
         elif kind == "response.output_item.done":
             item = obj.get("item")
             if isinstance(item, dict) and item.get("type") == "function_call":
@@ -56,11 +67,12 @@ class ResponsesCapture(ReplyCapture):
             if kind == RESPONSES_FAILED:
                 self.ended = True
 
-    def _item_added(self, item: Any) -> None:
+    def _item_added(self, item: Any, output_index: Any = None) -> None:
         if isinstance(item, dict) and item.get("type") == "function_call":
             self.called_tool = True
         if isinstance(item, dict) and item.get("type") == "message":
             self._messages += 1
+            self._message_at = output_index
             if self._messages > 1:
                 self._give_up()
 
@@ -82,11 +94,24 @@ class ResponsesCapture(ReplyCapture):
             if item.get("type") == "message":
                 self._item_added(item)
                 content = item.get("content")
+                if isinstance(content, list):
+                    self._parts += len(content)
                 if isinstance(content, list) and content and isinstance(content[0], dict):
                     self._text(content[0].get("text"))
             elif item.get("type") == "function_call":
                 self._function_call(item)
         self._read_usage(obj.get("usage"))
+
+    async def settle(self) -> None:
+        """The reply is complete: its text is in the chain, its tool calls not yet."""
+        await super().settle()
+        chain = self._extender
+        if chain is None or self.broken or self.errored:
+            return
+        if self._parts == 1:
+            self.continuation = chain.key()
+        elif self._parts == 0:
+            self.continuation = chain.unreplied_key()
 
     def _read_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):

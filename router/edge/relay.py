@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 from policies.base import Outcome
 from router.apis.capture import ReplyCapture
-from router.apis.request import keyed_by_text, read_request
+from router.apis.request import (
+    ClientRequest,
+    RequestBody,
+    keyed_blind,
+    keyed_by_text,
+    keyed_continuing,
+    read_request,
+)
 from router.apis.table import APIS
 from router.clock import monotonic
 from router.edge.reply import Reply
@@ -33,6 +40,8 @@ from router.errors import (
 )
 from router.fleet.upstream import ConnectFailed, UpstreamResponse
 from router.fleet.workers import Worker
+from router.index.stored_chain import StoredChain
+from router.observability.metrics import ContinuationKeyed
 from router.routing.attempts import AttemptFailed, Fallback, run_attempts
 from router.routing.dispatch import Dispatch
 from router.routing.lifecycle import RequestLifecycle
@@ -126,12 +135,13 @@ async def serve(kind: Kind, call: Call) -> None:
     state.metrics.counter(state.metrics.session_keys, body.session_source).inc()
     tenant = state.tenant_of(raw_headers)
     holder = None
-    if body.continues is not None:  # only the worker that stored it can continue it
-        holder = await state.holder_of(body.continues, tenant)
     block_bytes = config.prefix.key_block_bytes
-    tokens = state.tokens
-    if tokens is not None and holder is None:
-        request = await tokens.key(body, block_bytes)
+    if body.continues is not None:  # only the worker that stored it can continue it
+        continuation = await state.continuation_of(body.continues, tenant)
+        holder = continuation.holder
+        request = await continued(state, body, continuation.chain, block_bytes)
+    elif state.tokens is not None:
+        request = await state.tokens.key(body, block_bytes)
     else:
         request = keyed_by_text(body, block_bytes)
     request_id = headers.request_id or secrets.token_hex(16)
@@ -147,6 +157,30 @@ async def serve(kind: Kind, call: Call) -> None:
         await run_attempts(lifecycle, state.retry, attempt, request_id)
     except AttemptFailed as last:
         await answer_failure(reply, last)
+
+
+async def continued(
+    state: RouterState, body: RequestBody, chain: StoredChain | None, block_bytes: int
+) -> ClientRequest:
+    """A request continuing a stored response, keyed as the conversation it continues
+    (``chain``) followed by its input, in the chain's own terms: text, or the model's
+    tokens. Blind where that cannot be had: the chain unknown, of another context, seed
+    or block size, or its input not rendered as the engine renders it."""
+    request = None
+    link = body.link
+    if chain is not None and link is not None and chain.fits(body.seed, link.context, block_bytes):
+        if chain.keyed_by == "text" or not chain.whole:
+            request = keyed_continuing(body, chain, block_bytes)
+        elif state.tokens is not None:
+            request = await state.tokens.continued(body, chain, block_bytes)
+    keyed: ContinuationKeyed = "blind"
+    if request is None:
+        request = keyed_blind(body)
+    else:
+        keyed = "cut" if request.cut else "chain"
+    metrics = state.metrics
+    metrics.counter(metrics.continuations, keyed).inc()
+    return request
 
 
 async def answer_failure(reply: Reply, last: AttemptFailed) -> None:

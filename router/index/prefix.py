@@ -122,6 +122,15 @@ def prefix_key(canonical: bytes, block_bytes: int, seed: int) -> PrefixKey:
     return PrefixKey(tuple(hashes), tail, seed, len(canonical))
 
 
+def extended_key(key: PrefixKey, data: bytes, block_bytes: int) -> PrefixKey:
+    """The key of ``key``'s canonical bytes followed by ``data``: what ``prefix_key``
+    gives for the whole, without the bytes before the tail."""
+    pending = key.tail + data
+    hashes = chain_hashes(pending, block_bytes, key.last_hash)
+    tail = pending[len(hashes) * block_bytes :]
+    return PrefixKey((*key.hashes, *hashes), tail, key.seed, key.total_bytes + len(data))
+
+
 # A chat reply comes back as the next turn's {"role": "assistant", "content": reply}.
 CHAT_REPLY_HEADER = _RS + b"assistant" + _US
 # A completion's next prompt continues the text directly.
@@ -133,16 +142,19 @@ class ChainExtender:
 
     Fed the reply text as it streams; holds at most one block of bytes (the reply is never
     buffered whole). ``finish()`` returns the hashes of the full blocks that the prompt
-    plus ``header + reply`` adds beyond the prompt's own.
+    plus ``header + reply`` adds beyond the prompt's own; ``key()`` the key of the
+    prompt and what was fed so far.
     """
 
-    __slots__ = ("_block_bytes", "_buffer", "_hashes", "_parent")
+    __slots__ = ("_block_bytes", "_buffer", "_fed", "_hashes", "_key", "_parent")
 
     def __init__(self, key: PrefixKey, block_bytes: int, header: bytes = CHAT_REPLY_HEADER) -> None:
+        self._key = key
         self._block_bytes = block_bytes
         self._parent = key.last_hash
         self._buffer = bytearray(key.tail)
         self._buffer += header
+        self._fed = len(header)  # bytes after the prompt's
         self._hashes: list[int] = []
         self._drain()
 
@@ -153,6 +165,7 @@ class ChainExtender:
     def feed_bytes(self, data: bytes) -> None:
         if data:
             self._buffer += data
+            self._fed += len(data)
             self._drain()
 
     def _drain(self) -> None:
@@ -170,3 +183,13 @@ class ChainExtender:
 
     def finish(self) -> list[int]:
         return self._hashes
+
+    def key(self) -> PrefixKey:
+        """The prompt's key extended by the header and everything fed since."""
+        prompt = self._key
+        total = prompt.total_bytes + self._fed
+        return PrefixKey((*prompt.hashes, *self._hashes), bytes(self._buffer), prompt.seed, total)
+
+    def unreplied_key(self) -> PrefixKey:
+        """The prompt's own key: the conversation where the reply adds no message."""
+        return self._key

@@ -8,7 +8,7 @@ Per-worker gauges (load, resident tokens, health) are read from the fleet at scr
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol, get_args
+from typing import Literal, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -31,6 +31,8 @@ TTFT_BUCKETS = VLLM_TTFT_BUCKETS
 # How long a session is away between turns: an agent's tool call returns within seconds,
 # a person within minutes, or never.
 RETURN_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+ContinuationKeyed = Literal["chain", "cut", "blind"]
+CONTINUATIONS_KEYED: tuple[ContinuationKeyed, ...] = get_args(ContinuationKeyed)
 DECISION_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
@@ -245,6 +247,16 @@ class RouterMetrics:
             ["api"],
             registry=r,
         )
+        self.continuations = LoopCounter(
+            "kvrouter_continuations",
+            "Responses requests continuing a stored response (previous_response_id), by "
+            "how they were keyed: chain (as the stored conversation followed by their "
+            "input), cut (by the first blocks of a conversation past the bound on one "
+            "chain), blind (no blocks: the conversation's chain unknown here, of another "
+            "context, or its input not rendered as the engine renders it).",
+            ["keyed"],
+            registry=r,
+        )
         self.ttft = LoopHistogram(
             "kvrouter_time_to_first_token_seconds",
             "Time from dispatch to the first response byte from the worker.",
@@ -373,6 +385,8 @@ class RouterMetrics:
         for waiting in WAITING:
             self.session_turn_ends.labels(waiting)
             self.session_return.labels(waiting)
+        for keyed in CONTINUATIONS_KEYED:
+            self.continuations.labels(keyed)
         for cause in CAUSES:
             self.lost_turns.labels(cause)
             self.lost_tokens.labels(cause)

@@ -22,6 +22,7 @@ class Keys:
         self._reserved = f"{ns}:rsv:"
         self._binding = f"{ns}:bind:"
         self._response = f"{ns}:resp:"
+        self._response_chain = f"{ns}:rchain:"
         self.policy = f"{ns}:policy"
         # What Redis type each key holds, by prefix (the longest first: "res:" and "resp:").
         self._types = sorted(
@@ -36,6 +37,7 @@ class Keys:
                 (self._reserved, b"zset"),
                 (self._binding, b"string"),
                 (self._response, b"string"),
+                (self._response_chain, b"string"),
             ),
             key=lambda pair: -len(pair[0]),
         )
@@ -57,6 +59,12 @@ class Keys:
     def response(self, response_id: str) -> str:
         """The worker that stored a Responses response (``router.routing.response_owners``)."""
         return self._response + response_id
+
+    def response_chain(self, response_id: str) -> str:
+        """A stored response's conversation (``router.index.stored_chain``, encoded),
+        written with its owner; a key of its own, so that a router that knows no chains
+        reads the owner as before."""
+        return self._response_chain + response_id
 
     def kept_type(self, key: str | bytes) -> bytes | None:
         """The Redis type kvrouter keeps at ``key`` (as TYPE names it); None for a key

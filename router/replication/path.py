@@ -19,6 +19,12 @@ quick tool call). So, with ``state.read_your_writes``:
   a key) bound to the worker, so the next turn finds its whole history wherever it
   lands. A session whose worker is gone or too busy goes elsewhere by the policy's
   choice, and is bound there when that turn is recorded.
+* **stored responses**: a Responses reply's owner (``router.routing.response_owners``)
+  and its conversation's chain (``router.index.stored_chain``), written together
+  before the reply's end reaches the client and read together by a request continuing
+  it. The chain has a key of its own beside the owner's, so a router that knows no
+  chains reads the owner as before; it is read bounded (``MAX_ENCODED_BYTES``) and
+  parsed as untrusted: anything else is no chain (the request is keyed blind), counted.
 
 Only while other replicas are live (``RedisSync.has_peers``): alone, a replica's own index
 is complete, and one that joins later reads Redis's sets when it starts. Each is one
@@ -44,8 +50,10 @@ from router.config import StateConfig
 from router.errors import SharedStateUnavailable
 from router.fleet.workers import Worker
 from router.index.residency import LocalPrefixIndex
+from router.index.stored_chain import MAX_ENCODED_BYTES, StoredChain
 from router.replication.keys import Keys, member, touch_scores
 from router.replication.metrics import PathMetrics
+from router.replication.remote import BadEntries
 from router.replication.repair import Repairs, is_wrong_type, queued_keys
 from router.replication.scripts import LONGEST_PREFIXES
 from router.replication.sync import REDIS_ERRORS
@@ -77,9 +85,11 @@ class SharedPath:
         metrics: PathMetrics,
         peers: Callable[[], bool],
         repairs: Repairs | None = None,
+        bad: BadEntries | None = None,
     ) -> None:
         self._redis = client
         self._repairs = repairs  # keys of another type met on the path, deleted off it
+        self._bad = bad  # values read that no router wrote, counted
         self._peers = peers  # whether other replicas are live
         self._local = local
         self._keys = Keys(config.namespace)
@@ -180,26 +190,57 @@ class SharedPath:
         keys = [k for named in queued_keys(pipe) or () for k in named]
         await self._bounded("record", _after(pending, pipe.execute), finish_late=True, keys=keys)
 
-    async def remember_response(self, response_id: str, owner: Owner) -> None:
-        """``owner`` stored ``response_id``: every replica can find it from now."""
+    async def remember_response(
+        self, response_id: str, owner: Owner, chain: StoredChain | None = None
+    ) -> None:
+        """``owner`` stored ``response_id`` (whose conversation is ``chain``, where
+        known): every replica can find it from now."""
         key = self._keys.response(response_id)
-        call = self._redis.set(key, owner.encode(), px=self._key_ttl_ms)
-        await self._bounded("remember_response", call, finish_late=True, keys=(key,))
+        if chain is None:
+            call: Awaitable[Any] = self._redis.set(key, owner.encode(), px=self._key_ttl_ms)
+            await self._bounded("remember_response", call, finish_late=True, keys=(key,))
+            return
+        chain_key = self._keys.response_chain(response_id)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.set(chain_key, chain.encode(), px=self._key_ttl_ms)
+        pipe.set(key, owner.encode(), px=self._key_ttl_ms)
+        call = pipe.execute()
+        keys = (key, chain_key)
+        await self._bounded("remember_response", call, finish_late=True, keys=keys)
 
-    async def response_owner(self, response_id: str) -> Owner | None:
-        """The worker another replica saw store ``response_id``; None if none did. Redis
-        not answering is not "none did": that is a 503, not the engine's 404."""
-        key = self._keys.response(response_id)
+    async def stored_response(self, response_id: str) -> tuple[Owner | None, StoredChain | None]:
+        """The worker another replica saw store ``response_id`` (None if none did), and
+        the conversation's chain written with it, in one round trip. A chain that is not
+        one (garbled, too long, another version's) is None, counted; a key of another
+        type is taken as absent and deleted off the path. Redis not answering is not
+        "none did": that is a 503, not the engine's 404."""
+        key, chain_key = self._keys.response(response_id), self._keys.response_chain(response_id)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.get(key)
+        pipe.getrange(chain_key, 0, MAX_ENCODED_BYTES)  # one byte past the most: too long
         found = await self._bounded(
-            "response_owner", self._redis.get(key), unanswered=_UNANSWERED, keys=(key,)
+            "response_owner",  # the op's name as before it carried the chain too
+            pipe.execute(raise_on_error=False),
+            unanswered=_UNANSWERED,
+            keys=(key, chain_key),
         )
-        if found is _WRONG_TYPE:
-            return None  # what held the key was not an owner (and is gone now)
         if found is _UNANSWERED:
             raise SharedStateUnavailable("where this response is stored could not be read")
-        if not isinstance(found, bytes):
+        if found is _WRONG_TYPE:  # as a pipeline raising at once would say it (repaired)
+            return None, None
+        owner_value, chain_value = found
+        wrong = [k for k, v in ((key, owner_value), (chain_key, chain_value)) if is_wrong_type(v)]
+        if wrong and self._repairs is not None:
+            self._in_background(self._repairs.repair(wrong))
+        return _owner(owner_value), self._chain(chain_value)
+
+    def _chain(self, value: Any) -> StoredChain | None:
+        if not isinstance(value, bytes) or not value:  # none written (or not a string)
             return None
-        return Owner.decode(found.decode("utf-8", errors="replace"))
+        chain = StoredChain.decode(value)
+        if chain is None and self._bad is not None:
+            self._bad.skipped("chain", value[:64])
+        return chain
 
     def withdraw(self, worker: str, hashes: Sequence[int]) -> None:
         """The dispatch failed: its reservation goes, without holding the request up."""
@@ -295,6 +336,12 @@ class SharedPath:
         with contextlib.suppress(*REDIS_ERRORS):
             async with asyncio.timeout(WITHDRAW_TIMEOUT_S):
                 await call
+
+
+def _owner(value: Any) -> Owner | None:
+    if not isinstance(value, bytes):
+        return None
+    return Owner.decode(value.decode("utf-8", errors="replace"))
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

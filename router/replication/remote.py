@@ -19,7 +19,7 @@ from router.replication.keys import MEMBER_BYTES, block_hash
 
 log = logging.getLogger(__name__)
 
-BAD_ENTRY_KINDS = ("load", "rate", "stream", "residency", "replica", "type")
+BAD_ENTRY_KINDS = ("load", "rate", "stream", "residency", "replica", "chain", "type")
 # Far beyond any real figure (a worker's outstanding tokens, a prefill rate), far below
 # what would overflow a sum of them.
 MAX_COUNT = 1 << 48
@@ -37,8 +37,8 @@ class BadEntries:
             "Entries in Redis skipped because they could not be read as another replica "
             "would have written them, by kind: load, rate, stream (an index change), "
             "residency (a block of a worker's shared set), replica (a name in the register "
-            "of live replicas), type (a key holding another type than kvrouter keeps "
-            "there: deleted).",
+            "of live replicas), chain (a stored response's conversation), type (a key "
+            "holding another type than kvrouter keeps there: deleted).",
             ["kind"],
             registry=registry,
         )

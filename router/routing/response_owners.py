@@ -9,6 +9,13 @@ would answer it, a 404, rather than sent where it was never stored. The map is a
 LRU; with shared state, each entry is also written to Redis (``SharedPath``), so any
 replica finds the response whichever one relayed it.
 
+With the owner, where it is known, the response's conversation as a chain
+(``router.index.stored_chain``): a request continuing it is keyed as that conversation
+followed by its input. Chains are bounded twice: each by its blocks, all of them by
+their bytes (the least recently used dropped first, its owner kept: the request
+continuing it is then keyed blind, as one whose chain was never known). A chain is
+reached only through its owner, so only by the key that created the response.
+
 With ``api_keys``, a response belongs to the key that created it (``router.auth.tenant``):
 to every other key it is answered as a response that does not exist, 404.
 """
@@ -21,8 +28,16 @@ from typing import Protocol
 
 from router.errors import ResponseNotFound
 from router.fleet.workers import Fleet, Worker
+from router.index.stored_chain import StoredChain
 
 DEFAULT_MAX_RESPONSES = 100_000
+# The chains' hashes and tails, at most: 4,096 conversations of 64K tokens each (16
+# tokens a block, 8 bytes a hash), or 1,024 at the bound on one chain
+# (router.index.stored_chain.MAX_CHAIN_BLOCKS).
+DEFAULT_MAX_CHAIN_BYTES = 128 * 1024 * 1024
+# What an entry costs beyond its bytes (the object, the map's slot), charged against
+# the bound, so that a flood of short chains is bounded too.
+CHAIN_OVERHEAD_BYTES = 256
 
 
 _TENANT_SEPARATOR = "\n"  # after the worker: no worker name or digest holds one
@@ -69,16 +84,31 @@ class Owner:
 class ResponseOwners:
     """The bounded local map; ``router.replication.path.SharedPath`` shares it."""
 
-    def __init__(self, max_entries: int = DEFAULT_MAX_RESPONSES) -> None:
+    def __init__(
+        self,
+        max_entries: int = DEFAULT_MAX_RESPONSES,
+        max_chain_bytes: int = DEFAULT_MAX_CHAIN_BYTES,
+    ) -> None:
         self._max = max_entries
+        self._max_chain_bytes = max_chain_bytes
         self._owners: OrderedDict[str, Owner] = OrderedDict()
+        self._chains: OrderedDict[str, StoredChain] = OrderedDict()
+        self._chain_bytes = 0  # charged: each chain's size and CHAIN_OVERHEAD_BYTES
 
-    def remember(self, response_id: str, owner: Owner) -> None:
+    def remember(self, response_id: str, owner: Owner, chain: StoredChain | None = None) -> None:
         owners = self._owners
         owners[response_id] = owner
         owners.move_to_end(response_id)
+        self._forget_chain(response_id)
+        if chain is not None:
+            self._chains[response_id] = chain
+            self._chain_bytes += _charge(chain)
         if len(owners) > self._max:
-            owners.popitem(last=False)
+            dropped, _ = owners.popitem(last=False)
+            self._forget_chain(dropped)
+        while self._chain_bytes > self._max_chain_bytes and self._chains:
+            _, oldest = self._chains.popitem(last=False)
+            self._chain_bytes -= _charge(oldest)
 
     def get(self, response_id: str) -> Owner | None:
         owner = self._owners.get(response_id)
@@ -86,14 +116,68 @@ class ResponseOwners:
             self._owners.move_to_end(response_id)
         return owner
 
+    def chain(self, response_id: str) -> StoredChain | None:
+        """The response's conversation, if known here; ask after its owner (``get``)."""
+        chain = self._chains.get(response_id)
+        if chain is not None:
+            self._chains.move_to_end(response_id)
+        return chain
+
+    @property
+    def chain_bytes(self) -> int:
+        return self._chain_bytes
+
+    def _forget_chain(self, response_id: str) -> None:
+        chain = self._chains.pop(response_id, None)
+        if chain is not None:
+            self._chain_bytes -= _charge(chain)
+
     def __len__(self) -> int:
         return len(self._owners)
+
+
+def _charge(chain: StoredChain) -> int:
+    return chain.size_bytes + CHAIN_OVERHEAD_BYTES
 
 
 class OwnerLookup(Protocol):
     """Where other replicas' entries are found (``SharedPath``)."""
 
-    async def response_owner(self, response_id: str) -> Owner | None: ...
+    async def stored_response(self, response_id: str) -> tuple[Owner | None, StoredChain | None]:
+        """The owner and, where it was written with one, the conversation's chain."""
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """Where a request continuing a stored response goes, and what it is keyed from."""
+
+    holder: Worker
+    chain: StoredChain | None  # None: not known here (dropped, or never written)
+
+
+async def continuation_of(
+    response_id: str,
+    tenant: str | None,
+    owners: ResponseOwners,
+    fleet: Fleet,
+    shared: OwnerLookup | None,
+) -> Continuation:
+    """The worker holding ``response_id`` for ``tenant``, and the response's conversation
+    where it is known: here, or where another replica wrote it (read with the owner, so
+    an owner learnt from Redis comes with its chain, if it has one);
+    ``ResponseNotFound`` where no worker holds it, or the response is another tenant's."""
+    owner = owners.get(response_id)
+    chain = owners.chain(response_id) if owner is not None else None
+    if owner is None and shared is not None:
+        owner, chain = await shared.stored_response(response_id)
+        if owner is not None:
+            owners.remember(response_id, owner, chain)
+    if owner is not None and not owner.reachable_by(tenant):
+        owner = None
+    worker = owner.holder(fleet) if owner is not None else None
+    if worker is None:
+        raise ResponseNotFound(response_id)
+    return Continuation(worker, chain)
 
 
 async def holder_of(
@@ -103,16 +187,5 @@ async def holder_of(
     fleet: Fleet,
     shared: OwnerLookup | None,
 ) -> Worker:
-    """The worker holding ``response_id`` for ``tenant``; ``ResponseNotFound`` where none
-    does, or the response is another tenant's."""
-    owner = owners.get(response_id)
-    if owner is None and shared is not None:
-        owner = await shared.response_owner(response_id)
-        if owner is not None:
-            owners.remember(response_id, owner)
-    if owner is not None and not owner.reachable_by(tenant):
-        owner = None
-    worker = owner.holder(fleet) if owner is not None else None
-    if worker is None:
-        raise ResponseNotFound(response_id)
-    return worker
+    """``continuation_of``'s worker alone (a ``GET`` or ``cancel`` of the response)."""
+    return (await continuation_of(response_id, tenant, owners, fleet, shared)).holder

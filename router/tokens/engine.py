@@ -25,6 +25,7 @@ import orjson
 
 from router.apis.request import ClientRequest, RequestBody, keyed, keyed_by_text
 from router.fleet.workers import Fleet, Worker
+from router.index.stored_chain import StoredChain
 from router.tokens.keys import MAX_PENDING, TokenMetrics
 from router.wire.blocks import token_bytes
 
@@ -116,6 +117,13 @@ class EngineTokens:
     def _by_text(self, body: RequestBody, block_bytes: int, result: str) -> ClientRequest:
         self.metrics.requests.labels(result).inc()
         return keyed_by_text(body, block_bytes)
+
+    async def continued(
+        self, body: RequestBody, chain: StoredChain, block_bytes: int
+    ) -> ClientRequest | None:
+        """Never: a conversation's chain holds its reply, which prompts keyed by a
+        worker's /tokenize leave out (``reply_tokens``)."""
+        return None
 
     async def reply_tokens(self, text: str) -> bytes | None:
         """Prompts keyed by a worker's /tokenize leave replies out of the chain."""

@@ -27,8 +27,17 @@ from typing import Any, AnyStr, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from router.apis.request import ClientRequest, RequestBody, keyed, keyed_by_text
+from router.apis.request import (
+    ClientRequest,
+    RequestBody,
+    keyed,
+    keyed_after,
+    keyed_by_text,
+    new_input,
+)
 from router.config import DEFAULT_MAX_TOKENIZED_BYTES
+from router.index.stored_chain import StoredChain
+from router.tokens.continuation import continuation_ids
 from router.tokens.conversation import (
     ContentFormat,
     detect_content_format,
@@ -98,6 +107,13 @@ class PromptKeys(Protocol):
 
     async def key(self, body: RequestBody, block_bytes: int) -> ClientRequest: ...
 
+    async def continued(
+        self, body: RequestBody, chain: StoredChain, block_bytes: int
+    ) -> ClientRequest | None:
+        """A Responses request continuing the conversation ``chain`` (keyed by tokens,
+        fitting the request), keyed as that conversation followed by its input; None
+        where its input's tokens cannot be had."""
+
     async def reply_tokens(self, text: str) -> bytes | None:
         """A reply's text in the model's tokens, 4 bytes each; None where not known."""
 
@@ -128,18 +144,12 @@ class TokenKeys:
             return self._by_text(body, block_bytes, "too_large")
         if body.messages is None:
             return await self._completion(body, block_bytes)
-        fields = body.rendered_fields
-        tools = fields.get("tools")
-        tools = tools if isinstance(tools, list) and tools else None
-        kwargs = template_kwargs_of(fields)
-        if (
-            kwargs is None
-            or (tools is not None and not all(isinstance(t, Mapping) for t in tools))
-            or not renders_as_the_engine(body.messages)
-        ):
+        inputs = template_inputs(body)
+        if inputs is None:
             return self._by_text(body, block_bytes, "text")
         if self._pending >= MAX_PENDING:
             return self._by_text(body, block_bytes, "busy")
+        tools, kwargs = inputs
         add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
         self._pending += 1
         try:
@@ -154,6 +164,45 @@ class TokenKeys:
         self.metrics.requests.labels("tokens").inc()
         history = chat.history_bytes // block_bytes
         return keyed(body, chat.canonical, history, block_bytes, False, reply_tokens=True)
+
+    async def continued(
+        self, body: RequestBody, chain: StoredChain, block_bytes: int
+    ) -> ClientRequest | None:
+        """What the template writes after the stored reply, encoded on the tokenizer's
+        thread (``router.tokens.continuation``) and added to the chain."""
+        assert body.messages is not None and body.link is not None
+        inputs = template_inputs(body)
+        if inputs is None or self._too_large(body) or self._pending >= MAX_PENDING:
+            return None
+        tools, kwargs = inputs
+        add_generation_prompt = bool(kwargs.pop("add_generation_prompt", True))
+        instructions = body.messages[: body.link.input_from]
+        loop = asyncio.get_running_loop()
+        self._pending += 1
+        try:
+            ids = await loop.run_in_executor(
+                self._thread,
+                continuation_ids,
+                self.model,
+                self._content_format,
+                instructions,
+                new_input(body),
+                tools,
+                kwargs,
+                add_generation_prompt,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a template error: the engine decides whether it is valid
+            log.debug("a continuation's input did not render", exc_info=True)
+            return None
+        finally:
+            self._pending -= 1
+        if ids is None:
+            return None
+        self.metrics.requests.labels("tokens").inc()
+        self.metrics.encoded.inc(len(ids))
+        return keyed_after(body, chain, token_bytes(ids), block_bytes)
 
     async def _completion(self, body: RequestBody, block_bytes: int) -> ClientRequest:
         """A completion's prompt as the engine encodes it (vLLM: ``add_special_tokens``,
@@ -283,6 +332,23 @@ class TokenKeys:
             return tokens * TOKEN_BYTES
         earlier = token_bytes(self._encoder.encode(before).ids)
         return _common_prefix(canonical, earlier) // TOKEN_BYTES * TOKEN_BYTES
+
+
+def template_inputs(
+    body: RequestBody,
+) -> tuple[list[Mapping[str, Any]] | None, dict[str, Any]] | None:
+    """A chat request's tools and template kwargs (``template_kwargs_of``), where the
+    router renders its prompt as the engine does; None where it does not."""
+    assert body.messages is not None
+    fields = body.rendered_fields
+    tools = fields.get("tools")
+    tools = tools if isinstance(tools, list) and tools else None
+    kwargs = template_kwargs_of(fields)
+    if kwargs is None or not renders_as_the_engine(body.messages):
+        return None
+    if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+        return None
+    return tools, kwargs
 
 
 def template_kwargs_of(fields: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ Encode = Callable[[str], Awaitable[bytes | None]]
 class TokenReplyChain:
     """``router.apis.capture.ReplyChain`` in the model's tokens."""
 
-    __slots__ = ("_chain", "_closed", "_encode", "_parts", "_size")
+    __slots__ = ("_chain", "_closed", "_encode", "_known", "_parts", "_size")
 
     def __init__(self, key: PrefixKey, block_bytes: int, encode: Encode) -> None:
         # The prompt ends with the generation prompt: the reply's ids follow it directly.
@@ -34,13 +34,14 @@ class TokenReplyChain:
         self._parts: list[str] = []
         self._size = 0
         self._closed = False  # no more text counts (too long, or a tool call came)
+        self._known = True  # all of the text is in the chain (none left out, encoded)
 
     def feed(self, text: str) -> None:
         if self._closed or not text:
             return
         self._size += len(text)
         if self._size > MAX_REPLY_CHARS:
-            self._closed, self._parts = True, []
+            self._closed, self._known, self._parts = True, False, []
             return
         self._parts.append(text)
 
@@ -56,6 +57,16 @@ class TokenReplyChain:
         ids = await self._encode(text)
         if ids:
             self._chain.feed_bytes(ids)
+        else:
+            self._known = False
 
     def finish(self) -> list[int]:
         return self._chain.finish()
+
+    def key(self) -> PrefixKey | None:
+        return self._chain.key() if self._known else None
+
+    def unreplied_key(self) -> PrefixKey | None:
+        """Unknown: the prompt's ids end with the generation prompt, which a conversation
+        without the reply's message does not hold."""
+        return None

@@ -480,8 +480,11 @@ async def test_a_too_long_prompt_is_answered_in_the_engines_words(
 
 
 async def test_a_stored_response_is_continued_on_the_worker_that_holds_it(
-    fleet: list[VllmEngine],
+    fleet: list[VllmEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Each continuation goes to the engine that stored the conversation, and is keyed as
+    that conversation followed by its input: predicted as the engine reports it."""
+    caplog.set_level(logging.INFO, logger="kvrouter.requests")
     async with (
         serve_router(real_config(fleet, "tokens", policy="round_robin")) as router,
         openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0) as client,
@@ -505,6 +508,14 @@ async def test_a_stored_response_is_continued_on_the_worker_that_holds_it(
             previous = parsed.id
         fetched = await client.responses.retrieve(previous)
         assert fetched.id == previous
+    pairs = [
+        (line["predicted_cached_tokens"], line["engine_cached_tokens"])
+        for line in request_lines(caplog)
+    ]
+    print("continuations, (predicted, engine-reported) cached tokens:", pairs[1:])
+    assert len(pairs) == 4
+    for predicted, cached in pairs[1:]:
+        assert cached > 0 and abs(predicted - cached) <= BLOCK_TOKENS, pairs
 
 
 async def test_a_cache_salt_keeps_prefixes_apart(
