@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from bench.compare.demo import DemoConfig
+from bench.compare.matrix import AIPERF_AGENTIC_SAMPLE
 from bench.compare.matrix import rows as matrix_rows
 from bench.workloads import aiperf_agentic
 from bench.workloads import cli as workloads_cli
@@ -30,9 +31,9 @@ SAMPLE = Path(__file__).parent / "data" / "aiperf_agentic"
 CHARS_PER_TOKEN = 4  # bench.textgen's words
 
 
-def _raw_sessions() -> dict[str, list[dict[str, Any]]]:
+def _raw_sessions(dataset: Path = SAMPLE / "dataset.jsonl") -> dict[str, list[dict[str, Any]]]:
     sessions: dict[str, list[dict[str, Any]]] = {}
-    for line in (SAMPLE / "dataset.jsonl").read_bytes().splitlines():
+    for line in dataset.read_bytes().splitlines():
         row = orjson.loads(line)
         sessions.setdefault(row["session_id"], []).append(row)
     return sessions
@@ -210,8 +211,10 @@ def test_kvrouter_bench_gen_reads_the_sample(tmp_path: Path) -> None:
     assert {t.session for t in written} == set(_raw_sessions())
 
 
-def test_the_matrix_row_replays_the_committed_sample() -> None:
+def test_the_matrix_row_replays_the_committed_sessions() -> None:
     row = {r.name: r for r in matrix_rows()}["aiperf-agentic"]
     turns = row.workload(DemoConfig(seed=5))
-    assert {t.session for t in turns} == set(_raw_sessions())
+    committed = _raw_sessions(AIPERF_AGENTIC_SAMPLE)
+    assert len(committed) == 24
+    assert {t.session for t in turns} == set(committed)
     assert "agentx" not in {r.name for r in matrix_rows()}  # no trace given, no row
