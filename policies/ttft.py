@@ -30,8 +30,9 @@ of four). So a conversation's first turn (``RouteRequest.first_turn``: no reply 
 so what any worker holds of it, other sessions put there) counts the prefill of the
 best worker's match as part of the near-tie: a worker that would prefill the shared
 prefix again, once, is as near as the one that holds it, and the tie rules below place
-the new session. Its later turns follow its own history as every turn does
-(``spread_first_turns``, default on). Siblings that
+the new session. Its later turns follow its own history as every turn does, and a first
+turn whose whole prompt a worker already holds or is computing (best-of-N siblings, a
+retry) stays with it (``spread_first_turns``, default on). Siblings that
 share a fresh prefix land together because the router reserves a dispatched request's
 blocks on its worker at once (recorded when the worker has computed them, withdrawn if
 the dispatch fails or is refused): the second waits for the first's prefill on its
@@ -135,7 +136,8 @@ class TtftPolicy(Policy):
         if params.temperature > 0 and len(scored) > 1:
             chosen = self._sample(scored)
         else:
-            chosen = self._best(scored, request.first_turn and params.spread_first_turns)
+            spread = params.spread_first_turns and _opens_a_session(request, candidates)
+            chosen = self._best(scored, spread)
         best_match = max(v.matched_tokens for v in candidates)
         followed_cache = best_match > 0 and chosen.matched_tokens == best_match
         return Decision(chosen.name, "prefix" if followed_cache else "load", chosen.matched_tokens)
@@ -156,6 +158,16 @@ class TtftPolicy(Policy):
         best = min(s.estimate for s in scored)
         weights = [math.exp(-(s.estimate - best) / self.params.temperature) for s in scored]
         return self._rng.choices([s.view for s in scored], weights=weights)[0]
+
+
+def _opens_a_session(request: RouteRequest, candidates: Sequence[WorkerView]) -> bool:
+    """A first turn that no worker holds whole: a new session over a shared prefix. One
+    whose whole prompt a worker holds or is computing (all but a partial last block) is
+    a repeat of it (best-of-N, a retry), which belongs where the prompt is."""
+    if not request.first_turn:
+        return False
+    whole = request.prompt_tokens - request.block_tokens
+    return all(v.matched_tokens < whole for v in candidates)
 
 
 class _Scored(NamedTuple):

@@ -586,3 +586,15 @@ def test_a_first_turn_is_a_conversation_with_no_reply_in_it(
     assert parse_request("completion", completion, 64).first_turn is False
     follow_up = orjson.dumps({"model": "m", "input": "u", "previous_response_id": "resp_1"})
     assert parse_request("responses", follow_up, 64).first_turn is False
+
+
+def test_ttft_keeps_a_repeated_first_turn_where_its_whole_prompt_is() -> None:
+    """A first turn sent again (best-of-N, a retry) belongs where its whole prompt is,
+    not spread as a new session over a shared prefix would be."""
+    policy = build_policy("ttft", seed=1)
+    holder = _ttft_view("holder", matched=9_488, resident=60_000)
+    views = [holder, _ttft_view("b", resident=8_000), _ttft_view("c", resident=30_000)]
+    again = request(prompt_tokens=9_500)._replace(first_turn=True)
+    assert policy.choose(again, views).worker == "holder"
+    new_session = [holder._replace(matched_tokens=8_000), *views[1:]]
+    assert policy.choose(again, new_session).worker == "b"
