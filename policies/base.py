@@ -54,6 +54,8 @@ class WorkerView(NamedTuple):
     # Prompt tokens sent to the worker lately, fading with a half-life (router.fleet.demand):
     # the live sessions' context, where resident tokens also count finished ones.
     recent_prompt_tokens: float = 0.0
+    # The engine's KV block size in tokens (0: not known): it holds whole blocks only.
+    cache_block_tokens: int = 0
 
 
 class Decision(NamedTuple):

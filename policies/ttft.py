@@ -162,12 +162,16 @@ class TtftPolicy(Policy):
 
 def _opens_a_session(request: RouteRequest, candidates: Sequence[WorkerView]) -> bool:
     """A first turn that no worker holds whole: a new session over a shared prefix. One
-    whose whole prompt a worker holds or is computing (all but a partial last block) is
-    a repeat of it (best-of-N, a retry), which belongs where the prompt is."""
+    whose whole prompt a worker holds or is computing (all but a partial last block, of
+    the router's blocks or the engine's) is a repeat of it (best-of-N, a retry), which
+    belongs where the prompt is."""
     if not request.first_turn:
         return False
-    whole = request.prompt_tokens - request.block_tokens
-    return all(v.matched_tokens < whole for v in candidates)
+    for v in candidates:
+        partial = max(request.block_tokens, v.cache_block_tokens)
+        if v.matched_tokens > 0 and v.matched_tokens >= request.prompt_tokens - partial:
+            return False
+    return True
 
 
 class _Scored(NamedTuple):

@@ -312,16 +312,17 @@ def full_response(
             function = {"name": calls, "arguments": arguments}
             tool_calls.append({"id": tool_call_id(), "type": "function", "function": function})
             text, finish_reason = "", "tool_calls"
-        message = {
+        message: dict[str, Any] = {
             "role": "assistant",
             "content": text if not tool_calls else None,
             "refusal": None,
             "annotations": None,
             "audio": None,
             "function_call": None,
-            "tool_calls": tool_calls,
             "reasoning": None,
         }
+        if tool_calls:  # vLLM leaves the field out of a message that calls none
+            message["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None}
         choice |= {"finish_reason": finish_reason, "stop_reason": None, "token_ids": None}
     else:

@@ -249,4 +249,5 @@ class Router:
             capacity_tokens=worker.capacity_tokens,
             prefill_tokens_per_s=self.learner.prefill_tokens_per_s(worker.name),
             recent_prompt_tokens=worker.demand.value(now) + worker.remote_demand.value(now),
+            cache_block_tokens=worker.engine_block_tokens or 0,
         )

@@ -52,6 +52,7 @@ TTFT_DEFAULTS = {
     "temperature": 0.0,
     "eviction_weight": 0.0,
     "tie_tolerance": 0.2,
+    "spread_first_turns": True,
 }
 
 
@@ -175,7 +176,10 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         aiohttp.ClientSession() as http,
     ):
         assert await info_series(http, router) == {
-            ("ttft", "cache_weight=1.0,eviction_weight=0.0,temperature=0.0,tie_tolerance=0.2"): 1
+            (
+                "ttft",
+                "cache_weight=1.0,eviction_weight=0.0,spread_first_turns=True,temperature=0.0,tie_tolerance=0.2",
+            ): 1
         }
         status, body = await admin(
             http, router, "PUT", "/admin/policy", {"policy": "ttft", "knobs": {"cache_weight": 2.0}}
@@ -188,11 +192,15 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "temperature": 0.0,
                 "eviction_weight": 0.0,
                 "tie_tolerance": 0.2,
+                "spread_first_turns": True,
             },
             "version": 1,
         }
         assert await info_series(http, router) == {
-            ("ttft", "cache_weight=2.0,eviction_weight=0.0,temperature=0.0,tie_tolerance=0.2"): 1
+            (
+                "ttft",
+                "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,temperature=0.0,tie_tolerance=0.2",
+            ): 1
         }  # the old series is gone
         assert await metric(http, router, "kvrouter_policy_changes_total") == 1
 
@@ -208,6 +216,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "temperature": 0.5,
                 "eviction_weight": 0.0,
                 "tie_tolerance": 0.2,
+                "spread_first_turns": True,
             },
             "version": 2,
         }
@@ -322,7 +331,7 @@ async def test_a_change_reaches_every_replica_and_the_newest_wins(
             assert await info_series(http, a) == {
                 (
                     "ttft",
-                    "cache_weight=2.0,eviction_weight=0.0,temperature=0.0,tie_tolerance=0.2",
+                    "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,temperature=0.0,tie_tolerance=0.2",
                 ): 1
             }
 

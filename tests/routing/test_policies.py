@@ -596,5 +596,8 @@ def test_ttft_keeps_a_repeated_first_turn_where_its_whole_prompt_is() -> None:
     views = [holder, _ttft_view("b", resident=8_000), _ttft_view("c", resident=30_000)]
     again = request(prompt_tokens=9_500)._replace(first_turn=True)
     assert policy.choose(again, views).worker == "holder"
+    # An engine holds whole blocks of its own size: 9,216 of 9,500 tokens in 512s.
+    in_engine_blocks = [holder._replace(matched_tokens=9_216, cache_block_tokens=512), *views[1:]]
+    assert policy.choose(again, in_engine_blocks).worker == "holder"
     new_session = [holder._replace(matched_tokens=8_000), *views[1:]]
     assert policy.choose(again, new_session).worker == "b"
