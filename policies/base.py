@@ -36,6 +36,8 @@ class RouteRequest(NamedTuple):
     # The conversation's first turn (no reply in it yet): what of it a worker holds is
     # a prefix other sessions share, not this session's own history.
     first_turn: bool = False
+    # The worker of the session that spawned this one (a subagent's parent), if known.
+    parent_worker: str | None = None
 
 
 class WorkerView(NamedTuple):

@@ -85,6 +85,7 @@ class TtftParams:
     eviction_weight: float = DEFAULT_EVICTION_WEIGHT
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE
     spread_first_turns: bool = True
+    subagents_with_parent: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tie_tolerance < 1:
@@ -137,18 +138,24 @@ class TtftPolicy(Policy):
             chosen = self._sample(scored)
         else:
             spread = params.spread_first_turns and _opens_a_session(request, candidates)
-            chosen = self._best(scored, spread)
+            parent = request.parent_worker if params.subagents_with_parent else None
+            chosen = self._best(scored, spread, parent if request.first_turn else None)
         best_match = max(v.matched_tokens for v in candidates)
         followed_cache = best_match > 0 and chosen.matched_tokens == best_match
         return Decision(chosen.name, "prefix" if followed_cache else "load", chosen.matched_tokens)
 
-    def _best(self, scored: Sequence[_Scored], shared_prefix_ties: bool) -> WorkerView:
+    def _best(
+        self, scored: Sequence[_Scored], shared_prefix_ties: bool, parent: str | None = None
+    ) -> WorkerView:
         best = min(scored, key=lambda s: s.estimate)
         near = best.estimate * (1 + self.params.tie_tolerance)
         if shared_prefix_ties:
             rate = max(best.view.prefill_tokens_per_s, MIN_RATE)
             near += self.params.cache_weight * best.view.matched_tokens / rate
         close = [s for s in scored if s.estimate <= near]
+        beside_parent = [s for s in close if s.view.name == parent]
+        if beside_parent:
+            return beside_parent[0].view
         roomy = [s for s in close if s.filled <= s.view.capacity_tokens]
         if roomy:
             return min(roomy, key=lambda s: (s.filled, s.outstanding, s.tiebreak)).view

@@ -53,6 +53,7 @@ from bench.workloads import (
     mooncake,
     qa,
     shared_prompt,
+    subagents,
 )
 from bench.workloads.trace import Turn
 
@@ -188,6 +189,11 @@ def rows(
             "burst",
             "bursts of identical or near-identical prompts (best-of-N)",
             lambda c: burst.generate(burst.BurstParams(), c.seed),
+        ),
+        Row(
+            "subagents",
+            "coding-agent sessions that spawn subagents (Claude Code's Task tool)",
+            lambda c: subagents.generate_with_subagents(subagents.SubagentParams(), c.seed),
         ),
         Row(
             "slow-worker",

@@ -21,6 +21,7 @@ from bench.replay.sse import iter_sse
 from bench.workloads.api_bodies import BODIES, DEFAULT_API, PATHS, Api, ChatRequest
 from router.clock import monotonic
 from router.wire.headers import SESSION_HEADER, WORKER_HEADER
+from router.wire.sessions import PARENT_SESSION_HEADER
 
 # How requests are spread over several router replicas.
 Assign = Literal["random", "round_robin"]
@@ -113,6 +114,8 @@ class ChatClient:
         reader = READERS[api](outcome)
         body = BODIES[api](self._model, request)
         headers = {SESSION_HEADER: request.session, "Content-Type": "application/json"}
+        if request.parent is not None:
+            headers[PARENT_SESSION_HEADER] = request.parent
         t0 = monotonic()
         try:
             url = self._url(api)

@@ -132,14 +132,17 @@ class _Run:
     async def _session(self, session: Session) -> None:
         conversation = Conversation(session.turns[0].system)
         api = session.turns[0].api or self._default_api
+        parent = session.turns[0].parent
         for turn in session.turns:
             if turn.turn > 0 and turn.gap > 0:
                 await asyncio.sleep(turn.gap / self._scale)
             if self._past_deadline():
                 return
-            await self._turn(turn, conversation, api)
+            await self._turn(turn, conversation, api, parent)
 
-    async def _turn(self, turn: Turn, conversation: Conversation, api: Api) -> None:
+    async def _turn(
+        self, turn: Turn, conversation: Conversation, api: Api, parent: str | None = None
+    ) -> None:
         messages = conversation.request(turn)
         prompt = tokenize_prompt(messages)
         async with self._slots:
@@ -148,7 +151,7 @@ class _Run:
             self._oracle.observe_prompt(prompt)
             start = self.elapsed()
             outcome = await self._client.stream_chat(
-                ChatRequest(turn.session, messages, turn.output_tokens, api)
+                ChatRequest(turn.session, messages, turn.output_tokens, api, parent)
             )
         if outcome.error is None:
             conversation.commit(messages, outcome.reply)

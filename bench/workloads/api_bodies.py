@@ -41,6 +41,7 @@ class ChatRequest:
     messages: tuple[Mapping[str, str], ...]
     max_tokens: int
     api: Api | None = None  # None: the client's default API
+    parent: str | None = None  # the session that spawned this one (a subagent's parent)
 
 
 def _split_system(

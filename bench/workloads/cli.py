@@ -27,6 +27,7 @@ from bench.workloads import (
     mooncake,
     qa,
     shared_prompt,
+    subagents,
 )
 from bench.workloads.api_bodies import APIS, Api
 from bench.workloads.flags import named_weights
@@ -127,6 +128,12 @@ GENERATORS: Final[Mapping[str, Generator]] = MappingProxyType(
             aiperf_agentic.add_arguments,
             aiperf_agentic.from_args,
             False,
+        ),
+        subagents.KIND: Generator(
+            "coding-agent sessions that spawn subagents (Claude Code's Task tool)",
+            subagents.add_arguments,
+            subagents.from_args,
+            True,
         ),
         agentx.KIND: Generator(
             "Claude Code sessions and subagents from InferenceX AgentX (Weka) traces",

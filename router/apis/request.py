@@ -63,6 +63,7 @@ class ClientRequest:
     # sessions put there (a shared system prompt, an agent's tool definitions).
     first_turn: bool = False
     ends_session: bool = False  # the session's last request (SESSION_END_HEADER)
+    parent_session: str | None = None  # the digest of a subagent's parent session
     # A Responses request's place in its conversation: whether, and how, the chain of
     # its prompt and reply is kept for a request continuing it.
     link: ResponsesLink | None = None
@@ -168,6 +169,10 @@ class RequestBody:
     @property
     def ends_session(self) -> bool:
         return self.session is not None and self.session.ends
+
+    @property
+    def parent_session(self) -> str | None:
+        return None if self.session is None else self.session.parent
 
     @property
     def session_source(self) -> str:
@@ -354,6 +359,7 @@ def _client_request(
         session_source=body.session_source,
         first_turn=_first_turn(body),
         ends_session=body.ends_session,
+        parent_session=body.parent_session,
         link=body.link,
         cut=cut,
     )

@@ -11,10 +11,11 @@ import xxhash
 
 from router.errors import BadRequest
 from router.wire.headers import SESSION_END_HEADER
-from router.wire.sessions import DEFAULT_SESSION_KEYS, parse_source
+from router.wire.sessions import DEFAULT_SESSION_KEYS, PARENT_SESSION_HEADER, parse_source
 
 NO_SESSION = "none"  # the source label of a request that names no session
 _END = SESSION_END_HEADER.lower().encode()
+_PARENT = PARENT_SESSION_HEADER.encode()
 _END_VALUES = frozenset({b"1", b"true", b"True", b"TRUE"})
 
 
@@ -25,6 +26,7 @@ class SessionKey:
     digest: str
     source: str  # the source's label: "header:x-claude-code-session-id", "body:user", …
     ends: bool = False  # the client marked this its session's last request
+    parent: str | None = None  # the digest of the session that spawned it (a subagent's)
 
 
 class SessionSources:
@@ -35,9 +37,13 @@ class SessionSources:
     def __init__(self, keys: Sequence[str] = DEFAULT_SESSION_KEYS) -> None:
         self.order = tuple(parse_source(key) for key in keys)
         # The headers the request path collects, lower case as the wire compares them:
-        # the sources, and the mark of a session's last request.
+        # the sources, the mark of a session's last request and a subagent's parent.
         self.header_names = frozenset(
-            {_END, *(s.name.encode("latin-1") for s in self.order if s.kind == "header")}
+            {
+                _END,
+                _PARENT,
+                *(s.name.encode("latin-1") for s in self.order if s.kind == "header"),
+            }
         )
         # Every label a request can be counted under: a fixed set, for metrics.
         self.labels = (*(s.label for s in self.order), NO_SESSION)
@@ -54,9 +60,16 @@ class SessionSources:
         the parsed body, ``api_session`` the API's own session field (its parameter's
         name and value), if set. A key longer than ``max_bytes`` is a ``BadRequest``."""
         found = self._find(headers, body, api_session, max_bytes)
-        if found is not None and headers.get(_END) in _END_VALUES:
-            return SessionKey(found.digest, found.source, ends=True)
-        return found
+        if found is None:
+            return None
+        parent = headers.get(_PARENT)
+        parent_digest = (
+            _digest(parent, "the parent session header", None, max_bytes) if parent else None
+        )
+        ends = headers.get(_END) in _END_VALUES
+        if parent_digest is None and not ends:
+            return found
+        return SessionKey(found.digest, found.source, ends, parent_digest)
 
     def _find(
         self,

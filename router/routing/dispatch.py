@@ -163,6 +163,7 @@ class Router:
             block_tokens=self.block_tokens,
             prompt_tokens=max(1, -(-request.key.total_bytes // BYTES_PER_TOKEN_ESTIMATE)),
             first_turn=request.first_turn,
+            parent_worker=self.learner.worker_of(request.parent_session),
         )
 
     def eligible(self, model: str | None, exclude: list[str]) -> list[Worker]:

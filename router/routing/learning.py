@@ -229,6 +229,11 @@ class Learner:
             ),
         )
 
+    def worker_of(self, session: str | None) -> str | None:
+        """The worker session ``session``'s last turn ran on, if it is remembered."""
+        memory = self.sessions.get(session)
+        return None if memory is None else memory.worker
+
     def session_returns(self, key: str | None) -> None:
         """A request of session ``key`` arrives: how long the session was away since its
         last turn ended is observed by what that turn left it waiting on."""

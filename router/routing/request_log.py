@@ -36,6 +36,7 @@ def request_line(
         "model": route.model,
         "session": session_tag(route.session_key),
         "session_source": dispatch.request.session_source,
+        "parent": session_tag(dispatch.request.parent_session),
         "worker": dispatch.worker.name,
         "policy_reason": decision.reason,
         "attempt": attempt,

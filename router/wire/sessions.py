@@ -27,6 +27,8 @@ CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
 SESSION_AFFINITY_HEADER = "x-session-affinity"  # OpenCode; aiperf's multi-turn sessions
 CODEX_SESSION_HEADERS = ("session_id", "session-id")
 CORRELATION_HEADER = "x-correlation-id"  # aiperf: one id per conversation
+# A subagent's parent session (Dynamo's; aiperf sends it for AgentX subagents).
+PARENT_SESSION_HEADER = "x-dynamo-parent-session-id"
 
 DEFAULT_SESSION_KEYS = (
     f"header:{SESSION_HEADER.lower()}",

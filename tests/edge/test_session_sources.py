@@ -217,3 +217,39 @@ async def test_agent_sessions_are_known_by_their_headers(
         "header:x-session-affinity": 1.0,
         "header:session_id": 1.0,
     }
+
+
+def test_a_subagent_names_its_parent_and_may_mark_its_last_request() -> None:
+    headers = {b"x-claude-code-session-id": b"child", b"x-dynamo-parent-session-id": b"mom"}
+    request = parse_request("chat", orjson.dumps(CHAT), BLOCK, headers, SessionSources())
+    assert request.session_key == digest("child") and request.parent_session == digest("mom")
+    assert not request.ends_session
+    ending = parse_request(
+        "chat", orjson.dumps(CHAT), BLOCK, {**headers, b"x-session-end": b"true"}, SessionSources()
+    )
+    assert ending.ends_session and ending.parent_session == digest("mom")
+    # Without a session of its own, a parent or an end names nothing.
+    orphan = parse_request(
+        "chat", orjson.dumps(CHAT), BLOCK, {b"x-dynamo-parent-session-id": b"mom"}
+    )
+    assert orphan.session_key is None and orphan.parent_session is None
+
+
+async def test_the_request_log_names_a_subagents_parent(
+    router: RunningRouter, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def ask(headers: dict[str, str]) -> None:
+        async with openai.AsyncOpenAI(
+            base_url=f"{router.url}/v1", api_key="x", default_headers=headers
+        ) as client:
+            await client.chat.completions.create(
+                model=TEST_MODEL, max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
+
+    await ask({"X-Session-Id": "parent-1"})
+    await ask({"X-Session-Id": "child-1", "X-Dynamo-Parent-Session-ID": "parent-1"})
+    parent, child = (
+        orjson.loads(r.getMessage()) for r in caplog.records if r.name == "kvrouter.requests"
+    )
+    assert parent["parent"] is None and child["parent"] == parent["session"] is not None
+    assert router.state.router.learner.worker_of(digest("parent-1")) == parent["worker"]

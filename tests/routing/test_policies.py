@@ -601,3 +601,19 @@ def test_ttft_keeps_a_repeated_first_turn_where_its_whole_prompt_is() -> None:
     assert policy.choose(again, in_engine_blocks).worker == "holder"
     new_session = [holder._replace(matched_tokens=8_000), *views[1:]]
     assert policy.choose(again, new_session).worker == "b"
+
+
+def test_ttft_can_seat_a_subagent_beside_its_parent() -> None:
+    """With subagents_with_parent, a subagent's first turn goes to its parent's worker
+    when that worker is among the near-best; otherwise (the default) it is placed as any
+    new session is."""
+    views = [
+        _ttft_view("parent", matched=4_000, resident=60_000),
+        _ttft_view("b", matched=4_000, resident=8_000),
+    ]
+    child = request(prompt_tokens=5_000)._replace(first_turn=True, parent_worker="parent")
+    assert build_policy("ttft", seed=1).choose(child, views).worker == "b"
+    beside = build_policy("ttft", {"subagents_with_parent": True}, seed=1)
+    assert beside.choose(child, views).worker == "parent"
+    busy = [views[0]._replace(queued_prefill_tokens=50_000), views[1]]
+    assert beside.choose(child, busy).worker == "b"  # a soft prior, not an order
