@@ -129,7 +129,14 @@ def params_from(cls: type[Any], knobs: Mapping[str, Any], policy: str) -> Any:
         )
     wrong = next((k for k in sorted(knobs) if not _same_kind(knobs[k], fields[k].default)), None)
     if wrong is not None:
-        expected = "a string" if isinstance(fields[wrong].default, str) else "a number"
+        default = fields[wrong].default
+        expected = (
+            "true or false"
+            if isinstance(default, bool)
+            else "a string"
+            if isinstance(default, str)
+            else "a number"
+        )
         raise PolicyConfigError(
             f"policy {policy!r}: {wrong} must be {expected}, got {knobs[wrong]!r}"
         )
@@ -140,8 +147,10 @@ def params_from(cls: type[Any], knobs: Mapping[str, Any], policy: str) -> Any:
 
 
 def _same_kind(value: Any, default: Any) -> bool:
-    """``value`` has the kind of ``default``: a number (bool counts, as in Python), or a
-    string; anything else is not checked here."""
+    """``value`` has the kind of ``default``: true or false, a number (a bool counts, as
+    in Python), or a string; anything else is not checked here."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
     if isinstance(default, int | float):
         return isinstance(value, int | float)
     if isinstance(default, str):

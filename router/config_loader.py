@@ -207,12 +207,23 @@ def load_config(
     return config
 
 
+def _names(value: Any, setting: str) -> list[str] | None:
+    """A list of names from a file's list or a variable's comma-separated string."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [v for v in value.split(",") if v]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{setting}: expected a list of strings")
+    return list(value)
+
+
 def _legacy_session_keys(values: dict[str, Any]) -> dict[str, Any]:
     """``session_header`` and ``session_body_fields``, the settings ``session_keys``
-    replaced, still read: the header takes the first place of the default order and the
-    fields the body's places, the order they had."""
+    replaced, still read: the header takes the first place of the default order (an
+    empty one: no header there) and the fields the body's places, the order they had."""
     header = values.pop("session_header", None)
-    fields = values.pop("session_body_fields", None)
+    fields = _names(values.pop("session_body_fields", None), "session_body_fields")
     if header is None and fields is None:
         return values
     if "session_keys" in values:
@@ -221,15 +232,11 @@ def _legacy_session_keys(values: dict[str, Any]) -> dict[str, Any]:
         )
     if header is not None and not isinstance(header, str):
         raise ConfigError("session_header: expected a string")
-    if fields is not None and not (
-        isinstance(fields, list | tuple) and all(isinstance(f, str) for f in fields)
-    ):
-        raise ConfigError("session_body_fields: expected a list of strings")
     body = [f"body:{f}" for f in fields] if fields is not None else None
     keys: list[str] = []
     for source in DEFAULT_SESSION_KEYS:
         if source == DEFAULT_SESSION_KEYS[0] and header is not None:
-            keys.append(f"header:{header}".lower())
+            keys.extend([f"header:{header}".lower()] if header else [])
         elif source.startswith("body:") and body is not None:
             keys.extend(body)  # all of them in the first body place, none in the others
             body = []
@@ -242,17 +249,11 @@ def _legacy_session_keys(values: dict[str, Any]) -> dict[str, Any]:
 def _session_headers_first(values: dict[str, Any]) -> dict[str, Any]:
     """``session_headers`` (``serve --session-header``): more headers a session key is
     read from, before every source in ``session_keys``."""
-    headers = values.pop("session_headers", None)
+    headers = _names(values.pop("session_headers", None), "session_headers")
     if headers is None:
         return values
-    if isinstance(headers, str):
-        headers = [h for h in headers.split(",") if h]
-    if not isinstance(headers, list | tuple) or not all(isinstance(h, str) for h in headers):
-        raise ConfigError("session_headers: expected a list of header names")
     first = [f"header:{h}".lower() for h in headers]
-    keys = values.get("session_keys", DEFAULT_SESSION_KEYS)
-    if not isinstance(keys, list | tuple):
-        return values | {"session_keys": keys}  # the schema names what is wrong
+    keys = _names(values.get("session_keys", DEFAULT_SESSION_KEYS), "session_keys") or []
     return values | {"session_keys": list(dict.fromkeys([*first, *keys]))}
 
 

@@ -29,31 +29,51 @@ from bench.compare.matrix import TRACES, Row, rows
 from bench.replay.rounds import Rounds
 from policies.registry import build_policy
 
+KnobValue = float | bool
 
-def parse_knob(text: str) -> tuple[str, list[float]]:
-    """``name=v1,v2,...`` -> (name, [v1, v2, ...])."""
+
+def parse_knob(text: str) -> tuple[str, list[KnobValue]]:
+    """``name=v1,v2,...`` -> (name, [v1, v2, ...]): numbers, or true and false."""
     name, sep, values = text.partition("=")
     if not sep or not name or not values:
         raise argparse.ArgumentTypeError(f"expected NAME=V1,V2,..., got {text!r}")
-    try:
-        return name, [float(v) for v in values.split(",") if v]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"knob values must be numbers: {text!r}") from exc
+    parsed: list[KnobValue] = []
+    for value in (v for v in values.split(",") if v):
+        if value.lower() in ("true", "false"):
+            parsed.append(value.lower() == "true")
+            continue
+        try:
+            parsed.append(float(value))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(
+                f"knob values must be numbers or true/false: {text!r}"
+            ) from exc
+    return name, parsed
 
 
-def label_for(knob: str, value: float) -> str:
-    return f"{knob}={value:g}"
+def knob_text(value: KnobValue) -> str:
+    """The value as ``--policy-knob`` reads it."""
+    return str(value).lower() if isinstance(value, bool) else f"{value:g}"
+
+
+def label_for(knob: str, value: KnobValue) -> str:
+    return f"{knob}={knob_text(value)}"
 
 
 def sweep_specs(
-    config: DemoConfig, policy: str, knob: str, values: Sequence[float], urls: Sequence[str]
+    config: DemoConfig, policy: str, knob: str, values: Sequence[KnobValue], urls: Sequence[str]
 ) -> list[RouterSpec]:
     return [
         RouterSpec(
             label_for(knob, v),
             (
                 kvrouter_command(
-                    config, policy, urls, config.router_port, "--policy-knob", f"{knob}={v:g}"
+                    config,
+                    policy,
+                    urls,
+                    config.router_port,
+                    "--policy-knob",
+                    f"{knob}={knob_text(v)}",
                 ),
             ),
             (config.router_port,),
@@ -63,7 +83,12 @@ def sweep_specs(
 
 
 async def run_sweep(
-    config: DemoConfig, row: Row, policy: str, knob: str, values: Sequence[float], console: Console
+    config: DemoConfig,
+    row: Row,
+    policy: str,
+    knob: str,
+    values: Sequence[KnobValue],
+    console: Console,
 ) -> Rounds:
     row_config = dataclasses.replace(
         config, kv_tokens=row.kv_tokens if row.kv_tokens is not None else config.kv_tokens

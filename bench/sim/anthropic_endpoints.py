@@ -28,7 +28,12 @@ async def messages(engine: Engine, exchange: Exchange) -> Reply | Stream:
     try:
         raise_injected_fault(engine)
         parsed = await parse_request(
-            "chat", chat, engine.config.served_model_name, engine.max_model_len, engine.prompts
+            "chat",
+            chat,
+            engine.config.served_model_name,
+            engine.max_model_len,
+            engine.prompts,
+            tool_calls=False,
         )
     except ApiError as exc:
         return json_reply(anthropic_api.error_body(exc), exc.status)

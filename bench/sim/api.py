@@ -125,6 +125,7 @@ async def _respond_whole(parsed: ParsedRequest, sim: SimRequest, block_tokens: i
         ),
         parsed.fingerprint,
         parsed.calls,
+        parsed.calls_named,
     )
     return json_reply(body)
 

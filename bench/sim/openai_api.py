@@ -36,6 +36,7 @@ class ParsedRequest:
     # The function a chat reply calls (``tool_choice`` "required" or a named function,
     # as vLLM constrains the reply to a call): the generated text becomes its arguments.
     calls: str | None = None
+    calls_named: bool = False  # tool_choice names the function (else "required")
 
     @property
     def prompt_tokens(self) -> int:
@@ -43,9 +44,16 @@ class ParsedRequest:
 
 
 async def parse_request(
-    kind: PromptKind, body: Any, served_model: str, max_model_len: int, prompts: Prompts = STAND_IN
+    kind: PromptKind,
+    body: Any,
+    served_model: str,
+    max_model_len: int,
+    prompts: Prompts = STAND_IN,
+    tool_calls: bool = True,
 ) -> ParsedRequest:
-    """A completion request checked as vLLM checks it, its prompt encoded by ``prompts``."""
+    """A completion request checked as vLLM checks it, its prompt encoded by ``prompts``.
+    ``tool_calls``: a chat reply may be a call ``tool_choice`` asks for (not in the
+    Messages and Responses APIs, whose replies the simulator writes in text only)."""
     body = request_body(body)
     model = requested_model(body, served_model)
     if field(body, "n", int, 1) != 1:
@@ -82,7 +90,8 @@ async def parse_request(
     ignore_eos = bool(field(body, "ignore_eos", bool, False))
     stream_options = field(body, "stream_options", dict, {})
     return ParsedRequest(
-        calls=_called_function(body) if kind == "chat" else None,
+        calls=_called_function(body) if kind == "chat" and tool_calls else None,
+        calls_named=isinstance(body.get("tool_choice"), dict),
         kind=kind,
         model=model,
         prompt=prompt,
@@ -102,21 +111,33 @@ def _called_function(body: dict[str, Any]) -> str | None:
     """The function ``tool_choice`` makes the reply call: a named one, or with
     "required" the first of ``tools``; None where the model may answer in text."""
     choice = body.get("tool_choice")
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else None
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "tool_choice must name a function", param="tool_choice")
-        return name
-    if choice != "required":
+    if choice != "required" and not isinstance(choice, dict):
         return None
     tools = body.get("tools")
-    first = tools[0] if isinstance(tools, list) and tools else None
-    function = first.get("function") if isinstance(first, dict) else None
+    names = [
+        t["function"]["name"]
+        for t in (tools if isinstance(tools, list) else ())
+        if isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    ]
+    if choice == "required":
+        if not names:
+            raise ApiError(400, 'tool_choice "required" needs a function in tools', param="tools")
+        first: str = names[0]
+        return first
+    function = choice.get("function")
     name = function.get("name") if isinstance(function, dict) else None
-    if not isinstance(name, str) or not name:
-        raise ApiError(400, 'tool_choice "required" needs a function in tools', param="tools")
+    if not isinstance(name, str) or name not in names:
+        raise ApiError(400, "tool_choice must name a function in tools", param="tool_choice")
     return name
+
+
+def call_finish_reason(named: bool, finish_reason: str) -> str:
+    """A reply that calls a function ends as vLLM's does: "tool_calls" for a call
+    "required" that ended on its own, the generation's own reason otherwise (a named
+    call's "stop", a call cut by max_tokens' "length")."""
+    return "tool_calls" if not named and finish_reason == "stop" else finish_reason
 
 
 def tool_call_id() -> str:
@@ -304,6 +325,7 @@ def full_response(
     usage_body: dict[str, Any],
     fingerprint: str,
     calls: str | None = None,
+    calls_named: bool = False,
 ) -> dict[str, Any]:
     if kind == "chat":
         tool_calls: list[dict[str, Any]] = []
@@ -311,10 +333,10 @@ def full_response(
             arguments = call_arguments_head() + call_arguments(text) + '"}'
             function = {"name": calls, "arguments": arguments}
             tool_calls.append({"id": tool_call_id(), "type": "function", "function": function})
-            text, finish_reason = "", "tool_calls"
+            text, finish_reason = "", call_finish_reason(calls_named, finish_reason)
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": text if not tool_calls else None,
+            "content": text,
             "refusal": None,
             "annotations": None,
             "audio": None,

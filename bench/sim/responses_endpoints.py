@@ -59,7 +59,12 @@ async def create_response(engine: Engine, exchange: Exchange) -> Reply | Stream:
         check_max_output_tokens(request, engine.max_model_len)
         chat = chat_body(request, model, messages)
         parsed = await parse_request(
-            "chat", chat, engine.config.served_model_name, engine.max_model_len, engine.prompts
+            "chat",
+            chat,
+            engine.config.served_model_name,
+            engine.max_model_len,
+            engine.prompts,
+            tool_calls=False,
         )
     except ApiError as exc:
         return error_reply(exc)

@@ -14,6 +14,7 @@ from bench.sim.openai_api import (
     call_arguments,
     call_arguments_head,
     call_chunk,
+    call_finish_reason,
     new_id,
     sse_event,
     stream_chunk,
@@ -110,7 +111,8 @@ class StreamEvents:
             events.append(sse_event(call_chunk(rid, parsed.model, created, piece, None, head)))
             self.sent = sim.output_tokens
         if sim.finished:
-            end = call_chunk(rid, parsed.model, created, '"}', "tool_calls")
+            finish = call_finish_reason(parsed.calls_named, sim.finish_reason or "length")
+            end = call_chunk(rid, parsed.model, created, '"}', finish)
             events.append(sse_event(end))
         return events
 

@@ -35,7 +35,8 @@ CHILD_START_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class SubagentParams:
-    parents: AgentParams = field(default_factory=lambda: AgentParams(sessions=60))
+    # 40 parents with their subagents load the fleet about as the agent row's 100 sessions
+    parents: AgentParams = field(default_factory=lambda: AgentParams(sessions=40))
     spawn_share: float = DEFAULT_SPAWN_SHARE
     children: int = DEFAULT_CHILDREN
     child_turns: LogNormal = DEFAULT_CHILD_TURNS
@@ -64,6 +65,8 @@ def _child(
     gaps = [agent.tool_time.draw(rng) for _ in range(turns)]
     session = build_session(name, start, parent[0].system, users, outputs, gaps)
     session = within_context(session, agent.max_context_tokens)
+    if not session:  # its first prompt alone is past the context limit
+        return []
     return [replace(session[0], parent=parent[0].session), *session[1:]]
 
 

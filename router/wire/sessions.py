@@ -7,9 +7,10 @@ field of the body) or ``api`` (the API's own session field: Responses'
 Code's session id).
 
 The default order puts the key a client sends on purpose first, then the keys coding
-agents send on their own, then the body's fields, then ``X-Correlation-ID`` last: aiperf
-names a whole multi-turn session with it, but elsewhere it is often one request's trace
-id, and a key per request costs nothing worse than a session per request.
+agents send on their own, then the body's fields. ``X-Correlation-ID`` is not among them:
+aiperf names a whole conversation with it (and with ``X-Session-Affinity``, which is),
+but gateways often stamp one on every request, and a key per request would make every
+request a session of its own (``serve --session-header x-correlation-id`` reads it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ SourceKind = Literal["header", "body", "api"]
 CLAUDE_CODE_SESSION_HEADER = "x-claude-code-session-id"
 SESSION_AFFINITY_HEADER = "x-session-affinity"  # OpenCode; aiperf's multi-turn sessions
 CODEX_SESSION_HEADERS = ("session_id", "session-id")
-CORRELATION_HEADER = "x-correlation-id"  # aiperf: one id per conversation
+# aiperf's id of a conversation; elsewhere often one request's (not read by default).
+CORRELATION_HEADER = "x-correlation-id"
 # A subagent's parent session (Dynamo's; aiperf sends it for AgentX subagents).
 PARENT_SESSION_HEADER = "x-dynamo-parent-session-id"
 
@@ -38,7 +40,6 @@ DEFAULT_SESSION_KEYS = (
     "body:session_id",
     "body:user",
     "api",
-    f"header:{CORRELATION_HEADER}",
 )
 
 # RFC 9110's token: the characters a header name may hold.

@@ -59,10 +59,15 @@ def test_the_first_source_in_the_order_wins() -> None:
     }
     assert source_of(headers) == (digest("claude"), "header:x-claude-code-session-id")
     assert source_of({**headers, b"x-session-id": b"own"}) == (digest("own"), "header:x-session-id")
-    # A body field ranks above X-Correlation-ID, which elsewhere is often per request.
+    # X-Correlation-ID is read only where asked for: gateways stamp one per request.
     with_user = {**CHAT, "user": "alice"}
     assert source_of({b"x-correlation-id": b"corr"}, with_user) == (digest("alice"), "body:user")
-    assert source_of({b"x-correlation-id": b"corr"}) == (digest("corr"), "header:x-correlation-id")
+    assert source_of({b"x-correlation-id": b"corr"}) == (None, NO_SESSION)
+    asked = SessionSources(("header:x-correlation-id", *DEFAULT_SESSION_KEYS))
+    assert source_of({b"x-correlation-id": b"corr"}, with_user, sources=asked) == (
+        digest("corr"),
+        "header:x-correlation-id",
+    )
     assert source_of({b"x-session-affinity": b""}) == (None, NO_SESSION)  # empty: none
 
 
@@ -253,3 +258,17 @@ async def test_the_request_log_names_a_subagents_parent(
     )
     assert parent["parent"] is None and child["parent"] == parent["session"] is not None
     assert router.state.router.learner.worker_of(digest("parent-1")) == parent["worker"]
+
+
+def test_session_settings_from_the_environment_are_comma_separated() -> None:
+    environ = {"KVROUTER_SESSION_BODY_FIELDS": "conv,user", "KVROUTER_SESSION_HEADER": ""}
+    keys = load_config(environ=environ).session_keys
+    assert [k for k in keys if k.startswith("body:")] == ["body:conv", "body:user"]
+    assert "header:x-session-id" not in keys  # an empty header: none in its place
+    environ = {"KVROUTER_SESSION_KEYS": "header:x-a,api"}
+    flags = {"session_headers": ["x-mine"]}
+    assert load_config(flags=flags, environ=environ).session_keys == (
+        "header:x-mine",
+        "header:x-a",
+        "api",
+    )

@@ -53,6 +53,7 @@ TTFT_DEFAULTS = {
     "eviction_weight": 0.0,
     "tie_tolerance": 0.2,
     "spread_first_turns": True,
+    "subagents_with_parent": False,
 }
 
 
@@ -178,7 +179,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=1.0,eviction_weight=0.0,spread_first_turns=True,temperature=0.0,tie_tolerance=0.2",
+                "cache_weight=1.0,eviction_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2",
             ): 1
         }
         status, body = await admin(
@@ -193,13 +194,14 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "eviction_weight": 0.0,
                 "tie_tolerance": 0.2,
                 "spread_first_turns": True,
+                "subagents_with_parent": False,
             },
             "version": 1,
         }
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,temperature=0.0,tie_tolerance=0.2",
+                "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2",
             ): 1
         }  # the old series is gone
         assert await metric(http, router, "kvrouter_policy_changes_total") == 1
@@ -217,6 +219,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "eviction_weight": 0.0,
                 "tie_tolerance": 0.2,
                 "spread_first_turns": True,
+                "subagents_with_parent": False,
             },
             "version": 2,
         }
@@ -331,7 +334,7 @@ async def test_a_change_reaches_every_replica_and_the_newest_wins(
             assert await info_series(http, a) == {
                 (
                     "ttft",
-                    "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,temperature=0.0,tie_tolerance=0.2",
+                    "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2",
                 ): 1
             }
 

@@ -617,3 +617,10 @@ def test_ttft_can_seat_a_subagent_beside_its_parent() -> None:
     assert beside.choose(child, views).worker == "parent"
     busy = [views[0]._replace(queued_prefill_tokens=50_000), views[1]]
     assert beside.choose(child, busy).worker == "b"  # a soft prior, not an order
+
+
+def test_a_switch_knob_takes_true_or_false_only() -> None:
+    for value in (0.5, 1, "false"):
+        with pytest.raises(PolicyConfigError, match="true or false"):
+            build_policy("ttft", {"spread_first_turns": value})
+    assert build_policy("ttft", {"spread_first_turns": False}).params.spread_first_turns is False  # type: ignore[attr-defined]

@@ -14,8 +14,10 @@ import pytest
 from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
 from tests.router_client import engines, metric
 
-TOOLS = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
+TOOLS: Any = [{"type": "function", "function": {"name": "read_file", "parameters": {}}}]
 CALL_TOOL: dict[str, Any] = {"tools": TOOLS, "tool_choice": "required"}
+# A reply that ends on its own (the seed fixes its natural length, well under the cap).
+ENDS: dict[str, Any] = {"max_tokens": 1000, "seed": 1}
 
 
 @pytest.fixture
@@ -33,10 +35,10 @@ async def test_the_simulated_engine_calls_the_function_tool_choice_asks_for(
     messages: Any = [{"role": "user", "content": "read a.py"}]
     async with openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="x") as client:
         whole = await client.chat.completions.create(
-            model=TEST_MODEL, messages=messages, max_tokens=12, **CALL_TOOL
+            model=TEST_MODEL, messages=messages, **ENDS, **CALL_TOOL
         )
         stream = await client.chat.completions.create(
-            model=TEST_MODEL, messages=messages, max_tokens=12, stream=True, **CALL_TOOL
+            model=TEST_MODEL, messages=messages, stream=True, **ENDS, **CALL_TOOL
         )
         pieces, names, finish = [], [], None
         async for chunk in stream:
@@ -52,6 +54,30 @@ async def test_the_simulated_engine_calls_the_function_tool_choice_asks_for(
     assert set(orjson.loads(call.function.arguments)) == {"input"}
     assert names[0] == "read_file" and finish == "tool_calls"
     assert set(orjson.loads("".join(pieces))) == {"input"}
+    # As vLLM: a named call ends "stop", a call cut by max_tokens "length"; a function
+    # not among the tools is refused.
+    named: Any = {"type": "function", "function": {"name": "read_file"}}
+    async with openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="x") as client:
+        stopped = await client.chat.completions.create(
+            model=TEST_MODEL, messages=messages, tools=TOOLS, tool_choice=named, **ENDS
+        )
+        cut = await client.chat.completions.create(
+            model=TEST_MODEL,
+            messages=messages,
+            max_tokens=12,
+            extra_body={"ignore_eos": True},  # exactly max_tokens: cut
+            **CALL_TOOL,
+        )
+        with pytest.raises(openai.BadRequestError):
+            await client.chat.completions.create(
+                model=TEST_MODEL,
+                messages=messages,
+                max_tokens=12,
+                tools=TOOLS,
+                tool_choice={"type": "function", "function": {"name": "rm"}},
+            )
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].message.tool_calls
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls
 
 
 async def test_a_session_is_away_by_what_its_last_turn_left_it_waiting_on(
