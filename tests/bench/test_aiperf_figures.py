@@ -1,5 +1,5 @@
-"""``bench.aiperf`` without aiperf: its export read as aiperf 0.13 writes it, and the
-dataset it is given."""
+"""``bench.aiperf`` without aiperf: its export read as aiperf 0.13 writes it, the dataset
+it is given, and the router's counters turned into a round's hit rate."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ from typing import Any
 
 import orjson
 import pytest
+from rich.console import Console
 
-from bench.aiperf.export import read_ttft, record
+from bench.aiperf.export import TtftPercentiles, read_ttft, record
+from bench.aiperf.report import RoundFigures, RouterCounts, rounds_table
 from bench.aiperf.sessions import SessionShape, write_sessions
+from bench.soak.sample import Series
 
 # Fields of one line of aiperf 0.13's profile_export.jsonl (a streamed chat request).
 LINE: dict[str, Any] = {
@@ -90,3 +93,41 @@ def test_sessions_in_aiperfs_multi_turn_format(tmp_path: Path) -> None:
     another = lines_of(write_sessions(replace(shape, key="other"), tmp_path / "o.jsonl"))
     texts += [t["text"] for line in another for t in line["turns"]]
     assert len(set(texts)) == len(texts)
+
+
+def series(cached: float, prompted: float, keyed: float) -> Series:
+    return [
+        ("kvrouter_engine_cached_tokens_total", {"worker": "w0"}, cached / 2),
+        ("kvrouter_engine_cached_tokens_total", {"worker": "w1"}, cached / 2),
+        ("kvrouter_usage_prompt_tokens_total", {"worker": "w0"}, prompted),
+        ("kvrouter_session_keys_total", {"source": "header:x-session-affinity"}, keyed),
+        ("kvrouter_session_keys_total", {"source": "none"}, 5.0),
+    ]
+
+
+def test_a_rounds_hit_rate_is_what_the_router_counted_during_it() -> None:
+    counts = RouterCounts.between(series(100, 1000, 3), series(400, 1600, 15))
+    assert counts == RouterCounts(300, 600, 12)
+    assert counts.hit_rate == 0.5
+
+
+def test_a_router_without_the_counters_has_no_hit_rate() -> None:
+    elsewhere: Series = [("process_cpu_seconds_total", {}, 3.0)]
+    assert RouterCounts.between(elsewhere, elsewhere) == RouterCounts(None, None, None)
+    assert RouterCounts.between(None, None).hit_rate is None
+    assert RouterCounts.between(series(0, 0, 0), series(0, 0, 0)).hit_rate is None
+
+
+def test_the_table_has_each_round_and_the_median_with_its_range() -> None:
+    rounds = [
+        RoundFigures(n, 12, 0, TtftPercentiles(p50, 2 * p50, 3 * p50, 12), RouterCounts(h, 100, 12))
+        for n, p50, h in ((1, 10.0, 60), (2, 30.0, 40), (3, 20.0, 50))
+    ]
+    console = Console(width=200, record=True)
+    console.print(rounds_table(rounds, "t"))
+    text = console.export_text()
+    p50_row = next(line for line in text.splitlines() if "TTFT p50" in line)
+    cells = [cell.strip() for cell in p50_row.split("│")[2:6]]
+    assert cells == ["10.0", "30.0", "20.0", "20.0 (10.0-30.0)"]
+    hit_row = next(line for line in text.splitlines() if "hit rate" in line)
+    assert "50.0% (40.0%-60.0%)" in hit_row
