@@ -8,6 +8,7 @@ from typing import Any
 
 def register(commands: argparse._SubParsersAction[Any]) -> None:
     from bench import dashboards
+    from bench.aiperf import run as aiperf_client
     from bench.compare import agreement, apis, matrix, peers, replicas, rescore, sweep
     from bench.cost import engine_cpu, perf, request_walk
     from bench.cost import tokenize as tokenize_cost
@@ -42,3 +43,4 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     failure.register(sub)
     real.register(sub)
     request_walk.register(sub)
+    aiperf_client.register(sub)

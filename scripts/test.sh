@@ -6,7 +6,8 @@
 # Prometheus (with promtool) on free ports: their Debian packages are installed when a
 # binary is missing (with sudo when not root). APT_GET overrides the apt-get command.
 # Real vLLM engines (tests/vllm_engines.py) run from scripts/install-vllm.sh's environment
-# (INSTALL_VLLM overrides the script).
+# (INSTALL_VLLM overrides the script), aiperf (tests/bench/test_aiperf_client.py) from
+# scripts/install-aiperf.sh's (INSTALL_AIPERF overrides it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,4 +28,6 @@ fi
 python3 -m pip install -e '.[test]'
 # The real-engine tests' vLLM (CPU build) in an environment of its own, kept between runs.
 "${INSTALL_VLLM:-scripts/install-vllm.sh}" >/dev/null
+# aiperf, the outside client, likewise: its pins would fight the router's.
+"${INSTALL_AIPERF:-scripts/install-aiperf.sh}" >/dev/null
 python3 -m pytest -q "$@"

@@ -143,6 +143,7 @@ APT = "env DEBIAN_FRONTEND=noninteractive apt-get"
 PIP_PYTEST = [
     "python3 -m pip install -e .[test]",
     "install-vllm ",
+    "install-aiperf ",
     "python3 -m pytest -q -x tests",
 ]
 
@@ -183,14 +184,19 @@ def test_the_test_script_installs_what_is_missing(
     bin_dir.mkdir()
     for tool in ("env", "dirname"):
         (bin_dir / tool).symlink_to(shutil.which(tool) or tool)
-    for name in ("apt-get", "python3", "install-vllm", *present):
+    for name in ("apt-get", "python3", "install-vllm", "install-aiperf", *present):
         stub(bin_dir, name)
     stub(bin_dir, "id", f"echo {uid}")
     stub(bin_dir, "sudo", 'exec "$@"')
     log = tmp_path / "log"
     subprocess.run(
         [shutil.which("bash") or "bash", str(ROOT / "scripts" / "test.sh"), "-x", "tests"],
-        env={"PATH": str(bin_dir), "STUB_LOG": str(log), "INSTALL_VLLM": "install-vllm"},
+        env={
+            "PATH": str(bin_dir),
+            "STUB_LOG": str(log),
+            "INSTALL_VLLM": "install-vllm",
+            "INSTALL_AIPERF": "install-aiperf",
+        },
         timeout=60,
         check=True,
     )
