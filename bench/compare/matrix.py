@@ -5,7 +5,8 @@ pressure, aiperf's synthesized agentic-code sessions (24 committed ones, or
 ``--aiperf-agentic``), InferenceX AgentX Claude Code traces (only with
 ``--agentx-trace``: none are shipped), chat, shared system prompts, a mix, multi-user
 QA, the Mooncake conversation trace on Azure arrival times, bursts of (near-)identical
-prompts, and a fleet with one slower worker. Each row runs through
+prompts, agent sessions that spawn subagents, and a fleet with one slower worker. Each
+row runs through
 ``bench.compare.demo.run_comparison``: every router ``--repeat`` times, interleaved, the
 figures reported as median (min-max). With ``--peer-bin`` the peer routers (SMG,
 vllm-router) run beside kvrouter's policies; run it inside a loopback-only network

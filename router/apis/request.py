@@ -191,9 +191,10 @@ def read_request(
     session_headers: Mapping[bytes, bytes] = NO_HEADERS,
     sources: SessionSources = DEFAULT_SOURCES,
     limits: RequestLimits = DEFAULT_LIMITS,
+    tenant: str | None = None,
 ) -> RequestBody:
     """``session_headers``: the request's headers named in ``sources.header_names``
-    (lower-case names, the first of each)."""
+    (lower-case names, the first of each); ``tenant``: whose session keys they are."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -203,11 +204,13 @@ def read_request(
     convert = CONVERTED.get(kind)
     if convert is not None:
         view = convert(body)
-        session = sources.find(session_headers, body, view.session, limits.max_session_key_bytes)
+        session = sources.find(
+            session_headers, body, view.session, limits.max_session_key_bytes, tenant
+        )
         return _converted(kind, raw, body, view, session, limits)
     model = _model(body)
     stream = _stream(body)
-    session = sources.find(session_headers, body, None, limits.max_session_key_bytes)
+    session = sources.find(session_headers, body, None, limits.max_session_key_bytes, tenant)
     chat = kind == "chat"
     return RequestBody(
         kind=kind,

@@ -54,11 +54,14 @@ class SessionSources:
         body: Mapping[str, Any],
         api_session: tuple[str, str] | None,
         max_bytes: int,
+        scope: str | None = None,
     ) -> SessionKey | None:
         """The key from the first source the request carries: ``headers`` holds the
         session headers it sent (``header_names``, the first of each name), ``body`` is
         the parsed body, ``api_session`` the API's own session field (its parameter's
-        name and value), if set. A key longer than ``max_bytes`` is a ``BadRequest``."""
+        name and value), if set. A key longer than ``max_bytes`` is a ``BadRequest``.
+        ``scope`` (the client key's tenant, ``router.auth.tenant``) keeps one client
+        key's sessions apart from another's that name the same key."""
         found = self._find(headers, body, api_session, max_bytes)
         if found is None:
             return None
@@ -67,9 +70,14 @@ class SessionSources:
             _digest(parent, "the parent session header", None, max_bytes) if parent else None
         )
         ends = headers.get(_END) in _END_VALUES
-        if parent_digest is None and not ends:
+        if scope is None and parent_digest is None and not ends:
             return found
-        return SessionKey(found.digest, found.source, ends, parent_digest)
+        return SessionKey(
+            _scoped(found.digest, scope),
+            found.source,
+            ends,
+            None if parent_digest is None else _scoped(parent_digest, scope),
+        )
 
     def _find(
         self,
@@ -95,6 +103,10 @@ class SessionSources:
                 digest = _digest(own.encode(), f"'{param}'", param, max_bytes)
                 return SessionKey(digest, source.label)
         return None
+
+
+def _scoped(digest: str, scope: str | None) -> str:
+    return digest if scope is None else xxhash.xxh3_128_hexdigest(f"{scope}\0{digest}".encode())
 
 
 def _digest(raw: bytes, where: str, param: str | None, max_bytes: int) -> str:

@@ -131,9 +131,9 @@ async def serve(kind: Kind, call: Call) -> None:
     arrived = monotonic()
     sources = state.session_sources
     headers = _read_headers(raw_headers, sources.header_names)
-    body = read_request(kind, raw, headers.sessions, sources, config.limits)
+    tenant = state.tenant_of(raw_headers)  # sessions are a client key's own
+    body = read_request(kind, raw, headers.sessions, sources, config.limits, tenant)
     state.metrics.counter(state.metrics.session_keys, body.session_source).inc()
-    tenant = state.tenant_of(raw_headers)
     holder = None
     block_bytes = config.prefix.key_block_bytes
     if body.continues is not None:  # only the worker that stored it can continue it

@@ -154,7 +154,6 @@ class Router:
         self.recorder = Recorder(fleet, metrics, self.learner, log_requests)
 
     def route_request(self, request: ClientRequest, request_id: str) -> RouteRequest:
-        self.learner.session_returns(request.session_key)
         return RouteRequest(
             request_id=request_id,
             model=request.model,

@@ -215,19 +215,25 @@ class Learner:
             metrics.counter(metrics.lost_tokens, report.cause).inc(report.lost_tokens)
         if dispatch.ttft is not None:
             metrics.histogram(metrics.turn_ttft, report.outcome).observe(dispatch.ttft)
+        self.turn_ended(dispatch, usage.prompt_tokens + usage.completion_tokens)
+
+    def turn_ended(self, dispatch: Dispatch, history_tokens: int) -> None:
+        """A turn of ``dispatch``'s session ended well: where it ran, how long its history
+        is, and what it left the session waiting on, for the session's next turn."""
+        key = dispatch.route.session_key
+        if key is None:
+            return
         waiting: Waiting = "finished" if dispatch.request.ends_session else dispatch.turn_end
-        if key is not None:
-            metrics.counter(metrics.session_turn_ends, waiting).inc()
-        self.sessions.remember(
-            key,
-            SessionMemory(
-                dispatch.worker.name,
-                dispatch.worker.epoch,
-                usage.prompt_tokens + usage.completion_tokens,
-                ended_at=monotonic(),
-                waiting_on=waiting,
-            ),
+        metrics = self._metrics
+        metrics.counter(metrics.session_turn_ends, waiting).inc()
+        memory = SessionMemory(
+            dispatch.worker.name,
+            dispatch.worker.epoch,
+            history_tokens,
+            ended_at=monotonic(),
+            waiting_on=waiting,
         )
+        self.sessions.remember(key, memory)
 
     def worker_of(self, session: str | None) -> str | None:
         """The worker session ``session``'s last turn ran on, if it is remembered."""

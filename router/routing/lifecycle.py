@@ -97,6 +97,7 @@ class RequestLifecycle:
         self._shared = shared
         self.request = request
         self.arrived = arrived
+        router.learner.session_returns(request.session_key)
         self.route: RouteRequest = router.route_request(request, request_id)
         self.tried: list[str] = []  # workers whose attempt failed before the first byte
         self._candidates: list[Worker] | None = None

@@ -57,6 +57,10 @@ class Recorder:
         count when it gave one."""
         if outcome == "success" and usage is not None:
             self.learner.learn(dispatch, usage)
+        elif outcome == "success":  # no usage: the turn's end is known all the same
+            self.learner.turn_ended(
+                dispatch, reported_prompt_tokens or dispatch.route.prompt_tokens
+            )
         series = self._metrics.worker(dispatch.worker.name)
         latency = monotonic() - dispatch.arrived
         series.requests(self._fleet.model_label(dispatch.request.model), outcome).inc()

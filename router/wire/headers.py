@@ -5,10 +5,10 @@ from __future__ import annotations
 
 # Which worker served the request (on with ``worker_header``): replays and tests read it.
 WORKER_HEADER = "X-Kvrouter-Worker"
-# The client's session key (``session_header``'s default).
+# The session key a client sends on purpose (the first of ``session_keys``' defaults).
 SESSION_HEADER = "X-Session-Id"
-# On a session's last request ("1" or "true"): nothing follows its reply, so what the
-# session left cached is the first to give up.
+# On a session's last request ("1" or "true"): nothing follows its reply, and the
+# session is counted finished (kvrouter_session_turn_ends_total{waiting_on="finished"}).
 SESSION_END_HEADER = "X-Session-End"
 # A request's id: the client's, passed on to the engine, or the router's own.
 REQUEST_ID_HEADER = "X-Request-Id"

@@ -272,3 +272,14 @@ def test_session_settings_from_the_environment_are_comma_separated() -> None:
         "header:x-a",
         "api",
     )
+
+
+def test_two_client_keys_naming_the_same_session_have_two_sessions() -> None:
+    headers = {b"x-session-id": b"1", b"x-dynamo-parent-session-id": b"0"}
+    alice, bob, nobody = (
+        SessionSources().find(headers, {}, None, 1024, tenant) for tenant in ("a", "b", None)
+    )
+    assert alice is not None and bob is not None and nobody is not None
+    assert len({alice.digest, bob.digest, nobody.digest}) == 3
+    assert len({alice.parent, bob.parent, nobody.parent}) == 3
+    assert nobody.digest == digest("1")  # without client keys, the key as sent

@@ -117,3 +117,24 @@ async def test_a_session_is_away_by_what_its_last_turn_left_it_waiting_on(
 
         assert [await returns(a) for a in ("tool", "user", "finished")] == [1, 2, 0]
         assert [await ends(w) for w in ("tool", "user", "finished")] == [1, 3, 1]
+
+
+async def test_a_turn_without_usage_still_says_when_its_session_is_back(
+    router: RunningRouter,
+) -> None:
+    """A stream without stream_options.include_usage carries no usage: the turn's end
+    and the session's return are known all the same."""
+    messages: Any = [{"role": "user", "content": "hello"}]
+    headers = {"X-Session-Id": "no-usage"}
+    async with openai.AsyncOpenAI(
+        base_url=f"{router.url}/v1", api_key="x", default_headers=headers
+    ) as client:
+        for _ in range(2):
+            stream = await client.chat.completions.create(
+                model=TEST_MODEL, messages=messages, stream=True, **CALL_TOOL, **ENDS
+            )
+            async for chunk in stream:
+                assert chunk.usage is None
+    async with aiohttp.ClientSession() as http:
+        name = "kvrouter_session_return_seconds_count"
+        assert await metric(http, router, name, after="tool") == 1
