@@ -26,19 +26,20 @@ workers attracts a request. A shared prefix that only some workers hold yet woul
 every new session to them: each first turn is cheapest where the prefix already is, and
 is sent there, so no other worker ever gets it (on aiperf's agentic-code sessions, whose
 prompts all begin with the same 8K tokens, every turn went to one worker of four, whose
-every decode step then read all of their contexts). So a conversation's first turn
+cache could not hold them all). So a conversation's first turn
 (``RouteRequest.first_turn``: no reply in it, so what any worker holds of it, other
-sessions put there), while the worker holding the prefix has more context in flight than
-the least busy one by more than that prefix, counts the prefill of the prefix as part of
-the near-tie: a worker that would prefill it again, once, is as near as the one that
-holds it, and the tie rules below place the new session. Its later turns follow its own
-history as every turn does, and a first turn whose whole prompt a worker already holds
-or is computing (best-of-N siblings, a retry) stays with it (``spread_first_turns``,
-default on). Siblings that share a fresh prefix land together because the router
-reserves a dispatched request's blocks on its worker at once (recorded when the worker
-has computed them, withdrawn if the dispatch fails or is refused): the second waits for
-the first's prefill on its worker or prefills alone elsewhere, the same estimate give or
-take the few tokens the first did not fill a block with.
+sessions put there), while the worker holding the prefix has no room left for it (its
+cache would give up other sessions' blocks to take this one), counts the prefill of the
+prefix as part of the near-tie: a worker that would prefill it again, once, is as near
+as the one that holds it, and the tie rules below place the new session. Its later turns
+follow its own history as every turn does, and a first turn whose whole prompt a worker
+already holds or is computing (best-of-N siblings, a retry) stays with it
+(``spread_first_turns``, default on). Siblings that share a fresh prefix land together
+because the router reserves a dispatched request's blocks on its worker at once
+(recorded when the worker has computed them, withdrawn if the dispatch fails or is
+refused): the second waits for the first's prefill on its worker or prefills alone
+elsewhere, the same estimate give or take the few tokens the first did not fill a block
+with.
 
 While caches have room, where a request's tokens are stored decides more than a few
 per cent of its TTFT: among workers whose estimate is within ``tie_tolerance`` (a share,
@@ -150,7 +151,7 @@ class TtftPolicy(Policy):
     ) -> WorkerView:
         best = min(scored, key=lambda s: s.estimate)
         near = best.estimate * (1 + self.params.tie_tolerance)
-        if shared_prefix_ties and _carries_more_than_it_saves(best.view, scored):
+        if shared_prefix_ties and best.filled > best.view.capacity_tokens:
             rate = max(best.view.prefill_tokens_per_s, MIN_RATE)
             near += self.params.cache_weight * best.view.matched_tokens / rate
         close = [s for s in scored if s.estimate <= near]
@@ -180,16 +181,6 @@ def _opens_a_session(request: RouteRequest, candidates: Sequence[WorkerView]) ->
         if v.matched_tokens > 0 and v.matched_tokens >= request.prompt_tokens - partial:
             return False
     return True
-
-
-def _carries_more_than_it_saves(holder: WorkerView, scored: Sequence[_Scored]) -> bool:
-    """The worker holding the shared prefix has more context in flight than the least
-    busy worker by more than the prefix it saves: the new session's turns would slow
-    there (every decode step reads that context) by more than prefilling the prefix once
-    elsewhere costs. While it does not, light sessions behind a shared system prompt
-    stay where the prompt is."""
-    least = min(s.view.outstanding_tokens for s in scored)
-    return holder.outstanding_tokens - least > holder.matched_tokens
 
 
 class _Scored(NamedTuple):

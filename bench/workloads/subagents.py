@@ -35,8 +35,9 @@ CHILD_START_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class SubagentParams:
-    # 40 parents with their subagents load the fleet about as the agent row's 100 sessions
-    parents: AgentParams = field(default_factory=lambda: AgentParams(sessions=40))
+    # Subagents multiply a parent's work: 40 parents (240 sessions in all) overloaded the
+    # matrix's fleet (TTFT p50 18 s), 20 leave it loaded as the agent row is.
+    parents: AgentParams = field(default_factory=lambda: AgentParams(sessions=20))
     spawn_share: float = DEFAULT_SPAWN_SHARE
     children: int = DEFAULT_CHILDREN
     child_turns: LogNormal = DEFAULT_CHILD_TURNS

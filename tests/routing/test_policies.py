@@ -470,12 +470,11 @@ def _ttft_view(
     requests: int = 0,
     recent: float = 0.0,
     rate: float = 10_000.0,
-    inflight: int = 0,
 ) -> WorkerView:
     return WorkerView(
         name=name,
         outstanding_requests=requests,
-        outstanding_tokens=inflight,
+        outstanding_tokens=0,
         queued_prefill_tokens=queued,
         matched_tokens=matched,
         resident_tokens=resident,
@@ -544,12 +543,11 @@ def test_ttft_places_a_new_session_beside_the_least_live_context_once_caches_are
 
 def test_ttft_does_not_pin_every_new_session_to_the_worker_holding_a_shared_prefix() -> None:
     """Every session's prompt begins with the same 8K tokens, which one worker holds, and
-    that worker carries far more context in flight than the others: a first turn is
-    placed as if every worker held them (it pays their prefill once where they are not),
-    a later turn follows its own history."""
+    that worker's cache is full: a first turn is placed as if every worker held them (it
+    pays their prefill once where they are not), a later turn follows its own history."""
     policy = build_policy("ttft", seed=1)
     views = [
-        _ttft_view("holder", matched=8_000, resident=60_000, recent=200_000, inflight=50_000),
+        _ttft_view("holder", matched=8_000, resident=99_000, recent=200_000),
         _ttft_view("b", resident=8_000, recent=20_000),
         _ttft_view("c", resident=30_000, recent=20_000),
     ]
@@ -562,10 +560,10 @@ def test_ttft_does_not_pin_every_new_session_to_the_worker_holding_a_shared_pref
     # Still an estimate: a worker whose queue outweighs the shared prefix is not near.
     queued = [views[0], _ttft_view("b", resident=8_000, queued=20_000)]
     assert policy.choose(first, queued).worker == "holder"
-    # Light sessions behind a shared system prompt stay with it: the holder's extra
-    # context in flight is less than the prefix prefilling it elsewhere would cost.
-    light = [views[0]._replace(outstanding_tokens=7_000), *views[1:]]
-    assert policy.choose(first, light).worker == "holder"
+    # While the holder has room, new sessions behind a shared system prompt stay with
+    # it: nothing of anyone else's is given up for them.
+    roomy = [views[0]._replace(resident_tokens=60_000), *views[1:]]
+    assert policy.choose(first, roomy).worker == "holder"
 
 
 @pytest.mark.parametrize(
@@ -598,7 +596,7 @@ def test_ttft_keeps_a_repeated_first_turn_where_its_whole_prompt_is() -> None:
     """A first turn sent again (best-of-N, a retry) belongs where its whole prompt is,
     not spread as a new session over a shared prefix would be."""
     policy = build_policy("ttft", seed=1)
-    holder = _ttft_view("holder", matched=9_488, resident=60_000, inflight=50_000)
+    holder = _ttft_view("holder", matched=9_488, resident=99_000)
     views = [holder, _ttft_view("b", resident=8_000), _ttft_view("c", resident=30_000)]
     again = request(prompt_tokens=9_500)._replace(first_turn=True)
     assert policy.choose(again, views).worker == "holder"
