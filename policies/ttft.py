@@ -56,6 +56,10 @@ few turns, ``router.fleet.demand``) plus this request's new tokens, in seconds o
 prefill. That is the live sessions' context, which will come back every turn; a slower
 worker with as much of it counts as busier. Then the estimate, fewer requests, at random.
 
+``subagents_with_parent`` (default off) seats a subagent's first turn on its parent's
+worker (``RouteRequest.parent_worker``) whenever that worker is among the near-best,
+before the tie rules; spreading measured no worse (``docs/benchmarks.md``).
+
 ``temperature`` (seconds, default 0) samples instead of taking the minimum:
 ``P(w) ~ exp(-(ttft(w) - min ttft) / temperature)``, which spreads simultaneous arrivals
 that would otherwise herd onto the same momentarily-best worker.
