@@ -13,20 +13,18 @@ here, Responses and Messages in ``router.apis``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from router.index.prefix import PrefixKey, render_tool_calls
+from router.wire.kinds import TurnEnd
 from router.wire.streams import CHAT_DONE, Usage, chat_usage, first_choice, stream_error
 
 MAX_LINE_BYTES = 1 << 20
 # The most of a reply's tool calls kept until the reply ends.
 MAX_TOOL_CALL_BYTES = 1 << 20
 _CHAT_DONE = CHAT_DONE.encode()
-# What a reply leaves its session doing: waiting on a tool it called (an agent is back as
-# soon as the tool returns, often within a second) or on a person (minutes).
-TurnEnd = Literal["tool", "user"]
 
 
 class ReplyChain(Protocol):

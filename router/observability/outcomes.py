@@ -26,12 +26,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
-from router.apis.capture import TurnEnd
+from router.wire.kinds import TurnEnd
 
 # What happened to a turn's prefix (a request's own end is policies.base.Outcome).
 TurnOutcome = Literal["first_turn", "hit", "partial", "miss"]
 Cause = Literal["worker_failed", "routed_elsewhere", "evicted", "router_state_lost", "unknown"]
-# What a session does after a turn: the reply's end (router.apis.capture.TurnEnd), or
+# What a session does after a turn: the reply's end (router.wire.kinds.TurnEnd), or
 # nothing more where the client said so.
 Waiting = TurnEnd | Literal["finished"]
 WAITING: tuple[Waiting, ...] = ("tool", "user", "finished")

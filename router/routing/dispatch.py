@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from policies.base import Decision, Outcome, Policy, RouteRequest, WorkerView
-from router.apis.capture import TurnEnd
 from router.apis.request import ClientRequest
 from router.clock import monotonic
 from router.config import BYTES_PER_TOKEN_ESTIMATE
@@ -31,6 +30,7 @@ from router.observability.metrics import RouterMetrics
 from router.routing.learning import Learner
 from router.routing.policy_slot import PolicySlot
 from router.routing.recorder import Recorder
+from router.wire.kinds import TurnEnd
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,3 +9,6 @@ PromptKind = Literal["chat", "completion"]
 # The client APIs the router keys and routes: a Responses or Messages request is keyed
 # as the chat request the engine runs it as (router.apis).
 Kind = Literal[PromptKind, "responses", "messages"]
+# What a reply leaves its session doing: waiting on a tool it called (an agent is back as
+# soon as the tool returns, often within a second) or on a person (minutes).
+TurnEnd = Literal["tool", "user"]

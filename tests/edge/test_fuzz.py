@@ -72,8 +72,8 @@ def check_all(examples: int, strategy: st.SearchStrategy[T], check: Callable[[T]
 
 # -- the parser, called directly -----------------------------------------------------------
 
-# What aiohttp hands over for header bytes (those that are not UTF-8 as surrogate
-# escapes), and any text at all: the parser's contract is on any ``str``.
+# Session header values as the wire hands them over: any bytes, and any text encoded
+# (lone surrogates too): the parser's contract is on any bytes.
 _SESSION_HEADERS = st.one_of(
     st.none(),
     st.binary(max_size=80),
@@ -99,6 +99,8 @@ _CASES = st.tuples(
 def _parse_or_refuse(case: tuple[tuple[Kind, bytes], bytes | None, int]) -> None:
     (kind, raw), header, block_bytes = case
     headers = {} if header is None else {b"x-claude-code-session-id": header}
+    if header is not None:  # the same bytes as a parent and as the end mark
+        headers |= {b"x-dynamo-parent-session-id": header, b"x-session-end": header}
     try:
         request = parse_request(kind, raw, block_bytes, headers, SessionSources(), LIMITS)
     except RouterError as exc:

@@ -125,3 +125,20 @@ def test_sessions_migrated_with_their_workers_state_are_judged_on_the_new_worker
     assert classify(moved, "c", epochs, 1200, 1000, 1000, 1000).cause is None
     # Had it lost some there, it was lost on c, not by routing away from a.
     assert classify(moved, "c", epochs, 1200, 500, 1000, 1000).cause == "evicted"
+
+
+def test_a_session_returns_once_a_turn_even_with_requests_in_parallel() -> None:
+    """The first request after a turn's end measures the time away; a second request of
+    the session sent before that turn's successor ends (parallel tool calls, subagents
+    sharing the key) measures nothing."""
+    tracker = SessionTracker()
+    assert tracker.returning("s") is None  # never seen
+    tracker.remember("s", SessionMemory("w0", 0, 100, ended_at=5.0, waiting_on="tool"))
+    first = tracker.returning("s")
+    assert first is not None and first.ended_at == 5.0 and first.waiting_on == "tool"
+    assert tracker.returning("s") is None
+    tracker.remember("s", SessionMemory("w0", 0, 200, ended_at=9.0))
+    again = tracker.returning("s")
+    assert again is not None and again.ended_at == 9.0
+    tracker.remember("t", SessionMemory("w0", 0, 100))  # no end known
+    assert tracker.returning("t") is None
