@@ -14,12 +14,14 @@ namespace, never on the host network (``unshare -n`` needs root)::
 
     unshare -n bash -c 'ip link set lo up; kvrouter bench peers --peer-bin /opt/peers/bin'
 
-Each peer runs with ``--policy cache_aware`` and its default knobs. Without a tokenizer,
-SMG's cache_aware keeps a radix tree of request text per model (for a chat request, the
-messages' text contents joined by spaces, without roles or template). vllm-router's
-cache_aware asks every engine to tokenize each request (``POST
-/v1/chat/completions/render``, then ``POST /tokenize``); the simulated engines answer both
-with the ids they cache on (where an engine has neither, vllm-router routes by load alone).
+Each peer runs with ``--policy cache_aware`` and its default knobs, and SMG a second
+time as ``smg-sticky``, with its sticky sessions keyed by the replay's ``X-Session-Id``.
+Without a tokenizer, SMG's cache_aware keeps a radix tree of request text per model (for
+a chat request, the messages' text contents joined by spaces, without roles or
+template). vllm-router's cache_aware asks every engine to tokenize each request (``POST
+/v1/chat/completions/render``, then ``POST /tokenize``); the simulated engines answer
+both with the ids they cache on (where an engine has neither, vllm-router routes by load
+alone).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from bench.compare.demo import (
     kvrouter_spec,
     run_comparison,
 )
+from router.wire.headers import SESSION_HEADER
 
 PEER_BINARIES = ("smg", "vllm-router")
 
@@ -62,6 +65,15 @@ def smg_command(
             "--disable-tokenizer-autoload")  # fmt: skip
 
 
+def smg_sticky_command(
+    binary: Path, config: DemoConfig, urls: Sequence[str], port: int, metrics_port: int
+) -> tuple[str, ...]:
+    """SMG with its sticky sessions keyed by the replay's session header: every turn of
+    a session on the worker its first turn went to."""
+    return (*smg_command(binary, config, urls, port, metrics_port), "--sticky-sessions",
+            "--routing-key-headers", SESSION_HEADER)  # fmt: skip
+
+
 def vllm_router_command(
     binary: Path, config: DemoConfig, urls: Sequence[str], port: int, metrics_port: int
 ) -> tuple[str, ...]:
@@ -78,6 +90,8 @@ def peer_specs(config: DemoConfig, peer_bin: Path, urls: Sequence[str]) -> list[
         specs.append(
             RouterSpec("smg", (smg_command(smg, config, urls, port, port + 1000),), (port,))
         )
+        sticky = smg_sticky_command(smg, config, urls, port, port + 1002)
+        specs.append(RouterSpec("smg-sticky", (sticky,), (port,)))
     vllm = peer_bin / "vllm-router"
     if vllm.exists():
         specs.append(

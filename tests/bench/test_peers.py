@@ -49,4 +49,9 @@ def test_peer_commands_are_the_documented_ones() -> None:
 def test_only_the_peers_present_are_run(tmp_path: Path) -> None:
     (tmp_path / "smg").touch(mode=0o755)
     specs = peer_specs(DemoConfig(), tmp_path, URLS)
-    assert [spec.label for spec in specs] == ["smg"]
+    assert [spec.label for spec in specs] == ["smg", "smg-sticky"]
+    assert specs[1].commands[0][-3:] == (
+        "--sticky-sessions",
+        "--routing-key-headers",
+        "X-Session-Id",
+    )
