@@ -26,7 +26,7 @@ from router.index.prefix import (
     render_chat_history,
     render_prompt,
 )
-from router.index.stored_chain import StoredChain
+from router.index.stored_chain import KeyedBy, StoredChain
 from router.wire.kinds import Kind
 
 CONVERTED: dict[Kind, Callable[[Mapping[str, Any]], ChatView]] = {
@@ -68,8 +68,12 @@ class ClientRequest:
     # its prompt and reply is kept for a request continuing it.
     link: ResponsesLink | None = None
     # The key holds only the first blocks of a conversation cut at its bound
-    # (router.index.stored_chain): nothing extends it.
-    cut: bool = False
+    # (router.index.stored_chain), keyed by text or by tokens: nothing extends it.
+    cut_from: KeyedBy | None = None
+
+    @property
+    def cut(self) -> bool:
+        return self.cut_from is not None
 
 
 def _check_parts(parts: list[Any], i: int) -> None:
@@ -317,7 +321,7 @@ def keyed_after(
     if not chain.whole:
         conversation = chain.key()
         cut = PrefixKey(conversation.hashes, b"", body.seed, chain.total_bytes + len(suffix))
-        return _client_request(body, cut, chain.blocks, record_reply=False, cut=True)
+        return _client_request(body, cut, chain.blocks, False, cut_from=chain.keyed_by)
     key = extended_key(chain.key(), suffix, block_bytes)
     by_tokens = chain.keyed_by == "tokens"
     return _client_request(body, key, chain.blocks, not by_tokens, reply_tokens=by_tokens)
@@ -346,7 +350,7 @@ def _client_request(
     history_blocks: int,
     record_reply: bool,
     reply_tokens: bool = False,
-    cut: bool = False,
+    cut_from: KeyedBy | None = None,
 ) -> ClientRequest:
     return ClientRequest(
         kind=body.kind,
@@ -364,7 +368,7 @@ def _client_request(
         ends_session=body.ends_session,
         parent_session=body.parent_session,
         link=body.link,
-        cut=cut,
+        cut_from=cut_from,
     )
 
 

@@ -159,9 +159,10 @@ def conversation_chain(
     link = request.link
     if link is None or not link.extendable:
         return None
+    if request.cut_from is not None:
+        cut_from = request.cut_from  # the kind of the cut chain its key is
+        return StoredChain.of(request.key, cut_from, block_bytes, link.context, whole=False)
     keyed_by: KeyedBy = "tokens" if request.reply_tokens else "text"
-    if request.cut:
-        return StoredChain.of(request.key, keyed_by, block_bytes, link.context, whole=False)
     if capture.continuation is None:
         return None
     return StoredChain.of(capture.continuation, keyed_by, block_bytes, link.context)

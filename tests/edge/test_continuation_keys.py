@@ -11,7 +11,13 @@ import orjson
 import pytest
 
 from router.apis.capture import ReplyCapture
-from router.apis.request import ClientRequest, keyed_continuing, parse_request, read_request
+from router.apis.request import (
+    ClientRequest,
+    keyed_after,
+    keyed_continuing,
+    parse_request,
+    read_request,
+)
 from router.apis.responses_reply import ResponsesCapture
 from router.edge.settlement import conversation_chain
 from router.index.prefix import CHAT_REPLY_HEADER, ChainExtender
@@ -147,3 +153,15 @@ async def test_a_cut_conversation_keys_its_follow_ups_by_the_blocks_kept() -> No
     # Its reply cannot extend it: what it leaves is the same cut chain, on and on.
     again = conversation_chain(follow, await replied(follow, [message("More.")]), BLOCK_BYTES)
     assert again is not None and not again.whole and again.key().hashes == follow.key.hashes
+
+
+async def test_a_cut_chain_keyed_by_tokens_stays_one() -> None:
+    """A follow-up of a cut token chain leaves the same cut chain, still of tokens: its
+    size is counted in token bytes, not text's."""
+    whole = await stored(keyed(FIRST), [message(REPLY)])
+    cut = StoredChain.of(whole.key(), "tokens", BLOCK_BYTES, whole.context, max_blocks=3)
+    body = {"model": "m", "instructions": SYSTEM, "previous_response_id": "r", "input": "b"}
+    follow = keyed_after(read_request("responses", orjson.dumps(body)), cut, b"ids", BLOCK_BYTES)
+    assert follow.cut and not follow.reply_tokens and not follow.record_reply
+    again = conversation_chain(follow, await replied(follow, [message("More.")]), BLOCK_BYTES)
+    assert again is not None and again.keyed_by == "tokens" and not again.whole
