@@ -64,6 +64,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from bench.workloads.agentx_format import AgentxRequest, AgentxTrace, read_traces
+from bench.workloads.flags import add_max_context_argument
 from bench.workloads.sampling import poisson_arrivals, within_context
 from bench.workloads.trace import EndedBy, TextBlock, Turn
 
@@ -297,12 +298,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-traces", type=int, help="only the first traces")
     parser.add_argument("--max-gap", type=float, help="cap each pause between turns (s)")
     parser.add_argument("--min-user-tokens", type=int, default=DEFAULT_MIN_USER_TOKENS)
-    parser.add_argument(
-        "--max-context-tokens",
-        type=int,
-        default=0,
-        help="end a session before a prompt plus reply passes this (0: no limit)",
-    )
+    add_max_context_argument(parser)
 
 
 def params_from(args: argparse.Namespace) -> AgentxParams:

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import orjson
 
+from bench.workloads.flags import add_max_context_argument
 from bench.workloads.sampling import poisson_arrivals, within_context
 from bench.workloads.trace import TextBlock, TraceFormatError, Turn
 
@@ -187,12 +188,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens per hash id: the synthesizer config's block_size",
     )
     parser.add_argument("--max-sessions", type=int, help="only the first sessions")
-    parser.add_argument(
-        "--max-context-tokens",
-        type=int,
-        default=0,
-        help="end a session before a prompt plus reply passes this (0: no limit)",
-    )
+    add_max_context_argument(parser)
 
 
 def params_from(args: argparse.Namespace) -> AiperfAgenticParams:

@@ -55,6 +55,16 @@ def median(dist: LogNormal, median: float | None) -> LogNormal:
     return replace(dist, median=median, low=min(dist.low, median), high=max(dist.high, median))
 
 
+def add_max_context_argument(parser: argparse.ArgumentParser) -> None:
+    """A trace reader's cut: sessions end before a prompt plus reply passes it."""
+    parser.add_argument(
+        "--max-context-tokens",
+        type=int,
+        default=0,
+        help="end a session before a prompt plus reply passes this (0: no limit)",
+    )
+
+
 def add_turn_range_arguments(parser: argparse.ArgumentParser) -> None:
     """Sessions of a few turns (chat, shared-prompt); read back by
     ``turn_range_values``."""

@@ -38,14 +38,40 @@ DEFAULT_SOURCES = SessionSources()
 NO_HEADERS: Mapping[bytes, bytes] = {}
 
 
+class _NamedSession:
+    """What a request's session says, read from its ``session``."""
+
+    __slots__ = ()
+    session: SessionKey | None
+
+    @property
+    def session_key(self) -> str | None:
+        """A digest of the client's session key (``router.apis.sessions``), never the key."""
+        return None if self.session is None else self.session.digest
+
+    @property
+    def session_source(self) -> str:
+        """Where the session key was read, its label; ``none`` without one."""
+        return NO_SESSION if self.session is None else self.session.source
+
+    @property
+    def ends_session(self) -> bool:
+        """The client marked this its session's last request (SESSION_END_HEADER)."""
+        return self.session is not None and self.session.ends
+
+    @property
+    def parent_session(self) -> str | None:
+        """The digest of the session that spawned this one (a subagent's parent)."""
+        return None if self.session is None else self.session.parent
+
+
 @dataclass(frozen=True, slots=True)
-class ClientRequest:
+class ClientRequest(_NamedSession):
     kind: Kind
     model: str
     body: bytes  # forwarded unchanged
     stream: bool
-    # A digest of the client's session key (``router.apis.sessions``), never the key.
-    session_key: str | None
+    session: SessionKey | None
     key: PrefixKey
     record_reply: bool  # whether the reply's text extends the chain (text prompts)
     # Leading blocks an earlier turn of this session left cached somewhere, if there was
@@ -58,12 +84,9 @@ class ClientRequest:
     # A chat prompt keyed by the model's tokens: the reply extends the chain by its
     # text's tokens (router.tokens.reply).
     reply_tokens: bool = False
-    session_source: str = NO_SESSION  # where the session key was read (its label)
     # A conversation with no reply in it yet: whatever of its prompt a worker holds, other
     # sessions put there (a shared system prompt, an agent's tool definitions).
     first_turn: bool = False
-    ends_session: bool = False  # the session's last request (SESSION_END_HEADER)
-    parent_session: str | None = None  # the digest of a subagent's parent session
     # A Responses request's place in its conversation: whether, and how, the chain of
     # its prompt and reply is kept for a request continuing it.
     link: ResponsesLink | None = None
@@ -148,7 +171,7 @@ def _prompt(value: Any) -> str | Sequence[int]:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestBody:
+class RequestBody(_NamedSession):
     """A client request read and checked, before its prefix key is computed."""
 
     kind: Kind
@@ -165,23 +188,6 @@ class RequestBody:
     chat_fields: Mapping[str, Any] | None = None
     continues: str | None = None  # Responses' previous_response_id
     link: ResponsesLink | None = None  # Responses: its place in its conversation
-
-    @property
-    def session_key(self) -> str | None:
-        return None if self.session is None else self.session.digest
-
-    @property
-    def ends_session(self) -> bool:
-        return self.session is not None and self.session.ends
-
-    @property
-    def parent_session(self) -> str | None:
-        return None if self.session is None else self.session.parent
-
-    @property
-    def session_source(self) -> str:
-        """Where the session key was read, its label; ``none`` without one."""
-        return NO_SESSION if self.session is None else self.session.source
 
     @property
     def rendered_fields(self) -> Mapping[str, Any]:
@@ -357,16 +363,13 @@ def _client_request(
         model=body.model,
         body=body.raw,
         stream=body.stream,
-        session_key=body.session_key,
+        session=body.session,
         key=key,
         record_reply=record_reply,
         history_blocks=min(history_blocks, len(key.hashes)),
         continues=body.continues,
         reply_tokens=reply_tokens,
-        session_source=body.session_source,
         first_turn=_first_turn(body),
-        ends_session=body.ends_session,
-        parent_session=body.parent_session,
         link=body.link,
         cut_from=cut_from,
     )

@@ -35,18 +35,15 @@ class SessionSources:
     __slots__ = ("header_names", "labels", "order")
 
     def __init__(self, keys: Sequence[str] = DEFAULT_SESSION_KEYS) -> None:
-        self.order = tuple(parse_source(key) for key in keys)
-        # The headers the request path collects, lower case as the wire compares them:
-        # the sources, the mark of a session's last request and a subagent's parent.
+        # Each source with its header's name as the wire compares it (lower-case bytes).
+        self.order = tuple((s, s.name.encode("latin-1")) for s in map(parse_source, keys))
+        # The headers the request path collects: the sources', the mark of a session's
+        # last request and a subagent's parent.
         self.header_names = frozenset(
-            {
-                _END,
-                _PARENT,
-                *(s.name.encode("latin-1") for s in self.order if s.kind == "header"),
-            }
+            {_END, _PARENT, *(wire for s, wire in self.order if s.kind == "header")}
         )
         # Every label a request can be counted under: a fixed set, for metrics.
-        self.labels = (*(s.label for s in self.order), NO_SESSION)
+        self.labels = (*(s.label for s, _ in self.order), NO_SESSION)
 
     def find(
         self,
@@ -86,9 +83,9 @@ class SessionSources:
         api_session: tuple[str, str] | None,
         max_bytes: int,
     ) -> SessionKey | None:
-        for source in self.order:
+        for source, wire_name in self.order:
             if source.kind == "header":
-                value = headers.get(source.name.encode("latin-1"))
+                value = headers.get(wire_name)
                 if value:
                     where = f"the {source.name} header"
                     return SessionKey(_digest(value, where, None, max_bytes), source.label)

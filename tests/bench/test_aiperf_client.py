@@ -17,7 +17,7 @@ import pytest
 import xxhash
 
 from bench.aiperf.client import AiperfRun, log_tail, run_aiperf
-from bench.aiperf.environment import AIPERF_VERSION, aiperf_home, installed_aiperf
+from bench.aiperf.environment import install_aiperf, installed_aiperf
 from bench.aiperf.export import AiperfRecord, read_records, read_ttft
 from bench.aiperf.hf_cache import hub_cache_home, offline_environment
 from bench.aiperf.sessions import SessionShape, session_id, write_sessions
@@ -26,16 +26,15 @@ from router.wire.sessions import DEFAULT_SESSION_KEYS
 from tests.conftest import TEST_MODEL, EngineFactory, router_config, serve_router
 from tests.router_client import BLOCK, engines, metric
 
-AIPERF = installed_aiperf()
-pytestmark = [
-    pytest.mark.skipif(
-        AIPERF is None,
-        reason=f"aiperf {AIPERF_VERSION} is not installed in {aiperf_home()}: "
-        "scripts/install-aiperf.sh installs it (scripts/test.sh runs it)",
-    ),
-    pytest.mark.slow,
-    pytest.mark.timeout(180),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="session")
+def aiperf() -> Path:
+    """aiperf's executable, installed on first use as the real engines' vLLM is
+    (scripts/install-aiperf.sh; scripts/test.sh runs it before the suite)."""
+    return installed_aiperf() or install_aiperf()
+
 
 SHAPE = SessionShape(
     sessions=3, turns=3, system_tokens=200, user_tokens=100, output_tokens=16, key="test"
@@ -56,9 +55,8 @@ def by_conversation(records: list[AiperfRecord]) -> dict[str, list[AiperfRecord]
 
 
 async def test_aiperf_multi_turn_sessions_through_the_router(
-    engine_factory: EngineFactory, model_dir: Path, tmp_path: Path
+    aiperf: Path, engine_factory: EngineFactory, model_dir: Path, tmp_path: Path
 ) -> None:
-    assert AIPERF is not None
     dataset = write_sessions(SHAPE, tmp_path / "sessions.jsonl")
     env = offline_environment(hub_cache_home(model_dir, tmp_path / "hf"))
     async with (
@@ -75,7 +73,7 @@ async def test_aiperf_multi_turn_sessions_through_the_router(
             artifact_dir=tmp_path / "aiperf",
             workers=1,  # fewer processes to start on a small machine
         )
-        status = await run_aiperf(AIPERF, run, env, AIPERF_TIMEOUT_S)
+        status = await run_aiperf(aiperf, run, env, AIPERF_TIMEOUT_S)
         assert status == 0, log_tail(run)
         sources = {
             source: await metric(http, router, "kvrouter_session_keys_total", source=source)
