@@ -35,6 +35,8 @@ MODEL_NAME = "tiny-qwen3"
 BLOCK_TOKENS = 32  # CPU vLLM's attention takes multiples of 32 only
 NUM_BLOCKS = 128  # the default: 4,096 tokens of KV cache, a few sessions fill it
 MAX_MODEL_LEN = 2048
+# Qwen3 writes its tool calls in the Hermes format (vLLM's parser of that name).
+TOOL_CALL_PARSER = "hermes"
 START_TIMEOUT_S = 300.0
 
 # Qwen3's shape, shrunk: 2 layers, hidden 128, 4 query and 2 KV heads of 32.
@@ -163,6 +165,10 @@ class VllmEngine:
             "--num-gpu-blocks-override",
             str(self.num_blocks),
             "--enforce-eager",  # no compile warm-up: 40 s to start instead of 70
+            # As a fleet serving agents runs Qwen3: tool calls parsed from its replies.
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            TOOL_CALL_PARSER,
             "--kv-events-config",
             json.dumps(kv_events),
             *self.extra_flags,

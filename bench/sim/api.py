@@ -92,16 +92,24 @@ async def _completion(engine: Engine, exchange: Exchange, kind: PromptKind) -> R
             engine.config.served_model_name,
             engine.max_model_len,
             engine.prompts,
+            tool_parser=engine.config.tool_call_parser is not None,
         )
     except ApiError as exc:
         return error_reply(exc)
     sim = submit(engine, parsed, exchange)
     try:
         if parsed.stream:
+            if parsed.parses_tools:
+                engine.metrics.record_tool_parser(True, called=parsed.calls is not None)
             return await stream_completion(
                 exchange, parsed, sim, engine.faults, engine.block_tokens
             )
-        return await _respond_whole(parsed, sim, engine.block_tokens)
+        reply = await _respond_whole(parsed, sim, engine.block_tokens)
+        if parsed.parses_tools:
+            # A whole reply cut before its call was complete is text (``full_response``).
+            called = parsed.calls is not None and sim.finish_reason != "length"
+            engine.metrics.record_tool_parser(False, called=called)
+        return reply
     finally:
         engine.abort(sim)  # no-op when it finished; frees blocks when the client left
 
@@ -168,7 +176,12 @@ async def _render(engine: Engine, exchange: Exchange, kind: PromptKind) -> Reply
     try:
         body = await read_json(exchange)
         parsed = await parse_request(
-            kind, body, engine.config.served_model_name, engine.max_model_len, engine.prompts
+            kind,
+            body,
+            engine.config.served_model_name,
+            engine.max_model_len,
+            engine.prompts,
+            tool_parser=engine.config.tool_call_parser is not None,
         )
     except ApiError as exc:
         return error_reply(exc)

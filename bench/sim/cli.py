@@ -16,6 +16,7 @@ from bench.sim.config import (
     DEFAULT_RESPONSES_STORE_MAX,
     DEFAULT_STREAM_FLUSH_WALL_S,
     DEFAULT_TIME_SCALE,
+    DEFAULT_TOOL_CALL_PARSER,
     KV_EVENTS_CONFIGS,
     EngineConfig,
 )
@@ -127,6 +128,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "chat template) whose ids prompts are encoded to (default: 4-byte stand-in tokens)",
     )
     parser.add_argument(
+        "--tool-call-parser",
+        default=DEFAULT_TOOL_CALL_PARSER,
+        help="as vLLM's --enable-auto-tool-choice --tool-call-parser NAME: chat replies "
+        "call the tools tool_choice asks for; 'none': refused as vLLM without a parser",
+    )
+    parser.add_argument(
         "--enable-responses-store",
         action="store_true",
         help="as vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1: keep /v1/responses answers for "
@@ -173,6 +180,7 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         tokenizer=args.tokenizer,
         responses_store=args.enable_responses_store,
         responses_store_max=args.responses_store_max,
+        tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         restore=getattr(args, "restore", None),
     )
 
@@ -208,6 +216,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         args.prefix_caching_hash_algo,
         "--responses-store-max",
         str(args.responses_store_max),
+        "--tool-call-parser",
+        args.tool_call_parser,
     ]
     if args.enable_responses_store:
         flags.append("--enable-responses-store")

@@ -35,6 +35,8 @@ DEFAULT_STREAM_FLUSH_WALL_S = 0.1
 # Stored Responses API responses an engine keeps (vLLM keeps every one; see
 # bench/sim/responses_store.py).
 DEFAULT_RESPONSES_STORE_MAX = 10_000
+# Qwen3's tool calls are written in the Hermes format, which vLLM's parser of that name reads.
+DEFAULT_TOOL_CALL_PARSER = "hermes"
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,11 @@ class EngineConfig:
     # responses_store_max of them, the oldest forgotten first (vLLM's store is unbounded).
     responses_store: bool = False
     responses_store_max: int = DEFAULT_RESPONSES_STORE_MAX
+    # As vLLM's --enable-auto-tool-choice --tool-call-parser NAME, as a fleet serving agents
+    # runs it: chat replies may call the tools a request offers, and
+    # vllm:tool_call_parser_invocations counts the parser's work. None: as vLLM without
+    # them, a tool_choice other than "none" is refused.
+    tool_call_parser: str | None = DEFAULT_TOOL_CALL_PARSER
     # A checkpoint file (``bench/sim/checkpoint.py``) the engine starts from, as a
     # process restored from a GPU checkpoint; None: an empty cache.
     restore: str | None = None

@@ -105,6 +105,7 @@ class Engine:
             self.cache_config_labels(),
             self.start_time,
             max_model_len=self.max_model_len,
+            tool_call_parser=config.tool_call_parser is not None,
         )
         self.pool = BlockPool(self.num_blocks, config.block_tokens)
         self.prefix_hashes = PrefixHashes(config.block_tokens)

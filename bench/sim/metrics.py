@@ -672,6 +672,23 @@ class _SglangMetrics:
         observe(self.queue_time, request.queue_s)
 
 
+def _tool_parser_invocations(registry: CollectorRegistry, model_name: str) -> Counter:
+    """vLLM's API-server counter of tool parser runs (``vllm.parser.metrics``), present
+    only with ``--tool-call-parser``: every label set made at start, no engine label."""
+    family = Counter(
+        "vllm:tool_call_parser_invocations",
+        "Total number of ToolParser invocations. Non-streaming increments once per choice; "
+        "streaming increments once per delta.",
+        ["model_name", "mode", "outcome", "request_type"],
+        registry=registry,
+    )
+    for mode in ("streaming", "non_streaming"):
+        for outcome in ("tool_call", "no_tool_call"):
+            for request_type in ("chat_completions", "responses", "other"):
+                family.labels(model_name, mode, outcome, request_type)
+    return family
+
+
 class EngineMetrics:
     """The /metrics of one simulated engine, in vLLM's or SGLang's names.
 
@@ -693,6 +710,7 @@ class EngineMetrics:
         start_time: float,
         *,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        tool_call_parser: bool = False,
     ) -> None:
         if flavor not in ("vllm", "sglang"):
             raise ValueError(f"unknown flavor {flavor!r}; known: vllm, sglang")
@@ -703,6 +721,7 @@ class EngineMetrics:
         self._engine_id = engine_id
         self._cache_config = dict(cache_config)
         self._max_model_len = max_model_len
+        self._tool_call_parser = tool_call_parser
         self._build(start_time)
 
     def _build(self, start_time: float) -> None:
@@ -720,6 +739,11 @@ class EngineMetrics:
             metrics = _SglangMetrics(
                 registries.changing, registries.histograms, self._model_name, self._cache_config
             )
+        self._tool_parser_calls = (
+            _tool_parser_invocations(registries.changing, self._model_name)
+            if self._tool_call_parser and self._flavor == "vllm"
+            else None
+        )
         # prometheus_client's ProcessCollector would give every engine in this process the
         # same value, and a simulated restart could not move it.
         Gauge(
@@ -754,6 +778,15 @@ class EngineMetrics:
 
     def record_preemption(self) -> None:
         self._metrics.record_preemption()
+
+    def record_tool_parser(self, streaming: bool, called: bool) -> None:
+        """A chat reply the tool parser read (once per reply; vLLM counts a stream once
+        per delta)."""
+        if self._tool_parser_calls is not None:
+            outcome = "tool_call" if called else "no_tool_call"
+            mode = "streaming" if streaming else "non_streaming"
+            labels = (self._model_name, mode, outcome, "chat_completions")
+            self._tool_parser_calls.labels(*labels).inc()
 
     def record_first_token(self, ttft_s: float) -> None:
         self._metrics.record_first_token(ttft_s)

@@ -37,6 +37,7 @@ class ParsedRequest:
     # as vLLM constrains the reply to a call): the generated text becomes its arguments.
     calls: str | None = None
     calls_named: bool = False  # tool_choice names the function (else "required")
+    parses_tools: bool = False  # the tool parser reads the reply (tools, tool_choice not none)
 
     @property
     def prompt_tokens(self) -> int:
@@ -50,12 +51,16 @@ async def parse_request(
     max_model_len: int,
     prompts: Prompts = STAND_IN,
     tool_calls: bool = True,
+    tool_parser: bool = True,
 ) -> ParsedRequest:
     """A completion request checked as vLLM checks it, its prompt encoded by ``prompts``.
     ``tool_calls``: a chat reply may be a call ``tool_choice`` asks for (not in the
-    Messages and Responses APIs, whose replies the simulator writes in text only)."""
+    Messages and Responses APIs, whose replies the simulator writes in text only);
+    ``tool_parser``: the engine runs with a tool call parser (else, as vLLM, a
+    ``tool_choice`` other than "none" is refused)."""
     body = request_body(body)
     model = requested_model(body, served_model)
+    parses_tools = kind == "chat" and _parses_tools(body, tool_parser)
     if field(body, "n", int, 1) != 1:
         raise ApiError(400, "only n=1 is simulated", param="n")
     requested = field(body, "max_completion_tokens", int) or field(body, "max_tokens", int)
@@ -92,6 +97,7 @@ async def parse_request(
     return ParsedRequest(
         calls=_called_function(body) if kind == "chat" and tool_calls else None,
         calls_named=isinstance(body.get("tool_choice"), dict),
+        parses_tools=parses_tools,
         kind=kind,
         model=model,
         prompt=prompt,
@@ -105,6 +111,31 @@ async def parse_request(
         ignore_eos=ignore_eos,
         fingerprint=system_fingerprint(served_model, max_model_len),
     )
+
+
+def _parses_tools(body: dict[str, Any], tool_parser: bool) -> bool:
+    """Whether the tool parser reads the reply: the request offers tools and does not
+    rule calls out. Without a parser, as vLLM 0.32's chat renderer, a ``tool_choice``
+    other than "none" (by default "auto" where tools are offered) is refused."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice", "auto" if tools else "none")
+    if choice in (None, "none"):
+        return False
+    if not tool_parser:
+        if choice == "auto":
+            raise ApiError(
+                400,
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set",
+            )
+        if isinstance(choice, dict):
+            function = choice.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            described = f'function "{name}"'
+        else:
+            described = f'"{choice}"'
+        raise ApiError(400, f"tool_choice={described} requires --tool-call-parser to be set")
+    return bool(tools)
 
 
 def _called_function(body: dict[str, Any]) -> str | None:
@@ -247,18 +278,19 @@ def call_chunk(
     rid: str,
     model: str,
     created: int,
-    arguments: str,
+    arguments: str | None,
     finish_reason: str | None,
     head: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    """A chat chunk carrying a piece of a tool call's arguments; ``head`` (the call's id
-    and function name) on the call's first."""
-    call: dict[str, Any] = {"index": 0}
+    """A chat chunk of a tool call, as vLLM streams one: the call's head (its id and
+    function name, no arguments) in a chunk of its own, then pieces of its arguments."""
+    call: dict[str, Any]
     if head is not None:
-        call |= {"id": head[0], "type": "function", "function": {"name": head[1]}}
-    call.setdefault("function", {})["arguments"] = arguments
+        call = {"id": head[0], "type": "function", "index": 0, "function": {"name": head[1]}}
+    else:
+        call = {"index": 0, "function": {"arguments": arguments}}
     chunk = stream_chunk("chat", rid, model, created, None, finish_reason)
-    chunk["choices"][0]["delta"] = {"tool_calls": [call]}
+    chunk["choices"][0]["delta"] = {"content": None, "tool_calls": [call]}
     return chunk
 
 
@@ -329,7 +361,10 @@ def full_response(
 ) -> dict[str, Any]:
     if kind == "chat":
         tool_calls: list[dict[str, Any]] = []
-        if calls is not None:
+        if calls is not None and finish_reason == "length":
+            # Cut before the call was whole: vLLM parses no call and answers the raw text.
+            text = f'<tool_call>\n{{"name": "{calls}", "arguments": ' + call_arguments_head() + text
+        elif calls is not None:
             arguments = call_arguments_head() + call_arguments(text) + '"}'
             function = {"name": calls, "arguments": arguments}
             tool_calls.append({"id": tool_call_id(), "type": "function", "function": function})

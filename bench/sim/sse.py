@@ -104,11 +104,12 @@ class StreamEvents:
         assert parsed.calls is not None
         events = []
         if sim.output_tokens > self.sent:
-            head = (self._call_id, parsed.calls) if self.sent == 0 else None
             piece = call_arguments(sim.output_text(self.sent))
-            if head is not None:
+            if self.sent == 0:
+                head = (self._call_id, parsed.calls)
+                events.append(sse_event(call_chunk(rid, parsed.model, created, None, None, head)))
                 piece = call_arguments_head() + piece
-            events.append(sse_event(call_chunk(rid, parsed.model, created, piece, None, head)))
+            events.append(sse_event(call_chunk(rid, parsed.model, created, piece, None)))
             self.sent = sim.output_tokens
         if sim.finished:
             finish = call_finish_reason(parsed.calls_named, sim.finish_reason or "length")

@@ -139,6 +139,30 @@ JSON = {"Content-Type": "application/json"}
 PROMPT = text_for("diff", 120)
 TOO_LONG = text_for("too-long", 3000)
 CHAT = [{"role": "user", "content": PROMPT}]
+# A reply that must call a tool (a coding agent's turn), cut at max_tokens: streamed, the
+# call's head and pieces of its arguments; whole, the raw text and no call. Seeded, so
+# the real engine's random weights say the same each run, and short: given more tokens
+# they may close the call early, which a trained model's calls do not.
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "parameters": {
+                "type": "object",
+                "properties": {"input": {"type": "string"}},
+                "required": ["input"],
+            },
+        },
+    }
+]
+CALL: dict[str, Any] = {
+    "tools": TOOLS,
+    "tool_choice": "required",
+    "max_tokens": 24,
+    "ignore_eos": True,
+    "seed": 7,
+}
 # (name, path, body): what both engines are asked, in order; the prefix cache is empty
 # before the first and the chat prompt is asked twice, so the second reads the cache.
 REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
@@ -183,6 +207,12 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
         {"messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 8},
     ),
     ("responses too long", "/v1/responses", {"input": TOO_LONG, "max_output_tokens": 8}),
+    ("chat tool call whole", "/v1/chat/completions", {"messages": CHAT, **CALL}),
+    (
+        "chat tool call stream",
+        "/v1/chat/completions",
+        {"messages": CHAT, "stream": True, "stream_options": {"include_usage": True}, **CALL},
+    ),
     ("chat unknown model", "/v1/chat/completions", {"messages": CHAT, "model": "nope"}),
     ("chat no messages", "/v1/chat/completions", {"max_tokens": 8}),
 ]

@@ -311,3 +311,45 @@ async def test_an_api_key_guards_the_v1_routes_as_vllms_does(
         ) as refused:
             with pytest.raises(openai.AuthenticationError):
                 await refused.models.list()
+
+
+async def test_tool_calls_need_a_parser_as_in_vllm(engine_factory: EngineFactory) -> None:
+    """Without ``--tool-call-parser`` vLLM 0.32 refuses any tool_choice but "none" (by
+    default "auto" once tools are offered) with these words; with one, a required call is
+    answered and counted in ``vllm:tool_call_parser_invocations_total``."""
+    tools = [{"type": "function", "function": {"name": "run", "parameters": {}}}]
+    messages = [{"role": "user", "content": "ls"}]
+    refused = {
+        "required": 'tool_choice="required" requires --tool-call-parser to be set',
+        None: '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+        "to be set",
+    }
+    async with engine_factory(tool_call_parser=None) as bare, aiohttp.ClientSession() as http:
+        for choice, message in refused.items():
+            body: dict[str, Any] = {"model": TEST_MODEL, "messages": messages, "tools": tools}
+            if choice is not None:
+                body["tool_choice"] = choice
+            async with http.post(f"{bare.url}/v1/chat/completions", json=body) as response:
+                assert response.status == 400
+                assert (await response.json())["error"]["message"] == message
+        plain = await chat(http, bare.url, messages, tools=tools, tool_choice="none")
+        assert plain["choices"][0]["message"]["content"]
+        async with http.get(f"{bare.url}/metrics") as response:
+            assert "tool_call_parser" not in await response.text()
+    async with engine_factory() as agents, aiohttp.ClientSession() as http:
+        body = {"model": TEST_MODEL, "messages": messages, "tools": tools, "max_tokens": 1000}
+        url = f"{agents.url}/v1/chat/completions"
+        async with http.post(url, json=body | {"tool_choice": "required", "seed": 1}) as response:
+            called = (await response.json())["choices"][0]
+        assert called["finish_reason"] == "tool_calls" and called["message"]["tool_calls"]
+        await chat(http, agents.url, messages, tools=tools, tool_choice="required")  # cut
+        async with http.get(f"{agents.url}/metrics") as response:
+            samples = {
+                (s.labels["mode"], s.labels["outcome"], s.labels["request_type"]): s.value
+                for family in text_string_to_metric_families(await response.text())
+                for s in family.samples
+                if s.name == "vllm:tool_call_parser_invocations_total"
+            }
+    assert len(samples) == 12 and sum(samples.values()) == 2
+    for outcome in ("tool_call", "no_tool_call"):
+        assert samples[("non_streaming", outcome, "chat_completions")] == 1
