@@ -4,8 +4,9 @@ A reader is fed the stream's server-sent events in order (``feed``) and says whe
 stream is over; a stream that stops before that is an error (``end_missing``). What each
 reads (``docs/engines/vllm-messages-responses.md`` §1.4, §2.4):
 
-* ``chat``: ``data:`` chunks; text in ``choices[].delta.content``; usage in the chunk
-  ``stream_options.include_usage`` adds (``prompt_tokens``,
+* ``chat``: ``data:`` chunks; text in ``choices[].delta.content``, a tool call in
+  ``choices[].delta.tool_calls`` (its id and name first, its arguments in pieces);
+  usage in the chunk ``stream_options.include_usage`` adds (``prompt_tokens``,
   ``prompt_tokens_details.cached_tokens``, ``completion_tokens``); ends at ``[DONE]``.
 * ``responses``: typed events; text in ``response.output_text.delta``'s ``delta``; usage
   in the terminal ``response.completed`` (or ``response.incomplete``, a reply cut at
@@ -27,7 +28,7 @@ is the time of the first non-empty text.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import orjson
 
@@ -53,6 +54,12 @@ from router.wire.streams import (
 MAX_ERROR_CHARS = 300
 
 
+class ToolCall(NamedTuple):
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass(slots=True)
 class StreamOutcome:
     """What came back; times are wall-clock seconds from sending the request."""
@@ -66,6 +73,7 @@ class StreamOutcome:
     completion_tokens: int = 0
     worker: str | None = None
     error: str | None = None
+    tool_call: ToolCall | None = None  # the reply's (first) tool call, chat only
 
 
 def _take_usage(outcome: StreamOutcome, usage: Usage) -> None:
@@ -117,8 +125,13 @@ class StreamReader:
 
 
 class ChatStream(StreamReader):
-    __slots__ = ()
+    __slots__ = ("_call_head", "_call_parts")
     end_missing: ClassVar[str] = f"stream ended before {CHAT_DONE}"
+
+    def __init__(self, outcome: StreamOutcome) -> None:
+        super().__init__(outcome)
+        self._call_head: tuple[str, str] | None = None
+        self._call_parts: list[str] = []
 
     def feed(self, event: SseEvent, elapsed: float) -> bool:
         if event.data.strip() == CHAT_DONE:
@@ -130,10 +143,30 @@ class ChatStream(StreamReader):
         delta = choice.get("delta") if choice is not None else None
         if isinstance(delta, dict):
             self._text(delta.get("content"), elapsed)
+            calls = delta.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                self._call(calls[0], elapsed)
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             _take_usage(self.outcome, chat_usage(usage))
         return False
+
+    def _call(self, call: Any, elapsed: float) -> None:
+        """A piece of the reply's first tool call (its head names the call; later calls
+        of the same reply are not read)."""
+        if not isinstance(call, dict) or call.get("index", 0) != 0:
+            return
+        function = call.get("function")
+        function = function if isinstance(function, dict) else {}
+        if self._call_head is None and isinstance(call.get("id"), str):
+            self._call_head = (call["id"], str(function.get("name") or ""))
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            self._call_parts.append(arguments)
+        if self.outcome.ttft_s is None:
+            self.outcome.ttft_s = elapsed
+        if self._call_head is not None:
+            self.outcome.tool_call = ToolCall(*self._call_head, "".join(self._call_parts))
 
 
 class ResponsesStream(StreamReader):

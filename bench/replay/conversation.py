@@ -8,9 +8,11 @@ trace's) is what lets the next turn hit the KV blocks the engine cached for them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from typing import Any
 
+from bench.replay.api_streams import ToolCall
 from bench.tokenizer import encode_piece, render_chat
+from bench.workloads.api_bodies import Message
 from bench.workloads.trace import TextSpec, Turn, render_text
 
 
@@ -18,27 +20,41 @@ class Conversation:
     """Committed turns only: a turn that failed leaves no trace in later requests.
 
     Dropping the failed turn's user message too (not just its missing reply) keeps the
-    roles alternating, which many chat templates insist on.
+    roles alternating, which many chat templates insist on. A turn after a reply that
+    called a tool sends its message as that tool's result.
     """
 
-    __slots__ = ("_messages",)
+    __slots__ = ("_call", "_messages")
 
     def __init__(self, system: TextSpec | None = None) -> None:
-        self._messages: list[dict[str, str]] = []
+        self._messages: list[Message] = []
+        self._call: ToolCall | None = None  # the last committed reply's call
         if system is not None:
             self._messages.append({"role": "system", "content": render_text(system)})
 
-    def request(self, turn: Turn) -> tuple[Mapping[str, str], ...]:
-        """The messages of the turn's request: the history, then its user message."""
-        return (*self._messages, {"role": "user", "content": render_text(turn.user)})
+    def request(self, turn: Turn) -> tuple[Message, ...]:
+        """The messages of the turn's request: the history, then its new message."""
+        text = render_text(turn.user)
+        if self._call is not None:
+            message: Message = {"role": "tool", "tool_call_id": self._call.id, "content": text}
+        else:
+            message = {"role": "user", "content": text}
+        return (*self._messages, message)
 
-    def commit(self, request: tuple[Mapping[str, str], ...], reply: str) -> None:
-        """``request(turn)`` succeeded: its user message and the reply join the history."""
+    def commit(
+        self, request: tuple[Message, ...], reply: str, call: ToolCall | None = None
+    ) -> None:
+        """``request(turn)`` succeeded: its new message and the reply join the history."""
         self._messages.append(dict(request[-1]))
-        self._messages.append({"role": "assistant", "content": reply})
+        answer: dict[str, Any] = {"role": "assistant", "content": reply}
+        if call is not None:
+            function = {"name": call.name, "arguments": call.arguments}
+            answer["tool_calls"] = [{"id": call.id, "type": "function", "function": function}]
+        self._messages.append(answer)
+        self._call = call
 
 
-def tokenize_prompt(messages: tuple[Mapping[str, str], ...]) -> bytes:
+def tokenize_prompt(messages: tuple[Message, ...]) -> bytes:
     """The prompt as the simulator's chat template tokenizes it."""
     return render_chat(messages)
 

@@ -13,7 +13,7 @@ File layout (JSON)::
      "summary": {...},        # for people and jq; loaders recompute it from the records
      "records": [{session, turn, start, ttft_s, latency_s, prompt_tokens, cached_tokens,
                   oracle_cached_tokens, completion_tokens, worker, error, status,
-                  api}, ...]}
+                  api, after}, ...]}
 
 ``meta.api`` is the run's default API; each record's ``api`` the one that carried it
 (records written before the field existed read as ``meta.api``). A run through more
@@ -24,6 +24,12 @@ cached tokens are below ``MISS_FRACTION`` (half) of what the oracle (a perfect r
 with unlimited cache, see ``bench.replay.oracle``) would have had cached. First turns
 can only hit on prefixes other sessions share (system prompts), so they are counted on
 their own and left out of the miss share.
+
+A record's ``after`` is how the session's previous reply ended, as the trace has it
+(``"tool"``: the turn carries a tool's result, sent as soon as the tool finished;
+``"user"``: a person answered); None for first turns and traces that do not say. The
+turns after a tool call are the ones an agent waits on: their TTFT has a figure of its
+own.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ class RequestRecord:
     error: str | None
     status: int  # HTTP status; 0 when no response arrived
     api: str = "chat"  # bench.workloads.api_bodies.Api: the API that carried the request
+    after: str | None = None  # bench.workloads.trace.EndedBy of the session's previous turn
 
     @property
     def ok(self) -> bool:
@@ -134,6 +141,10 @@ class Summary:
     prefill_cov: float | None = None
     # Per API, in order of first use; empty when the run used one API only.
     by_api: tuple[ApiStats, ...] = ()
+    # Turns that carried a tool's result (the previous reply called it); None: none.
+    after_tool_requests: int = 0
+    after_tool_ttft_p50: float | None = None
+    after_tool_ttft_p99: float | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -237,6 +248,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
     missed = [r for r in later if is_miss(r)]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     missed_ttfts = [r.ttft_s for r in missed if r.ttft_s is not None]
+    after_tool = [r for r in ok if r.after == "tool"]
+    after_tool_ttfts = [r.ttft_s for r in after_tool if r.ttft_s is not None]
     latencies = [r.latency_s for r in ok]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -274,6 +287,9 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
         requests_cov=requests_cov,
         prefill_cov=prefill_cov,
         by_api=apis if len(apis) > 1 else (),
+        after_tool_requests=len(after_tool),
+        after_tool_ttft_p50=percentile(after_tool_ttfts, 50),
+        after_tool_ttft_p99=percentile(after_tool_ttfts, 99),
     )
 
 

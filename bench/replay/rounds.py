@@ -110,6 +110,13 @@ FIGURES: tuple[Figure, ...] = (
         secs,
         False,
     ),
+    Figure(
+        "after_tool_ttft_p99",
+        "TTFT p99 after a tool call",
+        lambda r: r.summary.after_tool_ttft_p99,
+        secs,
+        False,
+    ),
     Figure("requests_per_s", "requests/s", lambda r: r.summary.requests_per_s, _rate, True),
     Figure(
         "output_tokens_per_s",

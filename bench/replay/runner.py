@@ -39,7 +39,7 @@ from bench.replay.oracle import PrefixOracle
 from bench.replay.result import RequestRecord, RunMeta, RunResult
 from bench.tokenizer import num_tokens
 from bench.workloads.api_bodies import APIS, DEFAULT_API, Api, ChatRequest
-from bench.workloads.trace import Session, Turn, group_sessions
+from bench.workloads.trace import EndedBy, Session, Turn, group_sessions
 from router.clock import monotonic
 from router.wire.blocks import DEFAULT_BLOCK_TOKENS
 
@@ -133,28 +133,42 @@ class _Run:
         conversation = Conversation(session.turns[0].system)
         api = session.turns[0].api or self._default_api
         parent = session.turns[0].parent
+        tools = api == "chat" and any(t.ended_by == "tool" for t in session.turns)
+        after: EndedBy | None = None  # how the previous turn's reply ended
         for turn in session.turns:
             if turn.turn > 0 and turn.gap > 0:
                 await asyncio.sleep(turn.gap / self._scale)
             if self._past_deadline():
                 return
-            await self._turn(turn, conversation, api, parent)
+            request = ChatRequest(
+                turn.session,
+                conversation.request(turn),
+                turn.output_tokens,
+                api,
+                parent,
+                tools=tools,
+                calls_tool=tools and turn.ended_by == "tool",
+            )
+            await self._turn(turn, conversation, request, after)
+            after = turn.ended_by
 
     async def _turn(
-        self, turn: Turn, conversation: Conversation, api: Api, parent: str | None = None
+        self,
+        turn: Turn,
+        conversation: Conversation,
+        request: ChatRequest,
+        after: EndedBy | None = None,
     ) -> None:
-        messages = conversation.request(turn)
+        messages = request.messages
         prompt = tokenize_prompt(messages)
         async with self._slots:
             # The oracle sees requests in the order they are sent.
             oracle_hit = self._oracle.hit_tokens(prompt)
             self._oracle.observe_prompt(prompt)
             start = self.elapsed()
-            outcome = await self._client.stream_chat(
-                ChatRequest(turn.session, messages, turn.output_tokens, api, parent)
-            )
+            outcome = await self._client.stream_chat(request)
         if outcome.error is None:
-            conversation.commit(messages, outcome.reply)
+            conversation.commit(messages, outcome.reply, outcome.tool_call)
             self._oracle.observe_completion(prompt, tokenize_reply(outcome.reply))
         s = self._scale
         record = RequestRecord(
@@ -172,7 +186,8 @@ class _Run:
             worker=outcome.worker,
             error=outcome.error,
             status=outcome.status,
-            api=api,
+            api=request.api or self._default_api,
+            after=after,
         )
         self.records.append(record)
         if self._sink is not None:

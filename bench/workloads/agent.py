@@ -94,7 +94,9 @@ def _session(params: AgentParams, seed: int, index: int, arrival: float) -> list
         gaps.append(gap)
         context += user + output
     system = (TextBlock(f"agent-sys-{which}", system_tokens),)
-    return build_session(f"{KIND}-{index}", arrival, system, users, outputs, gaps)
+    turns = build_session(f"{KIND}-{index}", arrival, system, users, outputs, gaps)
+    # Every reply but the last calls a tool, whose result is the next turn's message.
+    return [replace(t, ended_by="tool" if t is not turns[-1] else "user") for t in turns]
 
 
 def generate(params: AgentParams, seed: int) -> list[Turn]:

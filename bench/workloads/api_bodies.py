@@ -13,6 +13,12 @@ same chat messages and renders the same prompt (``docs/engines/vllm-messages-res
 * ``messages``: ``POST /v1/messages`` (Anthropic); the leading system message is
   ``system``, the rest ``{"role", "content": text}``.
 
+A session whose turns end in tool calls (``Turn.ended_by``) offers its tools on every
+chat turn, as agents do (the tools are part of the prompt), and asks for a call
+(``tool_choice: "required"``) on the turns that end in one; the next turn sends the tool's
+result as a ``tool`` message answering the call. The Responses and Messages bodies carry
+no tools: their turns are plain text.
+
 Every body asks for exactly ``max_tokens`` tokens, so replies match the trace: chat and
 Responses through vLLM's ``ignore_eos`` extra. vLLM's Anthropic request has no
 ``ignore_eos`` (unknown fields are ignored), so Messages also sends the vLLM extra
@@ -35,18 +41,39 @@ PATHS: dict[Api, str] = {
 }
 
 
+# A chat message as the replay sends it: string content, and an assistant's tool calls.
+Message = Mapping[str, Any]
+# The tool an agent session offers: one function whose arguments are free text.
+AGENT_TOOLS: tuple[dict[str, Any], ...] = (
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "description": "Run a command in the workspace.",
+            "parameters": {
+                "type": "object",
+                "properties": {"input": {"type": "string"}},
+                "required": ["input"],
+            },
+        },
+    },
+)
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     session: str
-    messages: tuple[Mapping[str, str], ...]
+    messages: tuple[Message, ...]
     max_tokens: int
     api: Api | None = None  # None: the client's default API
     parent: str | None = None  # the session that spawned this one (a subagent's parent)
+    tools: bool = False  # the session offers ``AGENT_TOOLS`` (chat only)
+    calls_tool: bool = False  # this turn's reply is to call one
 
 
 def _split_system(
-    messages: tuple[Mapping[str, str], ...],
-) -> tuple[str | None, tuple[Mapping[str, str], ...]]:
+    messages: tuple[Message, ...],
+) -> tuple[str | None, tuple[Message, ...]]:
     """The leading system message's content (None without one) and the rest."""
     if messages and messages[0]["role"] == "system":
         return messages[0]["content"], messages[1:]
@@ -63,10 +90,16 @@ def chat_body(model: str, request: ChatRequest) -> dict[str, Any]:
         "stream": True,
         "stream_options": {"include_usage": True},
         "user": request.session,
-    }
+    } | _tool_fields(request)
 
 
-def _input_item(message: Mapping[str, str]) -> dict[str, Any]:
+def _tool_fields(request: ChatRequest) -> dict[str, Any]:
+    if not request.tools:
+        return {}
+    return {"tools": list(AGENT_TOOLS), "tool_choice": "required" if request.calls_tool else "none"}
+
+
+def _input_item(message: Message) -> dict[str, Any]:
     if message["role"] == "assistant":
         part = {"type": "output_text", "text": message["content"]}
         return {"type": "message", "role": "assistant", "content": [part]}

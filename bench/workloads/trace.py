@@ -23,7 +23,9 @@ Fields of a line::
     ended_by       str    optional: how the source's reply to this turn ended, "tool" (a
                           tool call: the next turn is its result, sent without a person)
                           or "user" (the reply waited for a person). Absent when the source
-                          does not say. Informational: the replay waits ``gap`` either way.
+                          does not say. The replay waits ``gap`` either way; over chat, a
+                          session with "tool" turns offers tools on every turn, asks for
+                          the call on those turns and sends the next turn as its result.
 
 A *text* is either a literal string, or ``{"id": KEY, "tokens": N}`` (N stand-in tokens
 of deterministic filler drawn from KEY, see ``bench.textgen``), or a list of those,

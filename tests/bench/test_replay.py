@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -29,7 +30,8 @@ from bench.replay.result import (
 from bench.replay.runner import ReplayConfig, replay, select_sessions
 from bench.workloads.trace import TextBlock, Turn
 from router.wire.blocks import TOKEN_BYTES
-from tests.conftest import EngineFactory
+from tests.conftest import EngineFactory, router_config, serve_router
+from tests.router_client import metric
 
 BLOCK = 16
 
@@ -277,6 +279,40 @@ async def test_replay_against_the_simulated_engine(engine_url: str) -> None:
     summary = summarize(result.records, result.meta.duration_s)
     assert summary.missed_turns == 0
     assert summary.hit_rate > 0.5
+
+
+async def test_an_agent_session_calls_its_tools_and_sends_their_results(
+    engine_factory: EngineFactory,
+) -> None:
+    """Turns that end in a tool call ask for one (tools offered on every turn, the call
+    required); the next turn answers it with a ``tool`` message after the assistant's
+    call, so the engine still finds the whole conversation cached; the router reads the
+    calls from the replies and the sessions' returns from the next turns."""
+    trace = [
+        replace(t, ended_by="tool" if t.turn < 2 else "user")
+        for t in _tiny_trace()
+        if t.session == "alpha"
+    ]
+    async with (
+        engine_factory(time_scale=TIME_SCALE) as engine,
+        serve_router(router_config([engine])) as router,
+    ):
+        config = ReplayConfig(target=router.url, trace=Path("t.jsonl"), time_scale=TIME_SCALE)
+        result = await replay(config, select_sessions(trace))
+        async with aiohttp.ClientSession() as http:
+            ends = await metric(http, router, "kvrouter_session_turn_ends_total", waiting_on="tool")
+            name = "kvrouter_session_return_seconds_count"
+            back = await metric(http, router, name, after="tool")
+    assert [r.error for r in result.records] == [None] * 3
+    assert (ends, back) == (2, 2)
+    for record in result.records[1:]:
+        assert 0 < record.cached_tokens == record.oracle_cached_tokens
+    assert [r.after for r in result.records] == [None, "tool", "tool"]
+    summary = summarize(result.records)
+    assert summary.after_tool_requests == 2
+    after_tool = [r.ttft_s or 0.0 for r in result.records[1:]]
+    assert summary.after_tool_ttft_p99 == percentile(after_tool, 99)
+    assert min(after_tool) > 0
 
 
 async def test_failed_requests_are_recorded_and_sessions_go_on(engine_url: str) -> None:

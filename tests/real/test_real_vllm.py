@@ -321,6 +321,75 @@ async def test_a_session_through_each_client_stays_and_is_predicted(
         assert failures == 0
 
 
+AGENT_TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run",
+            "parameters": {
+                "type": "object",
+                "properties": {"input": {"type": "string"}},
+                "required": ["input"],
+            },
+        },
+    }
+]
+
+
+async def test_an_agent_session_calling_tools_is_read_and_predicted(
+    fleet: list[VllmEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A coding agent's turns through the router to real vLLM (with its Hermes tool
+    parser): each reply calls a tool (streamed, so the call comes as the engine parses
+    it), the next turn carries the call and the tool's result. The router reads every
+    turn's end as waiting on a tool, and predicts each later turn's cached tokens from
+    the prompt and the call as the next turn renders it."""
+    caplog.set_level(logging.INFO, logger="kvrouter.requests")
+    session = "agent-tools"
+    messages: list[Any] = [{"role": "user", "content": user_text(session, 0)}]
+    async with (
+        serve_router(real_config(fleet, "tokens")) as router,
+        aiohttp.ClientSession() as http,
+        openai.AsyncOpenAI(base_url=router.url + "/v1", **client_options(session)) as client,
+    ):
+        for turn in range(TURNS):
+            stream = await client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=messages,
+                tools=AGENT_TOOLS,
+                tool_choice="required",
+                max_tokens=REPLY_TOKENS,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "seed": 7},
+            )
+            head: tuple[str, str] | None = None
+            arguments = []
+            async for chunk in stream:
+                for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    if call.id is not None and call.function is not None:
+                        head = (call.id, call.function.name or "")
+                    if call.function is not None and call.function.arguments:
+                        arguments.append(call.function.arguments)
+            assert head is not None, turn
+            function = {"name": head[1], "arguments": "".join(arguments)}
+            messages += [
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [{"id": head[0], "type": "function", "function": function}],
+                },
+                {"role": "tool", "tool_call_id": head[0], "content": user_text(session, turn + 1)},
+            ]
+        ends = await metric(http, router, "kvrouter_session_turn_ends_total", waiting_on="tool")
+        back = await metric(http, router, "kvrouter_session_return_seconds_count", after="tool")
+    assert (ends, back) == (TURNS, TURNS - 1)
+    pairs = later_turns(request_lines(caplog))
+    assert len(pairs) == TURNS - 1
+    for predicted, cached in pairs:
+        assert cached > 0 and abs(predicted - cached) <= BLOCK_TOKENS, pairs
+
+
 async def wait_until(check: Callable[[], Any], timeout_s: float = 30.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not await check():
