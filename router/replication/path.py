@@ -57,7 +57,7 @@ from router.replication.remote import BadEntries
 from router.replication.repair import Repairs, is_wrong_type, queued_keys
 from router.replication.scripts import LONGEST_PREFIXES
 from router.replication.sync import REDIS_ERRORS
-from router.routing.response_owners import Owner
+from router.routing.response_owners import MAX_OWNER_BYTES, Owner
 
 
 def _binding_of(worker: Worker) -> str:
@@ -216,7 +216,7 @@ class SharedPath:
         "none did": that is a 503, not the engine's 404."""
         key, chain_key = self._keys.response(response_id), self._keys.response_chain(response_id)
         pipe = self._redis.pipeline(transaction=False)
-        pipe.get(key)
+        pipe.getrange(key, 0, MAX_OWNER_BYTES)  # one byte past the most: not an owner
         pipe.getrange(chain_key, 0, MAX_ENCODED_BYTES)  # one byte past the most: too long
         found = await self._bounded(
             "response_owner",  # the op's name as before it carried the chain too
@@ -232,7 +232,17 @@ class SharedPath:
         wrong = [k for k, v in ((key, owner_value), (chain_key, chain_value)) if is_wrong_type(v)]
         if wrong and self._repairs is not None:
             self._in_background(self._repairs.repair(wrong))
-        return _owner(owner_value), self._chain(chain_value)
+        return self._owner(owner_value), self._chain(chain_value)
+
+    def _owner(self, value: Any) -> Owner | None:
+        if not isinstance(value, bytes) or not value:  # none written (or not a string)
+            return None
+        owner = Owner.decode(value.decode("utf-8", errors="replace"))
+        if owner is None or len(value) > MAX_OWNER_BYTES:
+            if self._bad is not None:
+                self._bad.skipped("owner", value[:64])
+            return None
+        return owner
 
     def _chain(self, value: Any) -> StoredChain | None:
         if not isinstance(value, bytes) or not value:  # none written (or not a string)
@@ -336,12 +346,6 @@ class SharedPath:
         with contextlib.suppress(*REDIS_ERRORS):
             async with asyncio.timeout(WITHDRAW_TIMEOUT_S):
                 await call
-
-
-def _owner(value: Any) -> Owner | None:
-    if not isinstance(value, bytes):
-        return None
-    return Owner.decode(value.decode("utf-8", errors="replace"))
 
 
 def _retrieved(task: asyncio.Future[Any]) -> None:

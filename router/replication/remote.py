@@ -19,7 +19,7 @@ from router.replication.keys import MEMBER_BYTES, block_hash
 
 log = logging.getLogger(__name__)
 
-BAD_ENTRY_KINDS = ("load", "rate", "stream", "residency", "replica", "chain", "type")
+BAD_ENTRY_KINDS = ("load", "rate", "stream", "residency", "replica", "owner", "chain", "type")
 # Far beyond any real figure (a worker's outstanding tokens, a prefill rate), far below
 # what would overflow a sum of them.
 MAX_COUNT = 1 << 48

@@ -43,6 +43,11 @@ CHAIN_OVERHEAD_BYTES = 256
 _TENANT_SEPARATOR = "\n"  # after the worker: no worker name or digest holds one
 
 
+# An owner's encoding (a start time, a worker's name, a tenant's digest) is far shorter;
+# a longer value in Redis is no owner a replica wrote, and is read no further.
+MAX_OWNER_BYTES = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class Owner:
     worker: str

@@ -242,3 +242,37 @@ async def test_a_chain_no_router_wrote_is_ignored_and_the_follow_up_keyed_blind(
     lines = request_lines(caplog)
     assert [line["outcome"] for line in lines] == ["success", "success"]
     assert lines[1]["predicted_cached_tokens"] == 0
+
+
+@pytest.mark.parametrize("planted", ["garbled", "oversized"])
+async def test_an_owner_no_router_wrote_is_counted_and_read_no_further(
+    engine_factory: EngineFactory, model_dir: Path, redis_url: str, planted: str
+) -> None:
+    """A response's owner in Redis that no replica could have written (not an owner, or
+    longer than any: only its first bytes are read) is skipped and counted; the replica
+    that did not relay the response then knows no worker holding it, and says so in the
+    API's own 404."""
+    state = StateConfig(url=redis_url, path_timeout_s=1.0, flush_interval_s=5.0)
+    raw = aioredis.from_url(redis_url)
+    keys = Keys("kvrouter")
+    async with (
+        tokenized_fleet(engine_factory, model_dir) as fleet,
+        serve_router(tokens_config(fleet, model_dir, state=state, seed=1)) as a,
+        serve_router(tokens_config(fleet, model_dir, state=state, seed=2)) as b,
+        client_of(a) as via_a,
+        client_of(b) as via_b,
+        aiohttp.ClientSession() as http,
+    ):
+        await met(http, a, b)
+        previous, _ = await respond(via_a, 0, None, stream=False)
+        key = keys.response(previous)
+        written = await raw.get(key)
+        assert isinstance(written, bytes)
+        if planted == "garbled":
+            await raw.set(key, b"not-a-time " + written)
+        else:
+            await raw.set(key, written + b"\x00" * (4 * 1024 * 1024))
+        with pytest.raises(openai.NotFoundError):
+            await respond(via_b, 1, previous, stream=False)
+        assert await metric(http, b, "kvrouter_redis_bad_entries_total", kind="owner") == 1
+    await raw.aclose()
