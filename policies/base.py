@@ -58,6 +58,10 @@ class WorkerView(NamedTuple):
     recent_prompt_tokens: float = 0.0
     # The engine's KV block size in tokens (0: not known): it holds whole blocks only.
     cache_block_tokens: int = 0
+    # Of the cached tokens this request would push out of the worker's cache (its new
+    # tokens past the capacity), how many the sessions they belong to are expected to
+    # come back for, learned from when sessions return (router.routing.returns).
+    returning_evicted_tokens: float = 0.0
 
 
 class Decision(NamedTuple):

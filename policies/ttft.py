@@ -5,7 +5,9 @@ For each candidate worker ``w``::
     queue_s(w) = queued_prefill_tokens(w) / rate(w)          prefill work already waiting
     new(w)     = prompt_tokens - cache_weight x matched(w)    what this request prefills
     evict(w)   = max(0, resident(w) + new(w) - capacity(w))   cached tokens it pushes out
-    ttft(w)    = queue_s(w) + (max(0, new(w)) + eviction_weight x evict(w)) / rate(w)
+    back(w)    = of those, how many their sessions are expected to come back for
+    ttft(w)    = queue_s(w) + (max(0, new(w)) + eviction_weight x evict(w)
+                                + return_weight x back(w)) / rate(w)
 
 ``rate(w)`` is the worker's prefill speed, learned by the router from observed TTFTs;
 ``matched(w)`` is how much of this prompt the worker is modelled to hold, ``resident(w)``
@@ -18,7 +20,16 @@ this request evicts it (on a full cache every token a request stores pushes one 
 and a session whose prefix was pushed out prefills it again on its next turn): above 0
 it keeps sessions on full caches longer, trading TTFT for hit rate. Default 0: moving a
 session off a full cache also frees its old copy, so on the agent workload the measured
-trade was poor (``docs/benchmarks.md``, the sweep).
+trade was poor (``docs/benchmarks.md``, the sweep). ``return_weight`` prices only
+the evicted tokens whose sessions are expected back (``WorkerView.returning_evicted_tokens``:
+the oldest sessions on the worker's cache, each weighed by how likely a session idle
+that long in its state, waiting on a tool, on a person or finished, is to return,
+learned from the traffic): an agent seconds into a tool call costs its whole history,
+a conversation that ended costs nothing, so a placement is steered to the worker whose
+oldest cached sessions are the least likely to be missed. Default 0: charged in the
+estimate, it moved turns off their caches to spare others' and lost more than it kept
+on the agent workload (``docs/benchmarks.md``); the tie rule below uses the same count
+without overriding the estimate.
 
 Prefixes that every worker holds (a shared system prompt) add the same saving to every
 candidate and cancel out of the comparison: only the part of a prefix that distinguishes
@@ -54,7 +65,12 @@ resident tokens tie), the near-tie goes to the worker with the least recent dema
 prompt tokens sent to it lately (``recent_prompt_tokens``, fading with a half-life of a
 few turns, ``router.fleet.demand``) plus this request's new tokens, in seconds of that worker's
 prefill. That is the live sessions' context, which will come back every turn; a slower
-worker with as much of it counts as busier. Then the estimate, fewer requests, at random.
+worker with as much of it counts as busier. With ``ties_spare_returns`` (default on) the
+tokens this request would push out of the worker's cache that their sessions are
+expected to come back for count as demand too (``WorkerView.returning_evicted_tokens``):
+of two full caches, the one whose oldest sessions ended their conversations, or went
+quiet long ago, takes the new work, and the one whose oldest sessions are agents in a tool
+call keeps them. Then the estimate, fewer requests, at random.
 
 ``subagents_with_parent`` (default off) seats a subagent's first turn on its parent's
 worker (``RouteRequest.parent_worker``) whenever that worker is among the near-best,
@@ -77,6 +93,7 @@ from policies.base import Decision, Policy, RouteRequest, WorkerView
 
 DEFAULT_CACHE_WEIGHT = 1.0
 DEFAULT_EVICTION_WEIGHT = 0.0
+DEFAULT_RETURN_WEIGHT = 0.0
 DEFAULT_TIE_TOLERANCE = 0.2
 DEFAULT_TEMPERATURE_S = 0.0
 # Rates below this are treated as this (tokens/s); guards a worker that has reported
@@ -92,6 +109,8 @@ class TtftParams:
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE
     spread_first_turns: bool = True
     subagents_with_parent: bool = False
+    return_weight: float = DEFAULT_RETURN_WEIGHT
+    ties_spare_returns: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.tie_tolerance < 1:
@@ -100,17 +119,18 @@ class TtftParams:
             raise ValueError(f"cache_weight must be >= 0, got {self.cache_weight}")
         if self.eviction_weight < 0:
             raise ValueError(f"eviction_weight must be >= 0, got {self.eviction_weight}")
+        if self.return_weight < 0:
+            raise ValueError(f"return_weight must be >= 0, got {self.return_weight}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
 
-def estimate_ttft(
-    view: WorkerView, prompt_tokens: int, cache_weight: float, eviction_weight: float = 0.0
-) -> float:
+def estimate_ttft(view: WorkerView, prompt_tokens: int, params: TtftParams) -> float:
     rate = max(view.prefill_tokens_per_s, MIN_RATE)
-    new = max(0.0, prompt_tokens - cache_weight * view.matched_tokens)
+    new = max(0.0, prompt_tokens - params.cache_weight * view.matched_tokens)
     evicted = max(0.0, view.resident_tokens + new - view.capacity_tokens)
-    return (view.queued_prefill_tokens + new + eviction_weight * evicted) / rate
+    lost = params.eviction_weight * evicted + params.return_weight * view.returning_evicted_tokens
+    return (view.queued_prefill_tokens + new + lost) / rate
 
 
 class TtftPolicy(Policy):
@@ -125,16 +145,17 @@ class TtftPolicy(Policy):
         params = self.params
         scored = []
         for v in candidates:
-            estimate = estimate_ttft(
-                v, request.prompt_tokens, params.cache_weight, params.eviction_weight
-            )
+            estimate = estimate_ttft(v, request.prompt_tokens, params)
             new = max(0, request.prompt_tokens - v.matched_tokens)
             rate = max(v.prefill_tokens_per_s, MIN_RATE)
+            demand = v.recent_prompt_tokens + new
+            if params.ties_spare_returns:
+                demand += v.returning_evicted_tokens
             scored.append(
                 _Scored(
                     estimate=estimate,
                     filled=v.resident_tokens + new,
-                    demand_s=(v.recent_prompt_tokens + new) / rate,
+                    demand_s=demand / rate,
                     outstanding=v.outstanding_requests,
                     tiebreak=self._rng.random(),
                     view=v,

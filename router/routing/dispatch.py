@@ -236,18 +236,22 @@ class Router:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         if remote_matches is not None:
             matched_blocks = max(matched_blocks, remote_matches.get(worker.name, 0))
+        matched = whole_engine_blocks(
+            min(route.prompt_tokens, matched_blocks * self.block_tokens),
+            worker.engine_block_tokens,
+        )
+        resident = self.index.resident_blocks(worker.name) * self.block_tokens
+        evicted = resident + route.prompt_tokens - matched - worker.capacity_tokens
         return WorkerView(
             name=worker.name,
             outstanding_requests=worker.load,
             outstanding_tokens=worker.outstanding_tokens + worker.remote_tokens,
             queued_prefill_tokens=worker.queued_prefill_tokens + worker.remote_queued_prefill,
-            matched_tokens=whole_engine_blocks(
-                min(route.prompt_tokens, matched_blocks * self.block_tokens),
-                worker.engine_block_tokens,
-            ),
-            resident_tokens=self.index.resident_blocks(worker.name) * self.block_tokens,
+            matched_tokens=matched,
+            resident_tokens=resident,
             capacity_tokens=worker.capacity_tokens,
             prefill_tokens_per_s=self.learner.prefill_tokens_per_s(worker.name),
             recent_prompt_tokens=worker.demand.value(now) + worker.remote_demand.value(now),
             cache_block_tokens=worker.engine_block_tokens or 0,
+            returning_evicted_tokens=self.learner.returning_tokens(worker.name, evicted, now),
         )

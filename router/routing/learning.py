@@ -34,6 +34,7 @@ from router.fleet.workers import Fleet, Worker
 from router.index.residency import PrefixIndex
 from router.observability.metrics import RouterMetrics
 from router.observability.outcomes import SessionMemory, SessionTracker, Waiting, classify
+from router.routing.returns import ResidentSessions, ReturnTimes
 
 if TYPE_CHECKING:
     from router.routing.dispatch import Dispatch, EngineUsage
@@ -164,6 +165,8 @@ class Learner:
         self.speeds = WorkerSpeeds()
         self.calibrator = ResidencyCalibrator(index, block_tokens)
         self.sessions = SessionTracker()
+        self.returns = ReturnTimes()
+        self.resident_sessions = ResidentSessions(self.returns)
 
     def prefill_tokens_per_s(self, worker: str) -> float:
         """How fast ``worker`` is taken to prefill: the fleet's rate times its own ratio."""
@@ -173,6 +176,13 @@ class Learner:
         """The worker left or lost its cache: what was learnt of it no longer holds."""
         self.calibrator.reset(worker)
         self.speeds.reset(worker)
+        self.resident_sessions.forget(worker)
+
+    def migrate(self, source: str, target: str, target_epoch: int) -> None:
+        """``source``'s cache was restored on ``target``: its sessions are there now."""
+        self.calibrator.reset(source)
+        self.sessions.migrate(source, target, target_epoch)
+        self.resident_sessions.migrate(source, target)
 
     def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
         uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
@@ -226,14 +236,16 @@ class Learner:
         waiting: Waiting = "finished" if dispatch.request.ends_session else dispatch.turn_end
         metrics = self._metrics
         metrics.counter(metrics.session_turn_ends, waiting).inc()
+        worker = dispatch.worker
+        now = monotonic()
         memory = SessionMemory(
-            dispatch.worker.name,
-            dispatch.worker.epoch,
-            history_tokens,
-            ended_at=monotonic(),
-            waiting_on=waiting,
+            worker.name, worker.epoch, history_tokens, ended_at=now, waiting_on=waiting
         )
         self.sessions.remember(key, memory)
+        self.returns.ended(waiting)
+        self.resident_sessions.ended(
+            worker.name, key, history_tokens, waiting, now, worker.capacity_tokens
+        )
 
     def worker_of(self, session: str | None) -> str | None:
         """The worker session ``session``'s last turn ran on, if it is remembered."""
@@ -243,8 +255,19 @@ class Learner:
     def session_returns(self, key: str | None) -> None:
         """A request of session ``key`` arrives: how long the session was away since its
         last turn ended is observed by what that turn left it waiting on."""
+        if key is None:
+            return
+        self.resident_sessions.returned(key)
         memory = self.sessions.returning(key)
         if memory is not None and memory.ended_at is not None:
             away = max(0.0, monotonic() - memory.ended_at)
+            self.returns.returned(memory.waiting_on, away)
             metrics = self._metrics
             metrics.histogram(metrics.session_return, memory.waiting_on).observe(away)
+
+    def returning_tokens(self, worker: str, evicted_tokens: float, now: float) -> float:
+        """Of the ``evicted_tokens`` a placement would push out of ``worker``'s cache, how
+        many their sessions are expected to come back for (``router.routing.returns``)."""
+        if evicted_tokens <= 0:
+            return 0.0
+        return self.resident_sessions.returning_tokens(worker, evicted_tokens, now)

@@ -50,8 +50,7 @@ class Membership:
         ``taken_at`` (the checkpoint's wall-clock time), only what the source held by
         then moves: what it computed after, the restored engine lacks."""
         moved = self._index.migrate(source, target, taken_at)
-        self._learner.calibrator.reset(source)
-        self._learner.sessions.migrate(source, target, self.fleet.workers[target].epoch)
+        self._learner.migrate(source, target, self.fleet.workers[target].epoch)
         return moved
 
     def worker_restarted(self, worker: Worker) -> None:

@@ -51,7 +51,9 @@ TTFT_DEFAULTS = {
     "cache_weight": 1.0,
     "temperature": 0.0,
     "eviction_weight": 0.0,
+    "return_weight": 0.0,
     "tie_tolerance": 0.2,
+    "ties_spare_returns": True,
     "spread_first_turns": True,
     "subagents_with_parent": False,
 }
@@ -179,7 +181,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=1.0,eviction_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2",
+                "cache_weight=1.0,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=True",
             ): 1
         }
         status, body = await admin(
@@ -192,7 +194,9 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "cache_weight": 2.0,
                 "temperature": 0.0,
                 "eviction_weight": 0.0,
+                "return_weight": 0.0,
                 "tie_tolerance": 0.2,
+                "ties_spare_returns": True,
                 "spread_first_turns": True,
                 "subagents_with_parent": False,
             },
@@ -201,7 +205,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2",
+                "cache_weight=2.0,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=True",
             ): 1
         }  # the old series is gone
         assert await metric(http, router, "kvrouter_policy_changes_total") == 1
@@ -217,7 +221,9 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "cache_weight": 1.0,
                 "temperature": 0.5,
                 "eviction_weight": 0.0,
+                "return_weight": 0.0,
                 "tie_tolerance": 0.2,
+                "ties_spare_returns": True,
                 "spread_first_turns": True,
                 "subagents_with_parent": False,
             },
@@ -334,7 +340,7 @@ async def test_a_change_reaches_every_replica_and_the_newest_wins(
             assert await info_series(http, a) == {
                 (
                     "ttft",
-                    "cache_weight=2.0,eviction_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2",
+                    "cache_weight=2.0,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=True",
                 ): 1
             }
 

@@ -6,6 +6,7 @@ import orjson
 import pytest
 
 from router.apis.request import parse_request
+from router.clock import monotonic
 from router.fleet.demand import RecentDemand
 from router.fleet.workers import Fleet, Worker
 from router.index.residency import LocalPrefixIndex
@@ -82,3 +83,60 @@ def test_a_worker_learns_its_speed_from_requests_mostly_its_own_prefill(
     router.learner.learn(slow, EngineUsage(prompt_tokens=own + 500, cached_tokens=500))
     ahead.fail("upstream_error")
     assert (router.learner.speeds.learned("a100") < 1.0) is learns
+
+
+def test_a_full_cache_counts_the_sessions_a_placement_would_push_out_until_they_return() -> None:
+    """Two agents' turns ended on a100 calling tools; its cache is full. A new session's
+    placement there would push out the older agent, who is expected back: the view says
+    how many tokens. Once that agent's next turn arrives it is in use, not pushed out."""
+    router = _a_settled_router()
+    router.index.resize_worker("a100", 20)  # 20 blocks of 64 tokens: 1,280 tokens
+    router.fleet.workers["a100"].capacity_tokens = 1_280
+
+    def agent_turn(session: str) -> None:
+        body = {
+            "model": "m",
+            "user": session,
+            "messages": [{"role": "user", "content": f"{session} word " * 300}],
+        }
+        request = parse_request("chat", orjson.dumps(body), 256)
+        dispatch = router.dispatch(request, router.route_request(request, "r"), ["h100"])
+        router.index.touch("a100", dispatch.route.block_hashes)
+        dispatch.turn_end = "tool"
+        router.learner.turn_ended(dispatch, 600)
+
+    agent_turn("agent-1")
+    agent_turn("agent-2")
+    newcomer = parse_request(
+        "chat",
+        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "fresh " * 400}]}),
+        256,
+    )
+    route = router.route_request(newcomer, "n")
+
+    def at_risk() -> float:
+        return router._view(
+            router.fleet.workers["a100"], route, monotonic()
+        ).returning_evicted_tokens
+
+    # All of agent-1's history (a tool call away, the oldest) and the head of agent-2's.
+    assert 600 < at_risk() < 1200
+    router.learner.session_returns(
+        router.route_request(
+            parse_request(
+                "chat",
+                orjson.dumps(
+                    {
+                        "model": "m",
+                        "user": "agent-1",
+                        "messages": [{"role": "user", "content": "x"}],
+                    }
+                ),
+                256,
+            ),
+            "r",
+        ).session_key
+    )
+    assert at_risk() == 600  # what would be pushed out now is agent-2's alone
+    router.learner.forget("a100")
+    assert at_risk() == 0.0

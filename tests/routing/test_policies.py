@@ -507,6 +507,37 @@ def test_ttft_counts_what_a_request_evicts_from_a_full_cache() -> None:
     assert blind.choose(request(prompt_tokens=10_000), [full, roomy_but_busy]).worker == "full"
 
 
+def test_ttft_spares_the_cache_whose_oldest_sessions_are_coming_back() -> None:
+    """Both caches are full and this request pushes 10K tokens out of either; on "agents"
+    they are sessions in a tool call, expected back, on "ended" conversations that are
+    not. Priced by ``return_weight`` the placement goes where nothing is missed, even
+    past a little more queued work; unpriced, the two are a tie settled by the queue."""
+    agents = _ttft_view("agents", resident=100_000)._replace(returning_evicted_tokens=9_500)
+    ended = _ttft_view("ended", resident=100_000, queued=2_000)._replace(
+        returning_evicted_tokens=300
+    )
+    aware = build_policy("ttft", {"return_weight": 1.0, "tie_tolerance": 0.0}, seed=1)
+    assert aware.choose(request(prompt_tokens=10_000), [agents, ended]).worker == "ended"
+    blind = build_policy("ttft", {"tie_tolerance": 0.0}, seed=1)
+    assert blind.choose(request(prompt_tokens=10_000), [agents, ended]).worker == "agents"
+
+
+def test_ttft_ties_on_full_caches_spare_the_sessions_coming_back() -> None:
+    """Two full caches, the same estimate: "agents" has less live context lately but its
+    oldest sessions are in tool calls (30K tokens this request would push out, expected
+    back); "ended" has more, but its oldest conversations are over. The tie goes where
+    nobody is coming back for what is pushed out; without ``ties_spare_returns``, to the
+    lesser live context."""
+    agents = _ttft_view("agents", resident=100_000, recent=60_000)._replace(
+        returning_evicted_tokens=30_000
+    )
+    ended = _ttft_view("ended", resident=100_000, recent=80_000)
+    sparing = build_policy("ttft", seed=1)
+    assert sparing.choose(request(prompt_tokens=4_000), [agents, ended]).worker == "ended"
+    demand_only = build_policy("ttft", {"ties_spare_returns": False}, seed=1)
+    assert demand_only.choose(request(prompt_tokens=4_000), [agents, ended]).worker == "agents"
+
+
 def test_ttft_new_sessions_fill_the_emptier_cache_first() -> None:
     policy = build_policy("ttft", seed=1)
     views = [
