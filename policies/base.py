@@ -60,7 +60,8 @@ class WorkerView(NamedTuple):
     cache_block_tokens: int = 0
     # Of the cached tokens this request would push out of the worker's cache (its new
     # tokens past the capacity), how many the sessions they belong to are expected to
-    # come back for, learned from when sessions return (router.routing.returns).
+    # come back for, learned from when sessions return (router.routing.returns); 0
+    # unless the policy ``counts_returns``.
     returning_evicted_tokens: float = 0.0
 
 
@@ -106,6 +107,12 @@ class Policy(abc.ABC):
         if "seed" in inspect.signature(cls).parameters:
             return construct(params, seed=seed)
         return construct(params)
+
+    @property
+    def counts_returns(self) -> bool:
+        """The policy reads ``WorkerView.returning_evicted_tokens`` (the router counts
+        it only then: it walks each full worker's oldest sessions)."""
+        return False
 
     @abc.abstractmethod
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision: ...

@@ -141,6 +141,10 @@ class TtftPolicy(Policy):
         self.params = params if params is not None else TtftParams()
         self._rng = random.Random(seed)
 
+    @property
+    def counts_returns(self) -> bool:
+        return self.params.ties_spare_returns or self.params.return_weight > 0
+
     def choose(self, request: RouteRequest, candidates: Sequence[WorkerView]) -> Decision:
         params = self.params
         scored = []

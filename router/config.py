@@ -78,6 +78,11 @@ class KvEventsEndpoints:
             check_kv_endpoint(self.replay_endpoint, "replay_endpoint")
 
 
+# A worker's name is a label value, a log field and part of what replicas share in Redis
+# (a stored response's owner): a host:port or a pod's name, never more than this.
+MAX_WORKER_NAME = 512
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     url: str
@@ -98,6 +103,13 @@ class WorkerConfig:
             raise ConfigError(f"url: {self.url!r} has no valid port") from None
         if not self.name:
             object.__setattr__(self, "name", parts.netloc)
+        if len(self.name) > MAX_WORKER_NAME or any(
+            c.isspace() or not c.isprintable() for c in self.name
+        ):
+            raise ConfigError(
+                f"name: {self.name[:80]!r} must be at most {MAX_WORKER_NAME} printable "
+                "characters without spaces"
+            )
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ConfigError("kv_tokens: must be >= 1")
 

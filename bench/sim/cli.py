@@ -130,6 +130,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tool-call-parser",
         default=DEFAULT_TOOL_CALL_PARSER,
+        choices=(DEFAULT_TOOL_CALL_PARSER, "none"),
         help="as vLLM's --enable-auto-tool-choice --tool-call-parser NAME: chat replies "
         "call the tools tool_choice asks for; 'none': refused as vLLM without a parser",
     )

@@ -189,8 +189,9 @@ class Router:
         if not candidates:
             raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
         now = monotonic()
-        views = [self._view(w, route, now, remote_matches) for w in candidates]
         active = self.policies.current  # read once: one policy chooses and hears the end
+        returns = active.policy.counts_returns
+        views = [self._view(w, route, now, remote_matches, returns) for w in candidates]
         decision = active.policy.choose(route, views)
         worker = self.fleet.workers[decision.worker]
         matched = next(v.matched_tokens for v in views if v.name == decision.worker)
@@ -232,6 +233,7 @@ class Router:
         route: RouteRequest,
         now: float,
         remote_matches: Mapping[str, int] | None = None,
+        counts_returns: bool = False,
     ) -> WorkerView:
         matched_blocks = self.index.match(worker.name, route.block_hashes)
         if remote_matches is not None:
@@ -241,7 +243,11 @@ class Router:
             worker.engine_block_tokens,
         )
         resident = self.index.resident_blocks(worker.name) * self.block_tokens
-        evicted = resident + route.prompt_tokens - matched - worker.capacity_tokens
+        returning = 0.0
+        if counts_returns:
+            modelled = self.learner.modelled_capacity(worker)
+            evicted = resident + route.prompt_tokens - matched - modelled
+            returning = self.learner.returning_tokens(worker.name, evicted, now)
         return WorkerView(
             name=worker.name,
             outstanding_requests=worker.load,
@@ -253,5 +259,5 @@ class Router:
             prefill_tokens_per_s=self.learner.prefill_tokens_per_s(worker.name),
             recent_prompt_tokens=worker.demand.value(now) + worker.remote_demand.value(now),
             cache_block_tokens=worker.engine_block_tokens or 0,
-            returning_evicted_tokens=self.learner.returning_tokens(worker.name, evicted, now),
+            returning_evicted_tokens=returning,
         )

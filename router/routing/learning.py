@@ -168,6 +168,10 @@ class Learner:
         self.returns = ReturnTimes()
         self.resident_sessions = ResidentSessions(self.returns)
 
+    def modelled_capacity(self, worker: Worker) -> int:
+        """The tokens ``worker``'s cache is modelled to hold: its calibrated share."""
+        return int(worker.capacity_tokens * self.calibrator.share(worker.name))
+
     def prefill_tokens_per_s(self, worker: str) -> float:
         """How fast ``worker`` is taken to prefill: the fleet's rate times its own ratio."""
         return self.prefill_rate.tokens_per_s * self.speeds.ratio(worker)
@@ -243,9 +247,9 @@ class Learner:
         )
         self.sessions.remember(key, memory)
         self.returns.ended(waiting)
-        self.resident_sessions.ended(
-            worker.name, key, history_tokens, waiting, now, worker.capacity_tokens
-        )
+        if self._fleet.workers.get(worker.name) is worker:  # not removed meanwhile
+            capacity = self.modelled_capacity(worker)
+            self.resident_sessions.ended(worker.name, key, history_tokens, waiting, now, capacity)
 
     def worker_of(self, session: str | None) -> str | None:
         """The worker session ``session``'s last turn ran on, if it is remembered."""

@@ -18,11 +18,12 @@ where ``p`` is the share of turns in its state that were followed by another and
 ``S(a)`` the share of those returns that took longer than ``a``.
 
 ``ResidentSessions`` keeps, per worker, the sessions whose last turn ran there, oldest end
-first, with the tokens each left cached, trimmed to the worker's capacity (older ones are
-gone). A request that stores ``n`` new tokens on a full cache pushes out the oldest ``n``:
-``returning_tokens(worker, n)`` is how many of those the sessions they belong to are
-expected to need again, each session's tokens weighed by ``P`` of its idle time. The
-cost policy charges that re-prefill to the placement (``policies.ttft``'s
+first, with the tokens each left cached, trimmed to the capacity the worker is modelled
+with (its calibrated share of the nominal: older ones are gone). A request that stores
+``n`` new tokens on a full cache pushes out the oldest ``n``: ``returning_tokens(worker,
+n)`` is how many of those the sessions they belong to are expected to need again, each
+session's tokens weighed by ``P`` of its idle time. The cost policy uses it to place
+work where the fewest of them are (``policies.ttft``'s ``ties_spare_returns`` and
 ``return_weight``).
 """
 
@@ -45,12 +46,16 @@ FADE_AFTER_ENDS = 4_000
 PRIOR_RETURN_SHARE: dict[Waiting, float] = {"tool": 1.0, "user": 0.5, "finished": 0.0}
 # Sessions remembered per worker beyond which the oldest are dropped whatever their size.
 MAX_SESSIONS_PER_WORKER = 20_000
+# Sessions a placement's count walks at most: a request pushes out about its own new
+# tokens, a few sessions' worth; past this many (a flood of tiny sessions) the rest of
+# what it pushes out counts as not coming back.
+MAX_SESSIONS_WALKED = 64
 
 
 class ReturnTimes:
     """The learned return-time distribution of each state."""
 
-    __slots__ = ("_away", "_ends", "_returns")
+    __slots__ = ("_away", "_ends", "_later", "_returns")
 
     def __init__(self) -> None:
         self._ends: dict[Waiting, float] = dict.fromkeys(WAITING, 0.0)
@@ -60,6 +65,9 @@ class ReturnTimes:
         self._away: dict[Waiting, list[float]] = {
             w: [0.0] * (len(RETURN_BUCKETS) + 1) for w in WAITING
         }
+        # Per state, the returns in bucket i and after it (made again once changed): read
+        # for every session a placement would push out, changed once a turn.
+        self._later: dict[Waiting, list[float] | None] = dict.fromkeys(WAITING)
 
     def ended(self, state: Waiting) -> None:
         self._ends[state] += 1
@@ -67,10 +75,12 @@ class ReturnTimes:
             self._ends[state] /= 2
             self._returns[state] /= 2
             self._away[state] = [c / 2 for c in self._away[state]]
+            self._later[state] = None
 
     def returned(self, state: Waiting, away_s: float) -> None:
         self._returns[state] += 1
         self._away[state][bisect_right(RETURN_BUCKETS, away_s)] += 1
+        self._later[state] = None
 
     def return_share(self, state: Waiting) -> float:
         """Of the turns that ended in ``state``, the share followed by another."""
@@ -82,19 +92,21 @@ class ReturnTimes:
     def still_away(self, state: Waiting, idle_s: float) -> float:
         """``S(idle_s)``: the share of returns in ``state`` that took longer than that
         (linear within a bucket; 1 while nothing is learned)."""
-        counts = self._away[state]
-        total = sum(counts)
+        later = self._later[state]
+        if later is None:
+            later = self._later[state] = _suffix_sums(self._away[state])
+        total = later[0]
         if total <= 0:
             return 1.0
         i = bisect_right(RETURN_BUCKETS, idle_s)
-        later = sum(counts[i + 1 :])
+        counts = self._away[state]
         if i == len(RETURN_BUCKETS):
-            later = counts[i]  # past the last bound: taken as all later still
-        else:
-            low = RETURN_BUCKETS[i - 1] if i > 0 else 0.0
-            high = RETURN_BUCKETS[i]
-            later += counts[i] * (high - idle_s) / (high - low)
-        return later / total
+            # Past the last bound nothing is known of when they came back: the share
+            # thins out as the idle time grows, so a session idle for days is not kept.
+            return counts[i] * RETURN_BUCKETS[-1] / idle_s / total
+        low = RETURN_BUCKETS[i - 1] if i > 0 else 0.0
+        high = RETURN_BUCKETS[i]
+        return (later[i + 1] + counts[i] * (high - idle_s) / (high - low)) / total
 
     def p_return(self, state: Waiting, idle_s: float) -> float:
         """How likely a session idle ``idle_s`` seconds since a turn ended in ``state`` is
@@ -104,6 +116,14 @@ class ReturnTimes:
             return 0.0
         waiting = share * self.still_away(state, idle_s)
         return waiting / (waiting + 1 - share) if waiting > 0 else 0.0
+
+
+def _suffix_sums(counts: list[float]) -> list[float]:
+    """``[sum(counts[i:]) for i in range(len(counts) + 1)]``."""
+    sums = [0.0] * (len(counts) + 1)
+    for i in range(len(counts) - 1, -1, -1):
+        sums[i] = sums[i + 1] + counts[i]
+    return sums
 
 
 class _Left(NamedTuple):
@@ -164,6 +184,8 @@ class ResidentSessions:
 
     def migrate(self, source: str, target: str) -> None:
         """What ``source`` held is on ``target`` now (its state was restored there)."""
+        if source == target:
+            return
         moved = self._by_worker.pop(source, OrderedDict[str, _Left]())
         if not moved:
             return
@@ -179,8 +201,9 @@ class ResidentSessions:
         are expected to need again."""
         expected = 0.0
         left_to_evict = evicted_tokens
-        for left in self._by_worker.get(worker, {}).values():
-            if left_to_evict <= 0:
+        sessions = self._by_worker.get(worker, OrderedDict[str, _Left]()).values()
+        for walked, left in enumerate(sessions):
+            if left_to_evict <= 0 or walked == MAX_SESSIONS_WALKED:
                 break
             taken = min(left.tokens, left_to_evict)
             expected += taken * self.times.p_return(left.state, now - left.ended_at)

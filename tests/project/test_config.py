@@ -97,6 +97,10 @@ def test_load_config_reads_the_process_environment(monkeypatch: pytest.MonkeyPat
         ("workers: [http://a:99999]\n", "workers[0].url: 'http://a:99999' has no valid port"),
         ("workers: [http://a:1, http://a:1]\n", "workers: two workers are named 'a:1'"),
         (
+            'workers: [{url: "http://a:1", name: "a b"}]\n',
+            "workers[0].name: 'a b' must be at most 512 printable characters without spaces",
+        ),
+        (
             "policy: cache_aware\npolicy_knobs: {cache_treshold: 1}\n",
             "policy: policy 'cache_aware' has no knob 'cache_treshold'",
         ),

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
-from router.apis.request import parse_request
-from router.clock import monotonic
+from router.apis.request import ClientRequest, parse_request
 from router.fleet.demand import RecentDemand
 from router.fleet.workers import Fleet, Worker
 from router.index.residency import LocalPrefixIndex
@@ -85,58 +86,50 @@ def test_a_worker_learns_its_speed_from_requests_mostly_its_own_prefill(
     assert (router.learner.speeds.learned("a100") < 1.0) is learns
 
 
+def _chat(text: str, session: str | None = None) -> ClientRequest:
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    if session is not None:
+        body["user"] = session
+    return parse_request("chat", orjson.dumps(body), 256)
+
+
 def test_a_full_cache_counts_the_sessions_a_placement_would_push_out_until_they_return() -> None:
     """Two agents' turns ended on a100 calling tools; its cache is full. A new session's
     placement there would push out the older agent, who is expected back: the view says
-    how many tokens. Once that agent's next turn arrives it is in use, not pushed out."""
+    how many tokens. Once that agent's next turn arrives it is in use, not pushed out.
+    Counted only for a policy that reads it, and not for a worker removed meanwhile."""
     router = _a_settled_router()
     router.index.resize_worker("a100", 20)  # 20 blocks of 64 tokens: 1,280 tokens
-    router.fleet.workers["a100"].capacity_tokens = 1_280
+    a100 = router.fleet.workers["a100"]
+    a100.capacity_tokens = 1_280
 
-    def agent_turn(session: str) -> None:
-        body = {
-            "model": "m",
-            "user": session,
-            "messages": [{"role": "user", "content": f"{session} word " * 300}],
-        }
-        request = parse_request("chat", orjson.dumps(body), 256)
+    def agent_turn(session: str) -> Dispatch:
+        request = _chat(f"{session} word " * 300, session)
         dispatch = router.dispatch(request, router.route_request(request, "r"), ["h100"])
         router.index.touch("a100", dispatch.route.block_hashes)
         dispatch.turn_end = "tool"
-        router.learner.turn_ended(dispatch, 600)
+        return dispatch
 
-    agent_turn("agent-1")
-    agent_turn("agent-2")
-    newcomer = parse_request(
-        "chat",
-        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "fresh " * 400}]}),
-        256,
-    )
-    route = router.route_request(newcomer, "n")
+    router.learner.turn_ended(agent_turn("agent-1"), 600)
+    last = agent_turn("agent-2")
+    router.learner.turn_ended(last, 600)
+    memory = router.learner.sessions.get(last.route.session_key)
+    assert memory is not None and memory.ended_at is not None
+    now = memory.ended_at  # agent-2 has just ended: as likely back as any
+    route = router.route_request(_chat("fresh " * 400), "n")
 
     def at_risk() -> float:
-        return router._view(
-            router.fleet.workers["a100"], route, monotonic()
-        ).returning_evicted_tokens
+        return router._view(a100, route, now, counts_returns=True).returning_evicted_tokens
 
     # All of agent-1's history (a tool call away, the oldest) and the head of agent-2's.
     assert 600 < at_risk() < 1200
-    router.learner.session_returns(
-        router.route_request(
-            parse_request(
-                "chat",
-                orjson.dumps(
-                    {
-                        "model": "m",
-                        "user": "agent-1",
-                        "messages": [{"role": "user", "content": "x"}],
-                    }
-                ),
-                256,
-            ),
-            "r",
-        ).session_key
-    )
+    assert router._view(a100, route, now).returning_evicted_tokens == 0  # not asked for
+    router.learner.session_returns(router.route_request(_chat("x", "agent-1"), "r").session_key)
     assert at_risk() == 600  # what would be pushed out now is agent-2's alone
     router.learner.forget("a100")
     assert at_risk() == 0.0
+    in_flight = agent_turn("agent-3")
+    router.fleet.remove("a100")  # the worker left while the turn ran
+    router.learner.forget("a100")
+    router.learner.turn_ended(in_flight, 600)
+    assert router.learner.resident_sessions.sessions_on("a100") == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.routing.returns import MIN_ENDS, ResidentSessions, ReturnTimes
+from router.routing.returns import MAX_SESSIONS_WALKED, MIN_ENDS, ResidentSessions, ReturnTimes
 
 
 def _learned(returns: list[float], ends: int, state: str = "tool") -> ReturnTimes:
@@ -79,3 +79,28 @@ def test_sessions_past_the_capacity_are_gone_and_a_lost_cache_holds_none() -> No
     assert sessions.sessions_on("v") == 0
     assert sessions.returning_tokens("v", 1_000, 10.0) == 0.0
     sessions.returned("s4")  # forgotten already: nothing to do
+
+
+def test_past_the_last_bound_a_session_thins_out_instead_of_staying_forever() -> None:
+    """One person in two came back, some after more than half an hour: a session idle an
+    hour is less likely back than one idle 31 minutes, one idle a week nearly not."""
+    times = _learned([60.0] * 30 + [4_000.0] * 20, ends=100, state="user")
+    assert times.p_return("user", 1_900) > times.p_return("user", 3_600) > 0
+    assert times.p_return("user", 7 * 86_400) < 0.01
+
+
+def test_a_flood_of_tiny_sessions_is_walked_no_further_than_a_bound() -> None:
+    sessions = ResidentSessions(ReturnTimes())
+    for i in range(MAX_SESSIONS_WALKED * 4):
+        sessions.ended("w", f"s{i}", 10, "tool", at=float(i), capacity_tokens=10**9)
+    walked = sessions.returning_tokens("w", 10**6, now=float(MAX_SESSIONS_WALKED * 4))
+    assert walked == 10 * MAX_SESSIONS_WALKED
+
+
+def test_migrating_a_worker_onto_itself_changes_nothing() -> None:
+    sessions = ResidentSessions(ReturnTimes())
+    sessions.ended("w", "s", 4_000, "tool", at=0.0, capacity_tokens=10_000)
+    sessions.migrate("w", "w")
+    sessions.ended("w", "t", 4_000, "tool", at=1.0, capacity_tokens=10_000)
+    assert sessions.sessions_on("w") == 2  # 8K held: both fit
+    assert sessions.returning_tokens("w", 10_000, 1.0) == 8_000
