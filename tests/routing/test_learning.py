@@ -99,9 +99,12 @@ def test_a_full_cache_counts_the_sessions_a_placement_would_push_out_until_they_
     how many tokens. Once that agent's next turn arrives it is in use, not pushed out.
     Counted only for a policy that reads it, and not for a worker removed meanwhile."""
     router = _a_settled_router()
-    router.index.resize_worker("a100", 20)  # 20 blocks of 64 tokens: 1,280 tokens
     a100 = router.fleet.workers["a100"]
-    a100.capacity_tokens = 1_280
+    a100.capacity_tokens = 2_560
+    # Calibrated to half: 20 blocks of 64 tokens, 1,280 tokens modelled, as the engine
+    # held less than its nominal capacity.
+    router.learner.calibrator._share["a100"] = 0.5
+    router.index.resize_worker("a100", 20)
 
     def agent_turn(session: str) -> Dispatch:
         request = _chat(f"{session} word " * 300, session)
