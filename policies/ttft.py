@@ -28,8 +28,7 @@ learned from the traffic): an agent seconds into a tool call costs its whole his
 a conversation that ended costs nothing, so a placement is steered to the worker whose
 oldest cached sessions are the least likely to be missed. Default 0: charged in the
 estimate, it moved turns off their caches to spare others' and lost more than it kept
-on the agent workload (``docs/benchmarks.md``); the tie rule below uses the same count
-without overriding the estimate.
+on the agent workload (``docs/benchmarks.md``).
 
 Prefixes that every worker holds (a shared system prompt) add the same saving to every
 candidate and cancel out of the comparison: only the part of a prefix that distinguishes
@@ -65,12 +64,14 @@ resident tokens tie), the near-tie goes to the worker with the least recent dema
 prompt tokens sent to it lately (``recent_prompt_tokens``, fading with a half-life of a
 few turns, ``router.fleet.demand``) plus this request's new tokens, in seconds of that worker's
 prefill. That is the live sessions' context, which will come back every turn; a slower
-worker with as much of it counts as busier. With ``ties_spare_returns`` (default on) the
+worker with as much of it counts as busier. With ``ties_spare_returns`` (default off) the
 tokens this request would push out of the worker's cache that their sessions are
 expected to come back for count as demand too (``WorkerView.returning_evicted_tokens``):
 of two full caches, the one whose oldest sessions ended their conversations, or went
 quiet long ago, takes the new work, and the one whose oldest sessions are agents in a tool
-call keeps them. Then the estimate, fewer requests, at random.
+call keeps them. Off by default: on the agent and mix rows it moved the hit rate by
+less than the rounds' own spread and TTFT p99 up a little (``docs/benchmarks.md``). Then
+the estimate, fewer requests, at random.
 
 ``subagents_with_parent`` (default off) seats a subagent's first turn on its parent's
 worker (``RouteRequest.parent_worker``) whenever that worker is among the near-best,
@@ -110,7 +111,7 @@ class TtftParams:
     spread_first_turns: bool = True
     subagents_with_parent: bool = False
     return_weight: float = DEFAULT_RETURN_WEIGHT
-    ties_spare_returns: bool = True
+    ties_spare_returns: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tie_tolerance < 1:

@@ -532,9 +532,9 @@ def test_ttft_ties_on_full_caches_spare_the_sessions_coming_back() -> None:
         returning_evicted_tokens=30_000
     )
     ended = _ttft_view("ended", resident=100_000, recent=80_000)
-    sparing = build_policy("ttft", seed=1)
+    sparing = build_policy("ttft", {"ties_spare_returns": True}, seed=1)
     assert sparing.choose(request(prompt_tokens=4_000), [agents, ended]).worker == "ended"
-    demand_only = build_policy("ttft", {"ties_spare_returns": False}, seed=1)
+    demand_only = build_policy("ttft", seed=1)  # the default
     assert demand_only.choose(request(prompt_tokens=4_000), [agents, ended]).worker == "agents"
 
 
