@@ -16,6 +16,10 @@ The template is ChatML-shaped::
 
 Text the simulated engine generates is made of 4-byte ASCII tokens, so an assistant
 reply sent back in the next turn re-tokenizes to the very tokens that were generated.
+A reply that calls a tool is its generated text as the call's ``input`` argument; the
+template writes such a call back as that text, so the call too re-tokenizes to what was
+generated, as a real model's call does under its own template (Qwen3 writes back the
+``<tool_call>`` it generated). Other calls are written as their JSON.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from router.wire.blocks import TOKEN_BYTES, token_bytes
 _PAD = b"\xff"
 
 IM_START = "<|im_start|>"
+# How the simulated engine's call arguments begin (bench.sim.openai_api builds them).
+CALL_ARGUMENTS_HEAD = '{"input": "'
 IM_END = "<|im_end|>\n"
 
 
@@ -58,9 +64,26 @@ def _render_message(message: Mapping[str, Any]) -> list[bytes]:
         pieces.append(encode_piece(text))
     tool_calls = message.get("tool_calls")
     if tool_calls:
-        pieces.append(encode_piece(orjson.dumps(tool_calls, option=orjson.OPT_SORT_KEYS).decode()))
+        pieces.extend(encode_piece(call_text(call)) for call in tool_calls)
     pieces.append(encode_piece(IM_END))
     return pieces
+
+
+def call_text(call: Any) -> str:
+    """A call as the template writes it: the generated text of a call whose arguments are
+    ``{"input": text}`` (``bench.sim.openai_api.call_arguments_head``), else its JSON."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    arguments = function.get("arguments") if isinstance(function, Mapping) else None
+    if isinstance(arguments, str) and arguments.startswith(CALL_ARGUMENTS_HEAD):
+        try:
+            parsed = orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict) and set(parsed) == {"input"}:
+            text = parsed["input"]
+            if isinstance(text, str):
+                return text
+    return orjson.dumps(call, option=orjson.OPT_SORT_KEYS).decode()
 
 
 GENERATION_PROMPT = encode_piece(f"{IM_START}assistant\n")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.replay.api_streams import ToolCall
-from bench.tokenizer import encode_piece, render_chat
+from bench.tokenizer import call_text, encode_piece, render_chat
 from bench.workloads.api_bodies import Message
 from bench.workloads.trace import TextSpec, Turn, render_text
 
@@ -59,6 +59,10 @@ def tokenize_prompt(messages: tuple[Message, ...]) -> bytes:
     return render_chat(messages)
 
 
-def tokenize_reply(reply: str) -> bytes:
-    """The generated tokens behind a reply (the simulator's replies re-encode exactly)."""
+def tokenize_reply(reply: str, call: ToolCall | None = None) -> bytes:
+    """The generated tokens behind a reply, its text or its call (the simulator's replies
+    re-encode exactly)."""
+    if call is not None:
+        function = {"name": call.name, "arguments": call.arguments}
+        return encode_piece(reply + call_text({"function": function}))
     return encode_piece(reply)

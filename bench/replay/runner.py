@@ -169,7 +169,8 @@ class _Run:
             outcome = await self._client.stream_chat(request)
         if outcome.error is None:
             conversation.commit(messages, outcome.reply, outcome.tool_call)
-            self._oracle.observe_completion(prompt, tokenize_reply(outcome.reply))
+            generated = tokenize_reply(outcome.reply, outcome.tool_call)
+            self._oracle.observe_completion(prompt, generated)
         s = self._scale
         record = RequestRecord(
             session=turn.session,

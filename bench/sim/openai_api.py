@@ -14,6 +14,7 @@ import xxhash
 
 from bench.sim.prompts import STAND_IN, Prompts, encode_prompt
 from bench.sim.request_fields import ApiError, field, request_body, requested_model
+from bench.tokenizer import CALL_ARGUMENTS_HEAD
 from router.wire.kinds import PromptKind
 
 VLLM_VERSION = "0.32.0"
@@ -177,8 +178,8 @@ def tool_call_id() -> str:
 
 def call_arguments_head() -> str:
     """A call's arguments are ``{"input": <the generated text as a JSON string>}``: the
-    part before the text."""
-    return '{"input": "'
+    part before the text (the stand-in template writes such a call back as the text)."""
+    return CALL_ARGUMENTS_HEAD
 
 
 def call_arguments(text: str) -> str:

@@ -307,6 +307,9 @@ async def test_an_agent_session_calls_its_tools_and_sends_their_results(
     assert (ends, back) == (2, 2)
     for record in result.records[1:]:
         assert 0 < record.cached_tokens == record.oracle_cached_tokens
+    # The call is written back as it was generated: the next turn hits past the prompt.
+    first, second = result.records[0], result.records[1]
+    assert second.cached_tokens > first.prompt_tokens
     assert [r.after for r in result.records] == [None, "tool", "tool"]
     summary = summarize(result.records)
     assert summary.after_tool_requests == 2
