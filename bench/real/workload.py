@@ -12,7 +12,7 @@ more tokens than were generated, and the limit leaves room for that and the temp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.sampling import LogNormal
@@ -57,7 +57,10 @@ class RealWorkload:
         )
 
     def turns(self) -> list[Turn]:
-        return generate(self.params(), self.seed)
+        # Plain text turns: the CPU engines' random model may close a required call early
+        # and go on generating, so a call written back in the next turn is not what was
+        # generated, which a trained model's is; text replies are written back whole.
+        return [replace(t, ended_by=None) for t in generate(self.params(), self.seed)]
 
 
 def context_tokens(turns: list[Turn]) -> int:

@@ -157,6 +157,8 @@ def test_the_workload_fits_the_engines_context_and_overflows_their_cache() -> No
         assert context <= MAX_CONTEXT_TOKENS
     # Stand-in words are more than one Qwen3 token each: the fleet holds less still.
     assert context_tokens(turns) > 2 * NUM_BLOCKS * BLOCK_TOKENS
+    # Replayed as text: a random model's calls are not written back as generated.
+    assert all(t.ended_by is None for t in turns)
 
 
 def test_a_routers_process_is_found_by_the_port_it_listens_on() -> None:
