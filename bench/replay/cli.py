@@ -91,6 +91,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="wall seconds before a request is abandoned (default %(default)s)",
     )
     rp.add_argument(
+        "--slo-ttft",
+        type=float,
+        dest="slo_ttft_s",
+        metavar="SECS",
+        help="a time-to-first-token objective in simulated seconds: the result counts "
+        "the turns within it (goodput: such turns a second) and each session's share",
+    )
+    rp.add_argument(
         "-o", "--output", type=Path, required=True, metavar="FILE", help="result JSON file"
     )
     rp.set_defaults(func=_replay_command)
@@ -127,6 +135,7 @@ def _replay_command(args: argparse.Namespace) -> int:
             duration_s=args.duration_s,
             request_timeout_s=args.request_timeout,
             api=args.api,
+            slo_ttft_s=args.slo_ttft_s,
         )
         turns = read_trace(args.trace)
     except (ValueError, OSError) as exc:  # TraceFormatError is a ValueError

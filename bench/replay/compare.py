@@ -27,7 +27,7 @@ def compare(
     plots_dir: Path | None = None,
 ) -> list[Path]:
     """Print the runs side by side; write the plots if ``plots_dir``; the files written."""
-    summaries = [summarize(run.records, run.meta.duration_s) for run in runs]
+    summaries = [summarize(r.records, r.meta.duration_s, r.meta.slo_ttft_s) for r in runs]
     print_tables(console, summaries, labels)
     if plots_dir is None:
         return []

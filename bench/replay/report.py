@@ -24,6 +24,14 @@ def _count(value: int) -> str:
     return f"{value:,}"
 
 
+def _opt_pct(value: float | None) -> str:
+    return "-" if value is None else _pct(value)
+
+
+def _opt_rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 Row = tuple[str, Callable[[Summary], str]]
 
 # Shared by the end-of-run report and `bench compare`, so both read the same.
@@ -51,6 +59,9 @@ METRIC_ROWS: tuple[Row, ...] = (
     ("latency p99", lambda s: _secs(s.latency_p99)),
     ("duration", lambda s: _secs(s.duration_s)),
     ("requests/s", lambda s: f"{s.requests_per_s:.2f}"),
+    ("turns within the TTFT objective", lambda s: _opt_pct(s.slo_met_share)),
+    ("goodput (turns/s within it)", lambda s: _opt_rate(s.goodput_per_s)),
+    ("a session's turns within it, median", lambda s: _opt_pct(s.session_slo_met_median)),
     ("output tokens/s", lambda s: f"{s.output_tokens_per_s:,.0f}"),
 )
 
@@ -112,7 +123,7 @@ def by_api_table(stats: Sequence[ApiStats]) -> Table:
 def print_run_report(result: RunResult, console: Console) -> Summary:
     """The end-of-run report; returns the summary it printed."""
     meta = result.meta
-    summary = summarize(result.records, meta.duration_s)
+    summary = summarize(result.records, meta.duration_s, meta.slo_ttft_s)
     console.print(
         f"replay {meta.trace} -> {meta.target}  default api={meta.api}  model={meta.model}  "
         f"time scale={meta.time_scale:g}  concurrency={meta.concurrency}",

@@ -81,6 +81,8 @@ class RunMeta:
     # bench.workloads.api_bodies.Api: the default, for sessions whose trace names none;
     # results written before it: chat
     api: str = "chat"
+    # The TTFT a turn must meet to count towards goodput (simulated seconds); None: none.
+    slo_ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,11 @@ class Summary:
     prefill_cov: float | None = None
     # Per API, in order of first use; empty when the run used one API only.
     by_api: tuple[ApiStats, ...] = ()
+    # With a TTFT objective: the share of turns that met it (a failed turn did not), the
+    # turns a second that did, and the median over sessions of each one's share.
+    slo_met_share: float | None = None
+    goodput_per_s: float | None = None
+    session_slo_met_median: float | None = None
     # Turns that carried a tool's result (the previous reply called it); None: none.
     after_tool_requests: int = 0
     after_tool_ttft_p50: float | None = None
@@ -240,8 +247,13 @@ def run_span(records: Sequence[RequestRecord]) -> float:
     return max(r.start + r.latency_s for r in records) - min(r.start for r in records)
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float | None = None) -> Summary:
-    """Summary of a run; throughput is over ``duration_s``, or the records' span."""
+def summarize(
+    records: Sequence[RequestRecord],
+    duration_s: float | None = None,
+    slo_ttft_s: float | None = None,
+) -> Summary:
+    """Summary of a run; throughput is over ``duration_s``, or the records' span; goodput
+    counts the turns whose TTFT was within ``slo_ttft_s``."""
     ok = [r for r in records if r.ok]
     turn0 = [r for r in ok if r.turn == 0]
     later = [r for r in ok if r.turn > 0]
@@ -287,16 +299,37 @@ def summarize(records: Sequence[RequestRecord], duration_s: float | None = None)
         requests_cov=requests_cov,
         prefill_cov=prefill_cov,
         by_api=apis if len(apis) > 1 else (),
+        **_goodput(records, duration, slo_ttft_s),
         after_tool_requests=len(after_tool),
         after_tool_ttft_p50=percentile(after_tool_ttfts, 50),
         after_tool_ttft_p99=percentile(after_tool_ttfts, 99),
     )
 
 
+def _goodput(
+    records: Sequence[RequestRecord], duration: float, slo_ttft_s: float | None
+) -> dict[str, float | None]:
+    """``Summary``'s goodput fields: every turn sent counts, and met the objective only if
+    it succeeded with a first token within ``slo_ttft_s``."""
+    if slo_ttft_s is None or not records:
+        return {}
+    met_by_session: dict[str, list[bool]] = {}
+    for r in records:
+        met = r.ok and r.ttft_s is not None and r.ttft_s <= slo_ttft_s
+        met_by_session.setdefault(r.session, []).append(met)
+    met_total = sum(sum(m) for m in met_by_session.values())
+    shares = [sum(m) / len(m) for m in met_by_session.values()]
+    return {
+        "slo_met_share": met_total / len(records),
+        "goodput_per_s": _ratio(met_total, duration),
+        "session_slo_met_median": percentile(shares, 50),
+    }
+
+
 def result_to_json(result: RunResult) -> dict[str, Any]:
     meta = asdict(result.meta)
     meta["time_unit"] = TIME_UNIT
-    summary = summarize(result.records, result.meta.duration_s)
+    summary = summarize(result.records, result.meta.duration_s, result.meta.slo_ttft_s)
     return {
         "schema": SCHEMA,
         "meta": meta,

@@ -117,6 +117,13 @@ FIGURES: tuple[Figure, ...] = (
         secs,
         False,
     ),
+    Figure(
+        "goodput_per_s",
+        "goodput (turns/s within the TTFT objective)",
+        lambda r: r.summary.goodput_per_s,
+        _rate,
+        True,
+    ),
     Figure("requests_per_s", "requests/s", lambda r: r.summary.requests_per_s, _rate, True),
     Figure(
         "output_tokens_per_s",

@@ -66,6 +66,7 @@ class ReplayConfig:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     # The API of sessions whose trace names none (bench.workloads.api_bodies).
     api: Api = DEFAULT_API
+    slo_ttft_s: float | None = None  # the TTFT objective goodput counts against
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -77,6 +78,7 @@ class ReplayConfig:
             (self.request_timeout_s > 0, "request_timeout must be > 0"),
             (self.block_tokens >= 1, "block_tokens must be >= 1"),
             (self.api in APIS, f"api must be one of {', '.join(APIS)}"),
+            (self.slo_ttft_s is None or self.slo_ttft_s > 0, "slo_ttft must be > 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -219,5 +221,6 @@ async def replay(
         started_at=started_at,
         duration_s=duration,
         api=config.api,
+        slo_ttft_s=config.slo_ttft_s,
     )
     return RunResult(meta, tuple(records))

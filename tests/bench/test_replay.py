@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -183,12 +184,34 @@ def _result(records: list[RequestRecord], target: str = "http://x") -> RunResult
     return RunResult(meta, tuple(records))
 
 
+def test_goodput_counts_the_turns_within_the_ttft_objective() -> None:
+    """Five turns of two sessions over 10 s, an objective of 0.5 s: the fast successful
+    turns count; a slow one, a failed one and one without a first token do not."""
+    records = [
+        replace(_record(0, 0, 0, ttft=0.2), session="a"),
+        replace(_record(1, 0, 0, ttft=0.4), session="a"),
+        replace(_record(2, 0, 0, ttft=0.9), session="a"),
+        replace(_record(0, 0, 0, ttft=0.1, error="boom"), session="b"),
+        replace(_record(1, 0, 0, ttft=None), session="b"),
+    ]
+    summary = summarize(records, 10.0, slo_ttft_s=0.5)
+    assert summary.slo_met_share == pytest.approx(2 / 5)
+    assert summary.goodput_per_s == pytest.approx(0.2)
+    assert summary.session_slo_met_median == pytest.approx((2 / 3 + 0) / 2)
+    without = summarize(records, 10.0)
+    assert without.goodput_per_s is None and without.slo_met_share is None
+
+
 def test_result_round_trips_through_json(tmp_path: Path) -> None:
     original = _result([_record(0, 0, 16, ttft=None), _record(1, 32, 48, error="boom")])
     path = tmp_path / "run.json"
     save_result(original, path)
     assert load_result(path) == original
     assert b'"simulated seconds' in path.read_bytes()
+    with_objective = RunResult(replace(original.meta, slo_ttft_s=0.5), original.records)
+    save_result(with_objective, path)
+    assert load_result(path) == with_objective
+    assert orjson.loads(path.read_bytes())["summary"]["slo_met_share"] == 0.0
     path.write_bytes(b'{"schema": "something else"}')
     with pytest.raises(ResultFormatError):
         load_result(path)
