@@ -79,6 +79,7 @@ class DemoConfig:
     repeat: int = DEFAULT_REPEAT
     clock: Clock = DEFAULT_CLOCK
     api: Api = DEFAULT_API  # the API the replay sends the turns through
+    slo_ttft_s: float | None = None  # the TTFT objective goodput counts against
 
     @property
     def virtual(self) -> bool:
@@ -325,6 +326,7 @@ async def run_comparison(
                         time_scale=config.engine_time_scale,
                         request_timeout_s=REQUEST_TIMEOUT_S,
                         api=spec.api or config.api,
+                        slo_ttft_s=config.slo_ttft_s,
                     )
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:
@@ -419,6 +421,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="the API the replay speaks: OpenAI chat completions, OpenAI responses "
         "or Anthropic messages (default %(default)s)",
     )
+    parser.add_argument(
+        "--slo-ttft",
+        type=float,
+        dest="slo_ttft_s",
+        metavar="SECS",
+        help="a time-to-first-token objective in simulated seconds: every table adds "
+        "goodput, the turns a second within it",
+    )
 
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:
@@ -436,6 +446,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
         repeat=args.repeat,
         clock=args.clock,
         api=args.api,
+        slo_ttft_s=args.slo_ttft_s,
     )
 
 

@@ -41,7 +41,8 @@ class ScoredRun:
         reference_hit_rate: float | None = None,
         extras: Mapping[str, float] | None = None,
     ) -> ScoredRun:
-        summary = summarize(result.records, result.meta.duration_s)
+        meta = result.meta
+        summary = summarize(result.records, meta.duration_s, meta.slo_ttft_s)
         return cls(summary, reference_hit_rate, dict(extras or {}))
 
     @property

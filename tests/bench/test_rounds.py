@@ -8,7 +8,7 @@ import orjson
 import pytest
 from rich.console import Console
 
-from bench.replay.result import RequestRecord, summarize
+from bench.replay.result import RequestRecord, RunMeta, RunResult, summarize
 from bench.replay.rounds import (
     FIGURE_BY_KEY,
     Rounds,
@@ -102,3 +102,22 @@ def test_an_80_column_table_never_cuts_a_figure() -> None:
         median, _, range_ = show_spread(spread, figure).partition(" (")
         assert any(median in line for line in lines), (median, lines)
         assert not range_ or any(f"({range_}" in line for line in lines), (range_, lines)
+
+
+def test_a_runs_ttft_objective_gives_the_rounds_their_goodput() -> None:
+    """The objective kept in a result's meta reaches the rounds' figures: 4 turns over
+    10 s, all within 0.5 s, then none within 0.1 s; without one, no goodput figure."""
+    result_records = tuple(
+        RequestRecord("s", t, float(t), 0.3, 1.0, 100, 0, 0, 10, None, None, 200) for t in range(4)
+    )
+    rounds = Rounds()
+    for slo in (0.5, 0.1):
+        meta = RunMeta("http://x", "t", "m", 1.0, 1, "2026-01-01", 10.0, slo_ttft_s=slo)
+        rounds.add("ttft", ScoredRun.of(RunResult(meta, result_records)))
+    goodput = rounds.spread("ttft", FIGURE_BY_KEY["goodput_per_s"])
+    assert goodput is not None and (goodput.low, goodput.high) == pytest.approx((0.0, 0.4))
+    plain = Rounds()
+    plain.add(
+        "ttft", ScoredRun.of(RunResult(RunMeta("u", "t", "m", 1.0, 1, "d", 10.0), result_records))
+    )
+    assert plain.spread("ttft", FIGURE_BY_KEY["goodput_per_s"]) is None
