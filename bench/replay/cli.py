@@ -91,6 +91,16 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="wall seconds before a request is abandoned (default %(default)s)",
     )
     rp.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send a refused turn (408, 409, 429, 5xx, no answer) again up to N times, "
+        "as the OpenAI and Anthropic SDKs do (they default to 2); a session refused "
+        "after them gives up (default %(default)s: every failure is recorded and the "
+        "session goes on)",
+    )
+    rp.add_argument(
         "--slo-ttft",
         type=float,
         dest="slo_ttft_s",
@@ -136,6 +146,7 @@ def _replay_command(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout,
             api=args.api,
             slo_ttft_s=args.slo_ttft_s,
+            retries=args.retries,
         )
         turns = read_trace(args.trace)
     except (ValueError, OSError) as exc:  # TraceFormatError is a ValueError

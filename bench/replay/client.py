@@ -67,6 +67,15 @@ async def _read_stream(resp: aiohttp.ClientResponse, reader: StreamReader, t0: f
     reader.outcome.error = reader.end_missing
 
 
+def _seconds(value: str | None) -> float | None:
+    """A ``Retry-After`` given in seconds (an HTTP date is not read: None)."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
+
+
 class ChatClient:
     """Sends chat turns for one model over a shared pooled session, each through the API
     its request names (``ChatRequest.api``), or the client's default ``api``.
@@ -123,6 +132,7 @@ class ChatClient:
                 outcome.status = resp.status
                 outcome.worker = resp.headers.get(WORKER_HEADER)
                 if resp.status != 200:
+                    outcome.retry_after_s = _seconds(resp.headers.get("Retry-After"))
                     head = await resp.content.read(MAX_ERROR_CHARS)
                     text = head.decode("utf-8", errors="replace")
                     outcome.error = f"HTTP {resp.status}: {text}"

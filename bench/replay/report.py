@@ -59,6 +59,8 @@ METRIC_ROWS: tuple[Row, ...] = (
     ("latency p99", lambda s: _secs(s.latency_p99)),
     ("duration", lambda s: _secs(s.duration_s)),
     ("requests/s", lambda s: f"{s.requests_per_s:.2f}"),
+    ("retries", lambda s: _count(s.retries)),
+    ("sessions that gave up", lambda s: _count(s.sessions_given_up)),
     ("turns within the TTFT objective", lambda s: _opt_pct(s.slo_met_share)),
     ("goodput (turns/s within it)", lambda s: _opt_rate(s.goodput_per_s)),
     ("a session's turns within it, median", lambda s: _opt_pct(s.session_slo_met_median)),

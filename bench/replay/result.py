@@ -63,6 +63,8 @@ class RequestRecord:
     status: int  # HTTP status; 0 when no response arrived
     api: str = "chat"  # bench.workloads.api_bodies.Api: the API that carried the request
     after: str | None = None  # bench.workloads.trace.EndedBy of the session's previous turn
+    attempts: int = 1  # sent this many times (retried after refusals)
+    gave_up: bool = False  # refused after every retry: the session sent nothing more
 
     @property
     def ok(self) -> bool:
@@ -148,6 +150,10 @@ class Summary:
     slo_met_share: float | None = None
     goodput_per_s: float | None = None
     session_slo_met_median: float | None = None
+    # Turns sent again after a refusal (beyond the first attempt), and sessions that gave
+    # up after their retries (``ReplayConfig.retries``).
+    retries: int = 0
+    sessions_given_up: int = 0
     # Turns that carried a tool's result (the previous reply called it); None: none.
     after_tool_requests: int = 0
     after_tool_ttft_p50: float | None = None
@@ -300,6 +306,8 @@ def summarize(
         prefill_cov=prefill_cov,
         by_api=apis if len(apis) > 1 else (),
         **_goodput(records, duration, slo_ttft_s),
+        retries=sum(r.attempts - 1 for r in records),
+        sessions_given_up=len({r.session for r in records if r.gave_up}),
         after_tool_requests=len(after_tool),
         after_tool_ttft_p50=percentile(after_tool_ttfts, 50),
         after_tool_ttft_p99=percentile(after_tool_ttfts, 99),

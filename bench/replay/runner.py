@@ -9,7 +9,12 @@ its TTFT does not include that wait. Recorded times are multiplied back by
 
 Failures. A failed request is recorded and the session goes on with its next turn; the
 failed turn is left out of the conversation (see ``Conversation``), so later turns still
-extend the prefix the engine may hold.
+extend the prefix the engine may hold. With ``retries``, a turn refused before its first
+token (408, 409, 429, 5xx or no answer, as the OpenAI and Anthropic SDKs retry) is sent
+again up to that many times, after its ``Retry-After`` (up to 60 s) or else 0.5 s
+doubling to 8 s less up to a quarter at random (simulated seconds), without holding a
+slot meanwhile; its record's times run from the first attempt. A session whose turn is
+still refused after them gives up: its later turns are not sent (``gave_up``).
 
 APIs. A session whose trace names an API (``Turn.api`` on its turn 0) is replayed
 through it; the others through ``ReplayConfig.api``, the run's default. Each record
@@ -22,11 +27,13 @@ arrive later are not replayed and no new turn starts after it; requests in fligh
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from bench.replay.api_streams import StreamOutcome
 from bench.replay.client import (
     DEFAULT_REQUEST_TIMEOUT_S,
     Assign,
@@ -49,6 +56,13 @@ DEFAULT_TIME_SCALE = 1.0
 RecordSink = Callable[[RequestRecord], None]
 
 
+# The OpenAI and Anthropic SDKs' retry timing: a Retry-After up to a minute is taken as
+# it is; otherwise half a second, doubling to at most 8 s.
+MAX_RETRY_AFTER_S = 60.0
+INITIAL_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 8.0
+
+
 @dataclass(frozen=True, slots=True)
 class ReplayConfig:
     target: str
@@ -67,6 +81,7 @@ class ReplayConfig:
     # The API of sessions whose trace names none (bench.workloads.api_bodies).
     api: Api = DEFAULT_API
     slo_ttft_s: float | None = None  # the TTFT objective goodput counts against
+    retries: int = 0  # a refused turn is sent again this many times (the SDKs': 2)
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -79,6 +94,7 @@ class ReplayConfig:
             (self.block_tokens >= 1, "block_tokens must be >= 1"),
             (self.api in APIS, f"api must be one of {', '.join(APIS)}"),
             (self.slo_ttft_s is None or self.slo_ttft_s > 0, "slo_ttft must be > 0"),
+            (self.retries >= 0, "retries must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:
@@ -101,7 +117,9 @@ class _Run:
     """The state of one replay: the clock, the in-flight bound, the oracle, the records."""
 
     def __init__(self, config: ReplayConfig, client: ChatClient, sink: RecordSink | None) -> None:
+        self._config = config
         self._scale = config.time_scale
+        self._rng = random.Random(0)  # the backoff's jitter, the same every run
         self._client = client
         self._default_api = config.api
         self._sink = sink
@@ -151,7 +169,8 @@ class _Run:
                 tools=tools,
                 calls_tool=tools and turn.ended_by == "tool",
             )
-            await self._turn(turn, conversation, request, after)
+            if not await self._turn(turn, conversation, request, after):
+                return  # refused after every retry: the session gives up
             after = turn.ended_by
 
     async def _turn(
@@ -160,15 +179,26 @@ class _Run:
         conversation: Conversation,
         request: ChatRequest,
         after: EndedBy | None = None,
-    ) -> None:
+    ) -> bool:
+        """Send one turn (again, while it is refused and retries are left) and record
+        it; False: the session gives up."""
         messages = request.messages
         prompt = tokenize_prompt(messages)
         async with self._slots:
             # The oracle sees requests in the order they are sent.
             oracle_hit = self._oracle.hit_tokens(prompt)
             self._oracle.observe_prompt(prompt)
-            start = self.elapsed()
+            start = sent = self.elapsed()
             outcome = await self._client.stream_chat(request)
+        attempts = 1
+        while _refused(outcome) and attempts <= self._config.retries:
+            await asyncio.sleep(self._backoff(outcome, attempts))
+            async with self._slots:
+                sent = self.elapsed()
+                outcome = await self._client.stream_chat(request)
+            attempts += 1
+        gave_up = self._config.retries > 0 and _refused(outcome)
+        waited = sent - start  # wall seconds before the last attempt went out
         if outcome.error is None:
             conversation.commit(messages, outcome.reply, outcome.tool_call)
             generated = tokenize_reply(outcome.reply, outcome.tool_call)
@@ -178,8 +208,8 @@ class _Run:
             session=turn.session,
             turn=turn.turn,
             start=start * s,
-            ttft_s=None if outcome.ttft_s is None else outcome.ttft_s * s,
-            latency_s=outcome.latency_s * s,
+            ttft_s=None if outcome.ttft_s is None else (outcome.ttft_s + waited) * s,
+            latency_s=(outcome.latency_s + waited) * s,
             prompt_tokens=(
                 num_tokens(prompt) if outcome.prompt_tokens is None else outcome.prompt_tokens
             ),
@@ -191,10 +221,29 @@ class _Run:
             status=outcome.status,
             api=request.api or self._default_api,
             after=after,
+            attempts=attempts,
+            gave_up=gave_up,
         )
         self.records.append(record)
         if self._sink is not None:
             self._sink(record)
+        return not gave_up
+
+    def _backoff(self, outcome: StreamOutcome, attempts: int) -> float:
+        """Wall seconds before attempt ``attempts + 1``, as the SDKs wait."""
+        after = outcome.retry_after_s
+        if after is not None and 0 < after <= MAX_RETRY_AFTER_S:
+            return after
+        backoff: float = min(INITIAL_BACKOFF_S * 2.0 ** (attempts - 1), MAX_BACKOFF_S)
+        return backoff * (1 - 0.25 * self._rng.random()) / self._scale
+
+
+def _refused(outcome: StreamOutcome) -> bool:
+    """Refused before a first token, as the SDKs retry: 408, 409, 429, 5xx, no answer."""
+    if outcome.error is None or outcome.ttft_s is not None:
+        return False
+    status = outcome.status
+    return status in (0, 408, 409, 429) or status >= 500
 
 
 async def replay(

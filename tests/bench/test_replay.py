@@ -419,3 +419,57 @@ async def test_progress_prints_a_status_line_when_not_on_a_terminal() -> None:
         display.add(_record(0, cached=25, oracle=50))
         display.add(_record(1, cached=0, oracle=0, error="HTTP 500"))
     assert out.getvalue().strip() == "replay 2/2 requests  hit  25.0% (oracle  50.0%)  errors 1"
+
+
+async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_up() -> None:
+    """An endpoint that refuses the first two sends of every turn with 429 (its
+    Retry-After taken as it is), then answers: with two retries every turn gets through on
+    its third send, its TTFT counted from the first; with one, the first turn is refused
+    twice and its session gives up. Without retries each refusal is a failed turn and the
+    session goes on."""
+    sends: dict[str, int] = {}
+
+    async def refusing_twice(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        key = body["messages"][-1]["content"]
+        sends[key] = sends.get(key, 0) + 1
+        if sends[key] <= 2:
+            return web.json_response(
+                {"error": {"message": "busy"}}, status=429, headers={"Retry-After": "0.05"}
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"index": 0, "delta": {"content": "ok"}}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", refusing_twice)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    results = {}
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        for retries in (2, 1, 0):
+            sends.clear()
+            config = ReplayConfig(
+                target=url, trace=Path("t"), model="m", time_scale=1.0, retries=retries
+            )
+            results[retries] = await replay(config, select_sessions(_tiny_trace(), max_sessions=1))
+    finally:
+        await runner.cleanup()
+    through = results[2].records
+    assert [(r.attempts, r.error, r.gave_up) for r in through] == [(3, None, False)] * 3
+    assert all((r.ttft_s or 0) >= 0.1 for r in through)  # two Retry-After waits of 0.05 s
+    assert summarize(through).retries == 6
+    gave_up = results[1].records
+    assert [(r.turn, r.attempts, r.status, r.gave_up) for r in gave_up] == [(0, 2, 429, True)]
+    assert summarize(gave_up).sessions_given_up == 1
+    plain = results[0].records
+    assert [(r.turn, r.status, r.attempts) for r in plain] == [
+        (0, 429, 1),
+        (1, 429, 1),
+        (2, 429, 1),
+    ]
