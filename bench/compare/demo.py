@@ -80,6 +80,7 @@ class DemoConfig:
     clock: Clock = DEFAULT_CLOCK
     api: Api = DEFAULT_API  # the API the replay sends the turns through
     slo_ttft_s: float | None = None  # the TTFT objective goodput counts against
+    retries: int = 0  # a refused turn is sent again this many times (bench.replay.runner)
 
     @property
     def virtual(self) -> bool:
@@ -327,6 +328,7 @@ async def run_comparison(
                         request_timeout_s=REQUEST_TIMEOUT_S,
                         api=spec.api or config.api,
                         slo_ttft_s=config.slo_ttft_s,
+                        retries=config.retries,
                     )
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:
@@ -429,6 +431,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="a time-to-first-token objective in simulated seconds: every table adds "
         "goodput, the turns a second within it",
     )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send a refused turn again up to N times as the SDKs do (they default to "
+        "2); a session refused after them gives up",
+    )
 
 
 def demo_config(args: argparse.Namespace) -> DemoConfig:
@@ -447,6 +457,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
         clock=args.clock,
         api=args.api,
         slo_ttft_s=args.slo_ttft_s,
+        retries=args.retries,
     )
 
 

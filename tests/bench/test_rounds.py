@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import orjson
 import pytest
 from rich.console import Console
 
+from bench.compare.demo import add_workload_arguments, demo_config
 from bench.replay.result import RequestRecord, RunMeta, RunResult, summarize
 from bench.replay.rounds import (
     FIGURE_BY_KEY,
@@ -121,3 +123,13 @@ def test_a_runs_ttft_objective_gives_the_rounds_their_goodput() -> None:
         "ttft", ScoredRun.of(RunResult(RunMeta("u", "t", "m", 1.0, 1, "d", 10.0), result_records))
     )
     assert plain.spread("ttft", FIGURE_BY_KEY["goodput_per_s"]) is None
+
+
+def test_every_comparison_takes_the_objective_and_the_retries_from_its_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    parser.set_defaults(policies="ttft", out=Path("/tmp/x"))
+    config = demo_config(parser.parse_args(["--slo-ttft", "2", "--retries", "2"]))
+    assert (config.slo_ttft_s, config.retries) == (2.0, 2)
+    plain = demo_config(parser.parse_args([]))
+    assert (plain.slo_ttft_s, plain.retries) == (None, 0)
