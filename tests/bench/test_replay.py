@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from bench.loopback import serve_on_loopback
 from bench.replay.compare import compare, run_labels
 from bench.replay.oracle import PrefixOracle
 from bench.replay.progress import ProgressDisplay
@@ -445,21 +446,14 @@ async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_u
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", refusing_twice)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     results = {}
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with serve_on_loopback(app) as url:
         for retries in (2, 1, 0):
             sends.clear()
             config = ReplayConfig(
                 target=url, trace=Path("t"), model="m", time_scale=1.0, retries=retries
             )
             results[retries] = await replay(config, select_sessions(_tiny_trace(), max_sessions=1))
-    finally:
-        await runner.cleanup()
     through = results[2].records
     assert [(r.attempts, r.error, r.gave_up) for r in through] == [(3, None, False)] * 3
     assert all((r.ttft_s or 0) >= 0.1 for r in through)  # two Retry-After waits of 0.05 s

@@ -11,7 +11,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import openai
@@ -168,13 +168,20 @@ async def test_by_text_a_follow_up_is_keyed_as_the_whole_conversation(
     assert all(p > 0 for p in predicted[1:])
 
 
-async def test_a_replica_that_did_not_relay_the_response_keys_it_from_redis(
-    engine_factory: EngineFactory, model_dir: Path, redis_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Turns alternate between two replicas, each continuing the response the other
-    relayed: the chain comes with its owner from Redis (the replicas' mirrors are kept
-    slower than the turns), also where the replica first learnt the owner by a GET."""
-    caplog.set_level(logging.INFO, logger="kvrouter.requests")
+class Replicas(NamedTuple):
+    a: RunningRouter
+    b: RunningRouter
+    via_a: openai.AsyncOpenAI
+    via_b: openai.AsyncOpenAI
+    http: aiohttp.ClientSession
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(
+    engine_factory: EngineFactory, model_dir: Path, redis_url: str
+) -> AsyncIterator[Replicas]:
+    """Two router replicas over one tokenized fleet sharing state through ``redis_url``
+    (their mirrors slower than the tests' turns), each with a client, once they have met."""
     state = StateConfig(url=redis_url, path_timeout_s=1.0, flush_interval_s=5.0)
     async with (
         tokenized_fleet(engine_factory, model_dir) as fleet,
@@ -185,9 +192,20 @@ async def test_a_replica_that_did_not_relay_the_response_keys_it_from_redis(
         aiohttp.ClientSession() as http,
     ):
         await met(http, a, b)
-        previous, _ = await respond(via_a, 0, None, stream=False)
+        yield Replicas(a, b, via_a, via_b, http)
+
+
+async def test_a_replica_that_did_not_relay_the_response_keys_it_from_redis(
+    engine_factory: EngineFactory, model_dir: Path, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Turns alternate between two replicas, each continuing the response the other
+    relayed: the chain comes with its owner from Redis (the replicas' mirrors are kept
+    slower than the turns), also where the replica first learnt the owner by a GET."""
+    caplog.set_level(logging.INFO, logger="kvrouter.requests")
+    async with two_replicas(engine_factory, model_dir, redis_url) as r:
+        previous, _ = await respond(r.via_a, 0, None, stream=False)
         for turn in range(1, FOLLOW_UPS + 1):
-            client = via_b if turn % 2 else via_a
+            client = r.via_b if turn % 2 else r.via_a
             if turn == 3:
                 assert (await client.responses.retrieve(previous)).id == previous
             previous, _ = await respond(client, turn, previous, stream=turn == 2)
@@ -206,19 +224,10 @@ async def test_a_chain_no_router_wrote_is_ignored_and_the_follow_up_keyed_blind(
     planted: str,
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvrouter.requests")
-    state = StateConfig(url=redis_url, path_timeout_s=1.0, flush_interval_s=5.0)
     raw = aioredis.from_url(redis_url)
     keys = Keys("kvrouter")
-    async with (
-        tokenized_fleet(engine_factory, model_dir) as fleet,
-        serve_router(tokens_config(fleet, model_dir, state=state, seed=1)) as a,
-        serve_router(tokens_config(fleet, model_dir, state=state, seed=2)) as b,
-        client_of(a) as via_a,
-        client_of(b) as via_b,
-        aiohttp.ClientSession() as http,
-    ):
-        await met(http, a, b)
-        previous, _ = await respond(via_a, 0, None, stream=False)
+    async with two_replicas(engine_factory, model_dir, redis_url) as r:
+        previous, _ = await respond(r.via_a, 0, None, stream=False)
         key = keys.response_chain(previous)
         written = await raw.get(key)
         assert isinstance(written, bytes)  # a's chain, replaced:
@@ -229,15 +238,15 @@ async def test_a_chain_no_router_wrote_is_ignored_and_the_follow_up_keyed_blind(
         else:
             await raw.delete(key)
             await raw.hset(key, "x", "y")
-        _, cached = await respond(via_b, 1, previous, stream=False)
+        _, cached = await respond(r.via_b, 1, previous, stream=False)
         assert cached > 0  # the engine holds the conversation; b cannot know it
         kind = "type" if planted == "hash" else "chain"  # a hash: deleted, off the path
 
         async def counted() -> bool:
-            return await metric(http, b, "kvrouter_redis_bad_entries_total", kind=kind) == 1
+            return await metric(r.http, r.b, "kvrouter_redis_bad_entries_total", kind=kind) == 1
 
         await wait_for(counted)
-        assert await metric(http, b, "kvrouter_continuations_total", keyed="blind") == 1
+        assert await metric(r.http, r.b, "kvrouter_continuations_total", keyed="blind") == 1
     await raw.aclose()
     lines = request_lines(caplog)
     assert [line["outcome"] for line in lines] == ["success", "success"]
@@ -252,19 +261,10 @@ async def test_an_owner_no_router_wrote_is_counted_and_read_no_further(
     longer than any: only its first bytes are read) is skipped and counted; the replica
     that did not relay the response then knows no worker holding it, and says so in the
     API's own 404."""
-    state = StateConfig(url=redis_url, path_timeout_s=1.0, flush_interval_s=5.0)
     raw = aioredis.from_url(redis_url)
     keys = Keys("kvrouter")
-    async with (
-        tokenized_fleet(engine_factory, model_dir) as fleet,
-        serve_router(tokens_config(fleet, model_dir, state=state, seed=1)) as a,
-        serve_router(tokens_config(fleet, model_dir, state=state, seed=2)) as b,
-        client_of(a) as via_a,
-        client_of(b) as via_b,
-        aiohttp.ClientSession() as http,
-    ):
-        await met(http, a, b)
-        previous, _ = await respond(via_a, 0, None, stream=False)
+    async with two_replicas(engine_factory, model_dir, redis_url) as r:
+        previous, _ = await respond(r.via_a, 0, None, stream=False)
         key = keys.response(previous)
         written = await raw.get(key)
         assert isinstance(written, bytes)
@@ -273,6 +273,6 @@ async def test_an_owner_no_router_wrote_is_counted_and_read_no_further(
         else:
             await raw.set(key, written + b"\x00" * (4 * 1024 * 1024))
         with pytest.raises(openai.NotFoundError):
-            await respond(via_b, 1, previous, stream=False)
-        assert await metric(http, b, "kvrouter_redis_bad_entries_total", kind="owner") == 1
+            await respond(r.via_b, 1, previous, stream=False)
+        assert await metric(r.http, r.b, "kvrouter_redis_bad_entries_total", kind="owner") == 1
     await raw.aclose()

@@ -23,6 +23,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseInputParam, ResponseTextDeltaEvent
 
 from bench.textgen import text_for
+from bench.workloads.api_bodies import AGENT_TOOLS
 from router.config import (
     HealthConfig,
     KvEventsEndpoints,
@@ -321,21 +322,6 @@ async def test_a_session_through_each_client_stays_and_is_predicted(
         assert failures == 0
 
 
-AGENT_TOOLS: Any = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run",
-            "parameters": {
-                "type": "object",
-                "properties": {"input": {"type": "string"}},
-                "required": ["input"],
-            },
-        },
-    }
-]
-
-
 async def test_an_agent_session_calling_tools_is_read_and_predicted(
     fleet: list[VllmEngine], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -347,6 +333,7 @@ async def test_an_agent_session_calling_tools_is_read_and_predicted(
     caplog.set_level(logging.INFO, logger="kvrouter.requests")
     session = "agent-tools"
     messages: list[Any] = [{"role": "user", "content": user_text(session, 0)}]
+    tools: Any = list(AGENT_TOOLS)
     async with (
         serve_router(real_config(fleet, "tokens")) as router,
         aiohttp.ClientSession() as http,
@@ -356,7 +343,7 @@ async def test_an_agent_session_calling_tools_is_read_and_predicted(
             stream = await client.chat.completions.create(
                 model=MODEL_NAME,
                 messages=messages,
-                tools=AGENT_TOOLS,
+                tools=tools,
                 tool_choice="required",
                 max_tokens=REPLY_TOKENS,
                 stream=True,

@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.sim.config import EngineConfig
 from bench.sim.kv_events import KVEventsConfig
 from bench.textgen import text_for
+from bench.workloads.api_bodies import AGENT_TOOLS
 from router.planning.capacity import gpu, load_model
 from tests.conftest import RunningEngine, serve_engine
 from tests.vllm_engines import (
@@ -143,21 +144,8 @@ CHAT = [{"role": "user", "content": PROMPT}]
 # call's head and pieces of its arguments; whole, the raw text and no call. Seeded, so
 # the real engine's random weights say the same each run, and short: given more tokens
 # they may close the call early, which a trained model's calls do not.
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "run",
-            "parameters": {
-                "type": "object",
-                "properties": {"input": {"type": "string"}},
-                "required": ["input"],
-            },
-        },
-    }
-]
 CALL: dict[str, Any] = {
-    "tools": TOOLS,
+    "tools": list(AGENT_TOOLS),
     "tool_choice": "required",
     "max_tokens": 24,
     "ignore_eos": True,
