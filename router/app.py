@@ -29,15 +29,16 @@ from router.index.residency import LocalPrefixIndex, PrefixIndex
 from router.kv_events.metrics import KvEventMetrics
 from router.kv_events.subscriptions import KvEventSubscriptions
 from router.observability.metrics import RouterMetrics
+from router.observability.queue_metrics import QueueMetrics
 from router.replication.connect import connect
 from router.replication.index import SharedPrefixIndex
 from router.replication.metrics import PathMetrics, RedisMetrics
 from router.replication.path import SharedPath
 from router.replication.sync import RedisSync
-from router.routing.admission import Admission
 from router.routing.dispatch import Router
 from router.routing.membership import Membership
 from router.routing.policy_slot import PolicySlot
+from router.routing.queue import RequestQueue
 from router.state import RouterState
 from router.tokens.conversation import ContentFormat
 from router.tokens.engine import EngineTokens
@@ -71,10 +72,11 @@ def build_state(
         config.health.stale_after_s,
         config.log_requests,
     )
-    limits = config.admission
-    admission = Admission(
-        limits.max_outstanding_per_worker, limits.queue_size, limits.queue_timeout_s
+    queue_metrics = QueueMetrics(metrics.registry)
+    queue = RequestQueue(
+        config.admission, fleet, router.learner.prefill_tokens_per_s, queue_metrics
     )
+    queue_metrics.watch(queue)
     membership = Membership(fleet, index, metrics, router.learner, block_tokens)
     prober = HealthProber(
         fleet,
@@ -88,7 +90,7 @@ def build_state(
         keys_by_tokens=config.prefix.tokenizer is not None,
         refused=lambda worker, what: metrics.worker_reads_refused.labels(worker, what).inc(),
     )
-    state = RouterState(config, router, metrics, membership, session, upstream, admission, prober)
+    state = RouterState(config, router, metrics, membership, session, upstream, queue, prober)
     state.tokens = _token_keys(config, metrics, session, fleet)
     for wc in config.workers:
         state.add_worker(wc)

@@ -295,22 +295,52 @@ class DiscoveryConfig:
             raise ConfigError("dns_port: must be 1-65535")
 
 
+PRIORITIES = ("interactive", "batch")  # the queue's classes, first served first
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
-    """When every eligible worker has this many requests outstanding, new requests wait
-    in a bounded queue (429 when it is full, 503 when the wait runs out); 0: off."""
+    """The router's queue (``router.routing.queue``): a request whose chosen worker is
+    full waits at the router, where it can be ordered by what is cached and moved to
+    another worker, instead of in the engine's first-come queue. A worker is full when
+    it has ``max_queued_prefill_s`` of uncached prefill waiting (at its learned speed),
+    when the prompts it is running would pass ``kv_budget`` of its KV capacity, or at
+    ``max_outstanding_per_worker`` requests (0: no such ceiling). A held request that
+    cannot start within its class's deadline is shed: 429 (Anthropic's API: 529) with
+    ``Retry-After``. ``enabled: false``: every request goes straight to its worker."""
 
+    enabled: bool = False
     max_outstanding_per_worker: int = 0
-    queue_size: int = 1024
-    queue_timeout_s: float = 30.0
+    max_queued_prefill_s: float = 1.0
+    kv_budget: float = 0.9
+    queue_size: int = 1024  # held requests, all classes
+    queue_bytes: int = 256 * 1024 * 1024  # their bodies
+    queue_timeout_s: float = 10.0  # the interactive class's deadline
+    batch_queue_timeout_s: float = 60.0
+    # A held request's prefill counts this many seconds less for each second it has
+    # waited, so that a long fresh prompt is not passed over for ever.
+    ageing: float = 1.0
+    # Client keys (from api_keys) whose requests are batch; a request may also lower
+    # itself to batch with X-Kvrouter-Priority: batch.
+    batch_api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_outstanding_per_worker < 0:
-            raise ConfigError("max_outstanding_per_worker: must be >= 0 (0: off)")
-        if self.queue_size < 0:
-            raise ConfigError("queue_size: must be >= 0")
-        if self.queue_timeout_s <= 0:
-            raise ConfigError("queue_timeout_s: must be > 0")
+        checks = (
+            (self.max_outstanding_per_worker >= 0, "max_outstanding_per_worker: must be >= 0"),
+            (self.max_queued_prefill_s > 0, "max_queued_prefill_s: must be > 0"),
+            (0 < self.kv_budget <= 1, "kv_budget: must be in (0, 1]"),
+            (self.queue_size >= 0, "queue_size: must be >= 0"),
+            (self.queue_bytes >= 0, "queue_bytes: must be >= 0"),
+            (self.queue_timeout_s > 0, "queue_timeout_s: must be > 0"),
+            (self.batch_queue_timeout_s > 0, "batch_queue_timeout_s: must be > 0"),
+            (self.ageing >= 0, "ageing: must be >= 0"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def deadline_s(self, priority: str) -> float:
+        return self.batch_queue_timeout_s if priority == "batch" else self.queue_timeout_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,6 +519,8 @@ class RouterConfig:
         if duplicate:
             raise ConfigError(f"workers: two workers are named {duplicate!r}")
         self._check_session_keys()
+        if not set(self.admission.batch_api_keys) <= set(self.api_keys):
+            raise ConfigError("admission.batch_api_keys: every key must be one of api_keys")
         if self.subscribes_kv_events and self.prefix.tokenizer is None:
             raise ConfigError(
                 "kv_events: exact mode keys prompts by the engine's tokens; set prefix.tokenizer"

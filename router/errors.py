@@ -14,8 +14,10 @@
     │   └── ResponseNotFound         404 (a stored response nobody holds; vLLM's words)
     ├── Conflict                     409 invalid_request_error
     ├── RetryLater                   (carries Retry-After)
-    │   ├── TooManyRequests          429 rate_limit_error (the admission queue is full)
-    │   └── Overloaded               503 server_error (no room within the queue's wait)
+    │   └── TooManyRequests          429 rate_limit_error
+    │       └── Shed                 429 rate_limit_error (the router's queue let it go:
+    │           │                        full, its deadline, displaced by a higher class)
+    │           └── ShedOverloaded   529 overloaded_error (the same, Anthropic's API)
     ├── NoEligibleWorker             503 server_error
     ├── SharedStateUnavailable       503 server_error (a fleet-wide change could not be made)
     └── UpstreamError                502 server_error
@@ -152,8 +154,20 @@ class TooManyRequests(RetryLater):
     error_type = "rate_limit_error"
 
 
-class Overloaded(RetryLater):
-    status = 503
+class Shed(TooManyRequests):
+    """The router's queue let a request go before any engine saw it; ``reason`` says
+    why (``router.observability.queue_metrics.ShedReason``)."""
+
+    def __init__(self, message: str, retry_after_s: float, reason: str) -> None:
+        super().__init__(message, retry_after_s)
+        self.reason = reason
+
+
+class ShedOverloaded(Shed):
+    """Anthropic's API says it is overloaded with its own status."""
+
+    status = 529
+    error_type = "overloaded_error"
 
 
 class NoEligibleWorker(RouterError):

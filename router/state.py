@@ -18,10 +18,10 @@ from router.fleet.workers import Worker
 from router.kv_events.subscriptions import KvEventSubscriptions
 from router.observability.metrics import RouterMetrics
 from router.replication.path import SharedPath
-from router.routing.admission import Admission
 from router.routing.attempts import Retry
 from router.routing.dispatch import Router
 from router.routing.membership import Membership
+from router.routing.queue import RequestQueue
 from router.routing.response_owners import (
     Continuation,
     ResponseOwners,
@@ -41,7 +41,7 @@ class RouterState:
     membership: Membership
     session: aiohttp.ClientSession  # probes, scrapes and discovery
     upstream: UpstreamPool  # requests forwarded to the workers
-    admission: Admission
+    queue: RequestQueue
     prober: HealthProber
     # Made once for the request path: where session keys are read, and the header lines
     # that authenticate the router to its engines.

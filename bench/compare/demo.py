@@ -38,7 +38,7 @@ from bench.replay.progress import ProgressDisplay
 from bench.replay.reference import ReferenceParams, capacity_reference
 from bench.replay.result import RunResult, save_result
 from bench.replay.rounds import Rounds, ScoredRun, print_rounds, rotated
-from bench.replay.runner import ReplayConfig, replay, select_sessions
+from bench.replay.runner import DEFAULT_CONCURRENCY, ReplayConfig, replay, select_sessions
 from bench.sim.fleet import EngineProcess, fleet, wait_healthy
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.api_bodies import APIS, DEFAULT_API, Api
@@ -81,6 +81,10 @@ class DemoConfig:
     api: Api = DEFAULT_API  # the API the replay sends the turns through
     slo_ttft_s: float | None = None  # the TTFT objective goodput counts against
     retries: int = 0  # a refused turn is sent again this many times (bench.replay.runner)
+    concurrency: int = DEFAULT_CONCURRENCY  # the replay's requests in flight, at most
+    # Offered load as a multiple of the fleet's measured capacity (bench.compare.offered_load);
+    # None: the workload's own arrival times.
+    loads: tuple[float, ...] = ()
 
     @property
     def virtual(self) -> bool:
@@ -107,10 +111,21 @@ class RouterSpec:
     api: Api | None = None  # the API the replay speaks to it; None: the config's
 
 
+# A policy label with this after its name runs the policy with the router's queue on.
+QUEUE_SUFFIX = "+queue"
+
+
 def kvrouter_command(
     config: DemoConfig, policy: str, worker_urls: Sequence[str], port: int, *extra: str
 ) -> tuple[str, ...]:
+    """``policy`` is a policy's name, or ``<name>+queue`` for the policy with the
+    router's queue on (``admission.enabled``), or ``<name>+queue:K=V:K=V`` with more
+    of the queue's settings (``ttft+queue:queue_timeout_s=3``)."""
     workers = [arg for url in worker_urls for arg in ("--worker", url)]
+    policy, queued, settings = policy.partition(QUEUE_SUFFIX)
+    if queued:
+        pairs = ["enabled=true", *(p for p in settings.split(":") if p)]
+        extra = (*(arg for pair in pairs for arg in ("--admission", pair)), *extra)
     return (
         sys.executable,
         "-m",
@@ -266,13 +281,14 @@ async def run_comparison(
     title: str | None = None,
     after_each: AfterRun | None = None,
     when_ready: Callable[[RouterSpec, Sequence[str]], Awaitable[None]] | None = None,
+    retime: Callable[[list[Turn]], list[Turn]] | None = None,
 ) -> Rounds:
-    """Replay a workload (default: the demo's agent sessions) through each router in
-    front of the same fleet, ``config.repeat`` rounds with the routers' order rotated
-    each round; ``before_each`` runs before each router starts (e.g. to empty shared
-    state), ``when_ready`` once it serves, ``after_each`` after its replay with the
-    router's spec and URLs (figures read from the
-    routers, kept beside the run's); ``per_engine_flags[i]`` are extra flags for engine
+    """Replay a workload (default: the demo's agent sessions), its arrivals ``retime``d
+    if given, through each router in front of the same fleet, ``config.repeat`` rounds
+    with the routers' order rotated each round; ``before_each`` runs before each router
+    starts (e.g. to empty shared state), ``when_ready`` once it serves, ``after_each``
+    after its replay with the router's spec and URLs (figures read from the routers,
+    kept beside the run's); ``per_engine_flags[i]`` are extra flags for engine
     ``i`` (e.g. a slower one). Prints medians and ranges; writes every run,
     ``rounds.json`` and the plots of the last round to ``config.out``.
 
@@ -299,6 +315,8 @@ async def run_comparison(
         for round_index in range(config.repeat):
             seed = config.seed + round_index if config.virtual else config.seed
             turns = list(workload(dataclasses.replace(config, seed=seed)))
+            if retime is not None:  # another offered load (bench.compare.offered_load)
+                turns = retime(turns)
             trace_path = config.out / f"trace.r{round_index + 1}.jsonl"
             write_trace(turns, trace_path)
             sessions = select_sessions(turns)
@@ -329,6 +347,7 @@ async def run_comparison(
                         api=spec.api or config.api,
                         slo_ttft_s=config.slo_ttft_s,
                         retries=config.retries,
+                        concurrency=config.concurrency,
                     )
                     total = sum(len(s.turns) for s in sessions)
                     async with ProgressDisplay(total) as display:

@@ -42,6 +42,7 @@ from bench.compare.demo import (
     run_comparison,
     run_on_clock,
 )
+from bench.compare.offered_load import run_at_loads
 from bench.compare.peers import peer_specs
 from bench.replay.rounds import FIGURE_BY_KEY, Rounds, show_spread
 from bench.workloads import (
@@ -76,6 +77,8 @@ TABLE_FIGURES = (
     "ttft_p99",
     "missed_ttft_p99",
     "requests_per_s",
+    "goodput_per_s",
+    "retries",
 )
 
 
@@ -221,14 +224,20 @@ async def run_matrix(
     for row in selected:
         row_config = row.config(config)
         console.rule(f"{row.name}: {row.description}")
-        results[row.name] = await run_comparison(
-            row_config,
-            console,
-            functools.partial(specs_for, row_config, config.policies, peer_bin),
-            workload=row.workload,
-            per_engine_flags=row.per_engine_flags,
-            title=row.name,
-        )
+        specs = functools.partial(specs_for, row_config, config.policies, peer_bin)
+        if config.loads:
+            results |= await run_at_loads(
+                row_config, console, specs, row.workload, row.per_engine_flags, row.name
+            )
+        else:
+            results[row.name] = await run_comparison(
+                row_config,
+                console,
+                specs,
+                workload=row.workload,
+                per_engine_flags=row.per_engine_flags,
+                title=row.name,
+            )
         write_outputs(config.out, results, selected)
     print_matrix(console, results)
     return results
@@ -267,8 +276,16 @@ def matrix_markdown(results: dict[str, Rounds], selected: Sequence[Row]) -> str:
             ]
             lines.append(f"| {row} | {label} | " + " | ".join(cells) + " |")
     described = {r.name: r.description for r in selected}
-    lines += ["", *(f"- **{name}**: {described[name]}" for name in results)]
+    lines += ["", *(f"- **{name}**: {_description(name, described)}" for name in results)]
     return "\n".join(lines) + "\n"
+
+
+def _description(name: str, described: dict[str, str]) -> str:
+    """A row's, or a row at an offered load's (``"agent 1.5x"``)."""
+    if name in described:
+        return described[name]
+    row, _, load = name.rpartition(" ")
+    return f"{described[row]}, sessions bringing {load} the measured capacity"
 
 
 def write_outputs(out: Path, results: dict[str, Rounds], selected: Sequence[Row]) -> None:
@@ -332,11 +349,31 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         default=DEFAULT_AGENTX_TRACES,
         help="first traces of --agentx-trace to replay",
     )
+    parser.add_argument(
+        "--load",
+        type=_loads,
+        default=(),
+        metavar="L,...",
+        help="offered loads as multiples of the fleet's capacity, measured first (every "
+        "session at once): each round's sessions arrive to bring that load, open-loop",
+    )
     parser.set_defaults(func=run, out=DEFAULT_OUT, policies=",".join(DEFAULT_POLICIES))
 
 
+def _loads(text: str) -> tuple[float, ...]:
+    try:
+        loads = tuple(float(part) for part in text.split(",") if part)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers such as 0.5,1,2, got {text!r}"
+        ) from None
+    if not loads or min(loads) <= 0:
+        raise argparse.ArgumentTypeError("loads must be > 0")
+    return loads
+
+
 def run(args: argparse.Namespace) -> int:
-    config = demo_config(args)
+    config = dataclasses.replace(demo_config(args), loads=args.load)
     every = rows(
         args.traces,
         args.mooncake_rows,

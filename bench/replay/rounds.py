@@ -135,6 +135,20 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure("errors", "errors", lambda r: float(r.summary.errors), lambda v: f"{v:.0f}", False),
     Figure(
+        "retries",
+        "turns sent again (refused: shed, overloaded)",
+        lambda r: float(r.summary.retries) if r.summary.retries else None,
+        lambda v: f"{v:.0f}",
+        False,
+    ),
+    Figure(
+        "sessions_given_up",
+        "sessions that gave up",
+        lambda r: float(r.summary.sessions_given_up) if r.summary.retries else None,
+        lambda v: f"{v:.0f}",
+        False,
+    ),
+    Figure(
         "requests_cov",
         "load CoV, requests",
         lambda r: r.summary.requests_cov,

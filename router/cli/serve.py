@@ -67,6 +67,15 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
         help="a policy knob (repeatable)",
     )
     serve.add_argument(
+        "--admission",
+        action="append",
+        type=_knob,
+        dest="admission",
+        metavar="NAME=VALUE",
+        help="a setting of the router's queue, e.g. enabled=true (repeatable; "
+        "docs/configuration.md)",
+    )
+    serve.add_argument(
         "--kv-tokens",
         type=int,
         help="every worker's KV capacity in tokens (default: read from the engines' /metrics)",
@@ -164,6 +173,8 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
         values["workers"] = args.workers
     if args.knobs:
         values["policy_knobs"] = dict(args.knobs)
+    if args.admission:
+        values["admission"] = dict(args.admission)
     if args.kv_tokens is not None:
         values["capacity"] = {"kv_tokens": args.kv_tokens}
     if args.block_bytes is not None:

@@ -64,15 +64,21 @@ class Snapshot:
 
 
 def quantile(
-    now: Snapshot, before: Snapshot | None, name: str, outcome: str, q: float
+    now: Snapshot,
+    before: Snapshot | None,
+    name: str,
+    outcome: str,
+    q: float,
+    label: str = "outcome",
 ) -> float | None:
-    """A quantile of a histogram's increase since ``before`` (upper bucket bound)."""
+    """A quantile of a histogram's increase since ``before`` (upper bucket bound), of
+    the series whose ``label`` is ``outcome``."""
 
     def buckets(snap: Snapshot | None) -> dict[float, float]:
         found: dict[float, float] = {}
         for labels, value in (snap.values.get(f"{name}_bucket", {}) if snap else {}).items():
             tags = dict(labels)
-            if tags.get("outcome") == outcome:
+            if tags.get(label) == outcome:
                 found[float(tags["le"])] = value
         return found
 
@@ -103,7 +109,15 @@ def render(now: Snapshot, before: Snapshot | None) -> Group:
     # Whole names: the other columns wrap before a worker's name is cut.
     longest = max((len(name) for name in healthy), default=6)
     workers.add_column("worker", no_wrap=True, min_width=longest)
-    for column in ("healthy", "circuit", "outstanding", "engine run/wait", "resident / capacity"):
+    columns = (
+        "healthy",
+        "circuit",
+        "outstanding",
+        "held",
+        "engine run/wait",
+        "resident / capacity",
+    )
+    for column in columns:
         workers.add_column(column, justify="right")
     circuit = now.seen("kvrouter_worker_circuit_state", "worker")
     outstanding = now.by("kvrouter_worker_outstanding_requests", "worker")
@@ -111,12 +125,14 @@ def render(now: Snapshot, before: Snapshot | None) -> Group:
     capacity = now.seen("kvrouter_worker_capacity_tokens", "worker")
     engine = now.seen("kvrouter_worker_engine_running_requests", "worker")
     waiting = now.seen("kvrouter_worker_engine_waiting_requests", "worker")
+    held = now.by("kvrouter_queue_held_requests", "worker")
     for name in sorted(healthy):
         workers.add_row(
             name,
             "yes" if healthy[name] else "NO",
             ("closed", "half-open", "open")[int(circuit.get(name, 0))],
             f"{outstanding.get(name, 0):.0f}",
+            f"{held.get(name, 0):.0f}",
             f"{engine.get(name, 0):.0f} / {waiting.get(name, 0):.0f}",
             f"{resident.get(name, 0):,.0f} / {capacity.get(name, 0):,.0f} "
             f"({_pct(resident.get(name, 0), capacity.get(name, 0))})",
@@ -154,7 +170,31 @@ def render(now: Snapshot, before: Snapshot | None) -> Group:
             f"{_secs(quantile(now, before, ttft, outcome, 0.5))} / "
             f"{_secs(quantile(now, before, ttft, outcome, 0.99))}",
         )
-    return Group(workers, summary)
+    return Group(workers, summary, _queue(now, before))
+
+
+def _queue(now: Snapshot, before: Snapshot | None) -> Table:
+    queue = Table(title="the router's queue")
+    queue.add_column("class")
+    for column in ("held", "wait p50 / p99 (last interval)", "shed: reason"):
+        queue.add_column(column, justify="right")
+    depth = now.by("kvrouter_queue_depth", "priority")
+    sheds: dict[str, dict[str, float]] = {}
+    for labels, count in now.values.get("kvrouter_queue_sheds_total", {}).items():
+        tags = dict(labels)
+        if count:
+            sheds.setdefault(tags["priority"], {})[tags["reason"]] = count
+    wait = "kvrouter_queue_wait_seconds"
+    for priority in sorted(depth):
+        shed = sheds.get(priority, {})
+        queue.add_row(
+            priority,
+            f"{depth[priority]:.0f}",
+            f"{_secs(quantile(now, before, wait, priority, 0.5, 'priority'))} / "
+            f"{_secs(quantile(now, before, wait, priority, 0.99, 'priority'))}",
+            ", ".join(f"{reason} {n:,.0f}" for reason, n in sorted(shed.items())) or "-",
+        )
+    return queue
 
 
 async def _read(http: httpx.AsyncClient, url: str) -> Snapshot:

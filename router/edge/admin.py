@@ -15,6 +15,10 @@ Off unless an admin token is configured (``admin_token`` / ``--admin-token`` /
                                               "version"}
     PUT    /admin/policy                      {"policy"?: ..., "knobs"?: {...}}: routes the
                                               next request; in-flight ones are unaffected
+    GET    /admin/admission                   the queue's settings (``admission``), what it
+                                              holds per class and worker
+    PUT    /admin/admission                   {setting: value, ...}: over the current
+                                              settings; held requests keep their deadlines
 
 ``PUT /admin/policy``: without ``policy`` the current one is kept; ``knobs`` are given over
 the policy's defaults (not over its current knobs), so leaving them out resets them. Names
@@ -24,6 +28,7 @@ change reaches every replica (``router/replication/policy.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,10 +36,10 @@ import orjson
 
 from policies.base import PolicyConfigError
 from policies.registry import policy_class
-from router.config import WorkerConfig
+from router.config import PRIORITIES, AdmissionConfig, WorkerConfig
 from router.config_loader import build
 from router.edge.routes import Answer, Call, Handler, json_answer
-from router.errors import BadRequest, Conflict, NotFound
+from router.errors import BadRequest, ConfigError, Conflict, NotFound
 from router.fleet.workers import Worker
 from router.state import RouterState
 
@@ -191,6 +196,37 @@ async def put_policy(call: Call) -> Answer:
     return json_answer(active.describe())
 
 
+def _admission(state: RouterState) -> dict[str, Any]:
+    queue = state.queue
+    settings = dataclasses.asdict(queue.limits)
+    settings["batch_api_keys"] = len(queue.limits.batch_api_keys)  # secrets: their number
+    return {
+        "settings": settings,
+        "held": {p: queue.depth(p) for p in PRIORITIES},
+        "held_prefill_tokens": dict(sorted(queue.held_prefill.items())),
+    }
+
+
+async def get_admission(call: Call) -> Answer:
+    return json_answer(_admission(call.state))
+
+
+async def put_admission(call: Call) -> Answer:
+    state = call.state
+    body = _body(call)
+    if not body:
+        raise BadRequest("give at least one setting of admission")
+    current = dataclasses.asdict(state.queue.limits)
+    try:
+        limits: AdmissionConfig = build(AdmissionConfig, {**current, **body}, "admission")
+    except ConfigError as exc:
+        raise BadRequest("; ".join(exc.problems)) from None
+    if not set(limits.batch_api_keys) <= set(state.config.api_keys):
+        raise BadRequest("admission.batch_api_keys: every key must be one of api_keys")
+    state.queue.limits = limits
+    return json_answer(_admission(state))
+
+
 ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/admin/workers", list_workers),
     ("POST", "/admin/workers", add_worker),
@@ -200,4 +236,6 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("POST", "/admin/workers/{name}/migrate", migrate),
     ("GET", "/admin/policy", get_policy),
     ("PUT", "/admin/policy", put_policy),
+    ("GET", "/admin/admission", get_admission),
+    ("PUT", "/admin/admission", put_admission),
 )

@@ -126,14 +126,14 @@ async def forward(call: Call, lifecycle: PlainLifecycle) -> None:
 
 async def by_load(call: Call) -> None:
     model = _model_of(call.request.body)
-    await forward(call, PlainLifecycle(call.state.router, call.state.admission, model))
+    await forward(call, PlainLifecycle(call.state.router, call.state.queue, model))
 
 
 async def stored_response(call: Call) -> None:
     state = call.state
     tenant = state.tenant_of(call.request.headers)
     holder = await state.holder_of(call.request.params["response_id"], tenant)
-    await forward(call, PlainLifecycle(state.router, state.admission, None, holder))
+    await forward(call, PlainLifecycle(state.router, state.queue, None, holder))
 
 
 ROUTES: tuple[tuple[str, str, Handler], ...] = (

@@ -44,7 +44,7 @@ from router.index.stored_chain import StoredChain
 from router.observability.metrics import ContinuationKeyed
 from router.routing.attempts import AttemptFailed, Fallback, run_attempts
 from router.routing.dispatch import Dispatch
-from router.routing.lifecycle import RequestLifecycle
+from router.routing.lifecycle import QueueTerms, RequestLifecycle
 from router.state import RouterState
 from router.wire import headers
 from router.wire.kinds import Kind
@@ -87,6 +87,7 @@ FORWARDED_HEADERS = frozenset(
 WORKER_HEADER = headers.WORKER_HEADER.encode()
 REQUEST_ID_HEADER = headers.REQUEST_ID_HEADER.encode()
 _REQUEST_ID = REQUEST_ID_HEADER.lower()
+_PRIORITY = headers.PRIORITY_HEADER.lower().encode()
 Headers = Sequence[tuple[bytes, bytes]]
 # Non-streaming responses are read whole before they are sent on; this bounds them.
 MAX_WHOLE_RESPONSE_BYTES = 64 * 1024 * 1024
@@ -100,6 +101,7 @@ class _ClientHeaders:
     forwarded: bytes  # the header lines an engine is meant to see
     request_id: str | None
     sessions: dict[bytes, bytes]  # the session headers sent: lower-case name -> value
+    priority: bytes | None  # the class the client asked for (PRIORITY_HEADER)
 
 
 def _read_headers(raw: Headers, session_headers: frozenset[bytes]) -> _ClientHeaders:
@@ -109,6 +111,7 @@ def _read_headers(raw: Headers, session_headers: frozenset[bytes]) -> _ClientHea
     case; the first of each name counts."""
     lines: list[bytes] = []
     request_id: str | None = None
+    priority: bytes | None = None
     sessions: dict[bytes, bytes] = {}
     for name, value in raw:
         key = name.lower()
@@ -116,9 +119,11 @@ def _read_headers(raw: Headers, session_headers: frozenset[bytes]) -> _ClientHea
             lines.append(b"%s: %s\r\n" % (name, value))
         elif key == _REQUEST_ID:
             request_id = request_id or value.decode("latin-1") or None
+        elif key == _PRIORITY:
+            priority = priority or value
         elif key in session_headers:
             sessions.setdefault(key, value)
-    return _ClientHeaders(b"".join(lines), request_id, sessions)
+    return _ClientHeaders(b"".join(lines), request_id, sessions, priority)
 
 
 async def serve(kind: Kind, call: Call) -> None:
@@ -145,18 +150,24 @@ async def serve(kind: Kind, call: Call) -> None:
     else:
         request = keyed_by_text(body, block_bytes)
     request_id = headers.request_id or secrets.token_hex(16)
+    terms = QueueTerms(
+        state.queue.priority_of(tenant, headers.priority), tenant, len(raw), kind == "messages"
+    )
     lifecycle = RequestLifecycle(
-        state.router, state.admission, request, request_id, arrived, holder, state.shared_path
+        state.router, state.queue, request, request_id, arrived, holder, state.shared_path, terms
     )
-    await lifecycle.admit()
-    client = _Client(
-        reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header, tenant
-    )
-    attempt = functools.partial(_attempt, client, state, lifecycle)
     try:
-        await run_attempts(lifecycle, state.retry, attempt, request_id)
-    except AttemptFailed as last:
-        await answer_failure(reply, last)
+        await lifecycle.admit()
+        client = _Client(
+            reply, headers.forwarded + state.upstream_auth, request_id, config.worker_header, tenant
+        )
+        attempt = functools.partial(_attempt, client, state, lifecycle)
+        try:
+            await run_attempts(lifecycle, state.retry, attempt, request_id)
+        except AttemptFailed as last:
+            await answer_failure(reply, last)
+    finally:
+        lifecycle.end()
 
 
 async def continued(

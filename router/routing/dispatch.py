@@ -28,7 +28,7 @@ from router.index.engine_blocks import whole_engine_blocks
 from router.index.residency import PrefixIndex
 from router.observability.metrics import RouterMetrics
 from router.routing.learning import Learner
-from router.routing.policy_slot import PolicySlot
+from router.routing.policy_slot import ActivePolicy, PolicySlot
 from router.routing.recorder import Recorder
 from router.wire.kinds import TurnEnd
 
@@ -133,6 +133,24 @@ class Dispatch:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """Where the policy would send a request, before anything is taken there."""
+
+    active: ActivePolicy
+    route: RouteRequest
+    worker: Worker
+    decision: Decision
+    matched: int  # tokens of the prompt the worker is modelled to hold
+    best_match: int  # the most any candidate was modelled to hold
+    started: float  # perf_counter when the choice began (the decision's time)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The prompt's tokens the worker would compute."""
+        return max(0, self.route.prompt_tokens - self.matched)
+
+
 class Router:
     def __init__(
         self,
@@ -183,30 +201,59 @@ class Router:
         until it ends. ``remote_matches``: blocks of the prompt each worker holds as the
         other replicas have it (read from Redis), where that is more than the local
         index knows."""
-        started = time.perf_counter()
         if candidates is None:
             candidates = self.eligible(request.model, exclude)
+        choice = self.choose(route, candidates, remote_matches)
+        return self.take(choice, request, len(exclude) + 1, arrived)
+
+    def choose(
+        self,
+        route: RouteRequest,
+        candidates: list[Worker],
+        remote_matches: Mapping[str, int] | None = None,
+        held_prefill: Mapping[str, int] | None = None,
+    ) -> Choice:
+        """The policy's choice among ``candidates``, nothing taken yet. ``held_prefill``:
+        uncached prompt tokens the router's queue holds for each worker, counted as
+        queued there (``router.routing.queue``)."""
+        started = time.perf_counter()
         if not candidates:
-            raise NoEligibleWorker(f"no healthy worker serves model {request.model!r}")
+            raise NoEligibleWorker(f"no healthy worker serves model {route.model!r}")
         now = monotonic()
         active = self.policies.current  # read once: one policy chooses and hears the end
         returns = active.policy.counts_returns
         views = [self._view(w, route, now, remote_matches, returns) for w in candidates]
+        if held_prefill:
+            views = [
+                v._replace(queued_prefill_tokens=v.queued_prefill_tokens + held_prefill[v.name])
+                if v.name in held_prefill
+                else v
+                for v in views
+            ]
         decision = active.policy.choose(route, views)
-        worker = self.fleet.workers[decision.worker]
         matched = next(v.matched_tokens for v in views if v.name == decision.worker)
+        best = max(v.matched_tokens for v in views)
+        return Choice(
+            active, route, self.fleet.workers[decision.worker], decision, matched, best, started
+        )
+
+    def take(
+        self, choice: Choice, request: ClientRequest, attempt: int, arrived: float | None = None
+    ) -> Dispatch:
+        """Send ``request`` where ``choice`` says: its lease, its blocks reserved there."""
+        route, worker, active = choice.route, choice.worker, choice.active
+        now = monotonic()
         queued_before = worker.queued_prefill_tokens
-        lease = Lease(worker, route.prompt_tokens, max(0, route.prompt_tokens - matched))
+        lease = Lease(worker, route.prompt_tokens, choice.prefill_tokens)
         worker.demand.add(route.prompt_tokens, now)
         self.index.reserve(worker.name, route.block_hashes)
         active.policy.on_dispatch(route, worker.name)
         metrics = self.metrics
-        metrics.decision_seconds.observe(time.perf_counter() - started)
-        metrics.counter(metrics.decisions, active.name, decision.reason).inc()
-        best = max(v.matched_tokens for v in views)
+        metrics.decision_seconds.observe(time.perf_counter() - choice.started)
+        metrics.counter(metrics.decisions, active.name, choice.decision.reason).inc()
         series = metrics.worker(worker.name)
-        series.best_cached_tokens.inc(best)
-        series.predicted_cached_tokens.inc(matched)
+        series.best_cached_tokens.inc(choice.best_match)
+        series.predicted_cached_tokens.inc(choice.matched)
         return Dispatch(
             self.index,
             self.recorder,
@@ -214,12 +261,12 @@ class Router:
             request,
             route,
             worker,
-            decision,
+            choice.decision,
             lease,
             queued_before,
-            best,
-            monotonic() if arrived is None else arrived,
-            len(exclude) + 1,
+            choice.best_match,
+            now if arrived is None else arrived,
+            attempt,
         )
 
     @staticmethod

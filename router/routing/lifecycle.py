@@ -12,9 +12,11 @@ queued prefill, reserved blocks here and in the shared state, breaker, learning,
 metrics) is settled here, through the ``Dispatch``, the ``Recorder`` and the shared
 path.
 
-Eligibility is computed once on the common path: the admission check's list of eligible
-workers is the one the first dispatch chooses from. A retry looks again (the worker that
-failed is out, and health may have changed since).
+With the router's queue on (``router.routing.queue``), ``admit()`` asks the policy for a
+worker and either takes it at once or waits in the queue until released there (or
+elsewhere, or let go: ``Shed``); the first attempt is then the dispatch the queue made.
+Eligibility is computed once on the common path. A retry looks again (the worker that
+failed is out, and health may have changed since) and does not queue again.
 
 ``PlainLifecycle`` is the same for a request with no prefix work (``router.edge.passthrough``):
 the least loaded eligible worker, a lease, the breaker's verdict.
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from policies.base import Outcome, RouteRequest
@@ -32,8 +35,8 @@ from router.apis.request import ClientRequest
 from router.clock import monotonic
 from router.errors import ModelNotFound, NoEligibleWorker
 from router.fleet.workers import Lease, Worker
-from router.routing.admission import Admission
 from router.routing.dispatch import Dispatch, EngineUsage, Router
+from router.routing.queue import RequestQueue
 
 
 class SharedPrefixes(Protocol):
@@ -66,13 +69,26 @@ def holder_unavailable(holder: Worker) -> NoEligibleWorker:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class QueueTerms:
+    """What the router's queue weighs of a request besides its prompt."""
+
+    priority: str = "interactive"
+    tenant: str | None = None  # its client key (``router.auth.tenant``)
+    body_bytes: int = 0
+    overloaded_status: bool = False  # shed as overloaded (Anthropic's 529), not 429
+
+
 class RequestLifecycle:
     __slots__ = (
-        "_admission",
         "_candidates",
+        "_first",
         "_holder",
+        "_queue",
         "_router",
         "_shared",
+        "_started",
+        "_terms",
         "arrived",
         "remote_matches",
         "request",
@@ -83,17 +99,21 @@ class RequestLifecycle:
     def __init__(
         self,
         router: Router,
-        admission: Admission,
+        queue: RequestQueue,
         request: ClientRequest,
         request_id: str,
         arrived: float,
         holder: Worker | None = None,
         shared: SharedPrefixes | None = None,
+        terms: QueueTerms = QueueTerms(),
     ) -> None:
         if not router.fleet.serves(request.model):
             raise ModelNotFound(f"The model `{request.model}` does not exist.", param="model")
         self._router = router
-        self._admission = admission
+        self._queue = queue
+        self._terms = terms
+        self._first: Dispatch | None = None  # the queue's dispatch, for the first attempt
+        self._started = False  # passed the queue: in flight there until ``end``
         self._shared = shared
         self.request = request
         self.arrived = arrived
@@ -108,19 +128,69 @@ class RequestLifecycle:
         self.remote_matches: dict[str, int] | None = None
 
     async def admit(self) -> None:
-        """Returns when some eligible worker has room (at once without admission limits);
-        raises ``TooManyRequests`` or ``Overloaded`` if none gets room in time. With
-        shared state, the other replicas' view of the prompt is read first: nothing may
-        wait between room and lease."""
+        """Returns when the request may be dispatched: at once without the queue, else
+        when the queue released it (its first dispatch made); raises ``Shed`` if the
+        queue let it go. With shared state, the other replicas' view of the prompt is
+        read first."""
         if self._shared is not None:
             self.remote_matches = await self._shared.lookup(
                 self.request, self.route.block_hashes, self.candidates()
             )
-        await self._admission.wait_for_room(self._has_room)
+        queue = self._queue
+        candidates = self.candidates()
+        if not queue.enabled or not candidates:
+            return  # without candidates, the dispatch says so
+        choice = self._router.choose(
+            self.route, candidates, self.remote_matches, queue.held_prefill
+        )
+        terms = self._terms
+        if queue.goes_now(choice.worker, self.route.prompt_tokens):
+            self._first = self._router.take(choice, self.request, 1, self.arrived)
+            queue.went_at_once(terms.priority)
+        else:
+            try:
+                await queue.hold(
+                    self,
+                    choice.worker.name,
+                    terms.priority,
+                    choice.prefill_tokens,
+                    self.route.prompt_tokens,
+                    terms.body_bytes,
+                    terms.tenant,
+                    self.request.session_key,
+                    terms.overloaded_status,
+                )
+            except asyncio.CancelledError:
+                if self._first is not None:  # released as the client left
+                    self._first.fail("client_disconnect")
+                    self._first = None
+                    queue.notify()
+                raise
+        self._started = True
+        queue.started(terms.tenant, self.request.session_key)
 
-    def _has_room(self) -> bool:
-        self._candidates = eligible(self._router, self.request.model, self._holder, self.tried)
-        return Router.room_among(self._candidates, self._admission.limit)
+    def rechoose(self, held_prefill: Mapping[str, int]) -> tuple[str, int] | None:
+        """Where the held request would go now (``router.routing.queue.Waiter``)."""
+        candidates = eligible(self._router, self.request.model, self._holder, self.tried)
+        if not candidates:
+            return None
+        choice = self._router.choose(self.route, candidates, self.remote_matches, held_prefill)
+        return choice.worker.name, choice.prefill_tokens
+
+    def take(self, worker: str) -> None:
+        """Released to ``worker``: the first attempt's dispatch, made now. A worker no
+        longer eligible is not taken: the first attempt chooses again."""
+        candidates = eligible(self._router, self.request.model, self._holder, self.tried)
+        chosen = [w for w in candidates if w.name == worker]
+        if chosen:
+            choice = self._router.choose(self.route, chosen, self.remote_matches)
+            self._first = self._router.take(choice, self.request, 1, self.arrived)
+
+    def end(self) -> None:
+        """The request is over, however it ended: it leaves the queue's in-flight count."""
+        if self._started:
+            self._started = False
+            self._queue.ended(self._terms.tenant, self.request.session_key)
 
     def candidates(self) -> list[Worker]:
         """The workers the next dispatch chooses from (the admission check's, if fresh)."""
@@ -130,6 +200,9 @@ class RequestLifecycle:
 
     def dispatch(self) -> Dispatch:
         """The next attempt, on a worker not tried yet; raises ``NoEligibleWorker``."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
         candidates = self.candidates()
         self._candidates = None
         if not candidates and self._holder is not None:
@@ -175,13 +248,14 @@ class RequestLifecycle:
     def first_byte(self, dispatch: Dispatch, observe: bool = True, computed: bool = True) -> None:
         """The worker's first byte is in hand (``Dispatch.first_byte``)."""
         dispatch.first_byte(observe, computed)
+        self._queue.notify()  # its prefill is no longer queued there: there may be room
 
     def failed(self, dispatch: Dispatch, outcome: Outcome) -> None:
         """The attempt failed before the client saw a byte."""
         dispatch.fail(outcome)
         self.tried.append(dispatch.worker.name)
         self._withdraw(dispatch)
-        self._admission.notify()  # its lease is released: there is room now
+        self._queue.notify()  # its lease is released: there is room now
 
     def finished(
         self,
@@ -195,7 +269,7 @@ class RequestLifecycle:
         dispatch.finish(outcome, reply_hashes, usage, reported_prompt_tokens)
         if outcome != "success":  # refused, failed, abandoned: nothing new is there
             self._withdraw(dispatch)
-        self._admission.notify()
+        self._queue.notify()
 
     def _withdraw(self, dispatch: Dispatch) -> None:
         if self._shared is not None:
@@ -212,19 +286,19 @@ class PlainLifecycle:
     """A request forwarded without prefix work: nothing enters the index or the
     learning, but its lease counts as load and its outcome reaches the breaker."""
 
-    __slots__ = ("_admission", "_holder", "_model", "_router", "arrived", "tried")
+    __slots__ = ("_holder", "_model", "_queue", "_router", "arrived", "tried")
 
     def __init__(
         self,
         router: Router,
-        admission: Admission,
+        queue: RequestQueue,
         model: str | None,
         holder: Worker | None = None,
     ) -> None:
         if model is not None and not router.fleet.serves(model):
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         self._router = router
-        self._admission = admission
+        self._queue = queue
         self._model = model
         self._holder = holder
         self.arrived = monotonic()
@@ -241,11 +315,11 @@ class PlainLifecycle:
     def failed(self, lease: Lease, outcome: Outcome) -> None:
         lease.end(outcome)
         self.tried.append(lease.worker.name)
-        self._admission.notify()  # its lease counted as load: there may be room now
+        self._queue.notify()  # its lease counted as load: there may be room now
 
     def finished(self, lease: Lease, outcome: Outcome) -> None:
         lease.end(outcome)
-        self._admission.notify()
+        self._queue.notify()
 
     def gave_up(self, outcome: Outcome) -> None:
         """Nothing to count: the client's answer says it."""

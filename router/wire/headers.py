@@ -12,3 +12,6 @@ SESSION_HEADER = "X-Session-Id"
 SESSION_END_HEADER = "X-Session-End"
 # A request's id: the client's, passed on to the engine, or the router's own.
 REQUEST_ID_HEADER = "X-Request-Id"
+# A request's class in the router's queue: "batch" lowers it below interactive requests
+# (a client key listed in admission.batch_api_keys is batch whatever it asks).
+PRIORITY_HEADER = "X-Kvrouter-Priority"

@@ -13,8 +13,17 @@ from rich.console import Console
 
 from router.cli import main
 from router.cli.top import Snapshot, quantile, register, render
+from router.config import AdmissionConfig
 from tests.conftest import EngineFactory, router_config, serve_router
-from tests.router_client import chat_body, conversation, engines, post
+from tests.router_client import (
+    chat_body,
+    conversation,
+    engines,
+    held_stream,
+    metric,
+    post,
+    wait_for,
+)
 
 
 def test_quantiles_come_from_the_increase_between_reads() -> None:
@@ -111,3 +120,31 @@ def test_the_router_url_comes_from_kvrouter_url(monkeypatch: pytest.MonkeyPatch)
     register(parser.add_subparsers(dest="command", required=True))
     assert parser.parse_args(["top"]).url == "http://router.example:9000"
     assert parser.parse_args(["top", "http://other:1"]).url == "http://other:1"
+
+
+async def test_top_shows_the_queue_what_it_holds_and_sheds(
+    engine_factory: EngineFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    limits = AdmissionConfig(enabled=True, max_outstanding_per_worker=1, queue_size=1)
+    long = chat_body([{"role": "user", "content": "long"}], max_tokens=20_000)
+    short = chat_body([{"role": "user", "content": "short"}], max_tokens=2)
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, admission=limits)) as router,
+        aiohttp.ClientSession() as http,
+        held_stream(http, router.url, long),
+    ):
+        held = asyncio.create_task(post(http, router.url, short))
+
+        async def holding() -> bool:
+            return await metric(http, router, "kvrouter_queue_depth") == 1
+
+        await wait_for(holding)
+        assert (await post(http, router.url, short)).status == 429
+        code = await asyncio.to_thread(main, ["top", router.url, "--once"])
+        held.cancel()
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "the router's queue" in out
+    queue_rows = [line for line in out.splitlines() if "interactive" in line]
+    assert queue_rows and "queue_full 1" in queue_rows[0] and " 1 " in queue_rows[0]

@@ -1,0 +1,138 @@
+"""A comparison at several offered loads, as multiples of the fleet's measured capacity
+(``--load 0.5,1,1.5,2``): overload as users meet it, a fixed arrival rate of sessions.
+
+First the capacity: every session of the workload (round 1's seed) starts at once
+through kvrouter's ``ttft`` without its queue, and the turns completed a second while
+the fleet is saturated are counted (``bench.workloads.load``). Then, per load, the usual
+comparison (``run_comparison``: every router, ``repeat`` rounds) with each round's
+sessions re-timed to bring that load, and the replay's in-flight bound lifted, so that
+turns pile up where the routers put them (at the router, in the engines' queues), not
+in the client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import aiohttp
+import orjson
+from rich.console import Console
+
+from bench.compare.demo import (
+    REQUEST_TIMEOUT_S,
+    DemoConfig,
+    RouterSpecs,
+    Workload,
+    demo_workload,
+    engines_for,
+    kvrouter_spec,
+    router_for,
+    run_comparison,
+)
+from bench.replay.client import discover_model
+from bench.replay.result import RequestRecord
+from bench.replay.rounds import Rounds
+from bench.replay.runner import ReplayConfig, replay, select_sessions
+from bench.workloads.load import all_at_once, at_load
+from bench.workloads.trace import write_trace
+
+# No bound a benchmark's fleet comes near: the client never holds a turn back.
+OPEN_LOOP_CONCURRENCY = 100_000
+PROBE_POLICY = "ttft"
+# The saturated window: from the 10th to the 60th percentile of turn completions, when
+# the sessions started at once are all still running (the rest is the long sessions'
+# tail, with the fleet no longer full).
+SATURATED_FROM, SATURATED_TO = 0.1, 0.6
+
+
+def load_label(title: str, load: float) -> str:
+    return f"{title} {load:g}x"
+
+
+async def measure_capacity(
+    config: DemoConfig,
+    console: Console,
+    workload: Workload = demo_workload,
+    per_engine_flags: Sequence[Sequence[str]] = (),
+) -> float:
+    """Turns a second the fleet completes with every session started at once."""
+    config.out.mkdir(parents=True, exist_ok=True)
+    turns = all_at_once(workload(config))
+    trace = config.out / "capacity-probe.jsonl"
+    write_trace(turns, trace)
+    async with engines_for(config, per_engine_flags) as engines:
+        urls = [e.url for e in engines]
+        async with aiohttp.ClientSession() as http:
+            model = await discover_model(http, urls[0])
+        spec = kvrouter_spec(config, PROBE_POLICY, urls)
+        async with router_for(config, spec) as router_urls:
+            probe = ReplayConfig(
+                target=router_urls[0],
+                trace=trace,
+                model=model,
+                time_scale=config.engine_time_scale,
+                request_timeout_s=REQUEST_TIMEOUT_S,
+                api=config.api,
+                concurrency=OPEN_LOOP_CONCURRENCY,
+            )
+            result = await replay(probe, select_sessions(turns))
+    capacity = saturated_turns_per_s(result.records)
+    console.print(
+        f"capacity: {capacity:.3g} turns/s ({len(turns)} turns of {len(select_sessions(turns))} "
+        f"sessions started at once, {PROBE_POLICY})"
+    )
+    return capacity
+
+
+async def run_at_loads(
+    config: DemoConfig,
+    console: Console,
+    specs_for: RouterSpecs,
+    workload: Workload = demo_workload,
+    per_engine_flags: Sequence[Sequence[str]] = (),
+    title: str = "agent",
+) -> dict[str, Rounds]:
+    """The comparison at each of ``config.loads``; keys ``"<title> <load>x"``."""
+    capacity = await measure_capacity(config, console, workload, per_engine_flags)
+    _save_capacity(config.out / "capacity.json", capacity, config.loads)
+    results: dict[str, Rounds] = {}
+    for load in config.loads:
+        label = load_label(title, load)
+        console.rule(f"{label}: sessions bring {load:g} x {capacity:.3g} turns/s")
+        at = dataclasses.replace(
+            config, out=config.out / f"load-{load:g}x", concurrency=OPEN_LOOP_CONCURRENCY
+        )
+        results[label] = await run_comparison(
+            at,
+            console,
+            specs_for,
+            workload=workload,
+            per_engine_flags=per_engine_flags,
+            title=label,
+            retime=functools.partial(at_load, load=load, capacity_turns_per_s=capacity),
+        )
+    return results
+
+
+def _save_capacity(path: Path, capacity: float, loads: Sequence[float]) -> None:
+    path.write_bytes(
+        orjson.dumps(
+            {"capacity_turns_per_s": capacity, "loads": list(loads)}, option=orjson.OPT_INDENT_2
+        )
+    )
+
+
+def saturated_turns_per_s(records: Sequence[RequestRecord]) -> float:
+    """Turns completed a second between the 10th and 60th percentile of completions."""
+    ends = sorted(r.start + r.latency_s for r in records if r.error is None)
+    if len(ends) < 10:
+        raise ValueError("too few completed turns to measure a capacity")
+    low = ends[int(len(ends) * SATURATED_FROM)]
+    high = ends[int(len(ends) * SATURATED_TO)]
+    if high <= low:
+        raise ValueError("the completions have no span to measure a capacity over")
+    done = sum(1 for end in ends if low < end <= high)
+    return done / (high - low)

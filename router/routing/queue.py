@@ -1,0 +1,396 @@
+"""The router's queue: where a request waits while the worker chosen for it is full.
+
+Arrival. A request's lifecycle asks the policy for a worker (``Router.choose``), counting
+as queued on each worker the prefill the queue already holds for it. If that worker has
+room and nothing is held for it, the request goes at once; otherwise it is held *for
+that worker*, where its prefix is, rather than sent into the engine's first-come queue.
+
+Room (``has_room``). A worker that has nothing outstanding takes anything. Otherwise it
+is full when its uncached prefill dispatched and not yet started (this replica's and the
+others', through the shared state) would take ``max_queued_prefill_s`` at its learned
+speed; when the prompts it is running and this one would pass ``kv_budget`` of its KV
+capacity (the engine would preempt, and recompute, rather than hold them); or at
+``max_outstanding_per_worker`` requests, counting what the engine itself reports.
+
+Release order. When a worker has room, the first of the requests held for it by: class
+(interactive, then batch); the client key with fewer requests in flight; the session
+with fewer; the least prefill on that worker at its learned speed, less ``ageing`` for
+each second waited; arrival. A turn whose prefix the worker holds has little prefill
+and goes ahead of a long fresh prompt that would push out the prefixes of sessions about
+to return; ageing keeps the long one from waiting for ever.
+
+Moving. A worker with room and nothing held for it looks at the requests held longest
+for other workers (``MOVE_LOOKS`` of them): each is asked again where it would go,
+counting what is held ahead of it; one that would now come here does.
+
+Shedding. Held past its class's deadline, or arriving to a full queue (``queue_size``
+requests or ``queue_bytes`` of bodies; an interactive arrival displaces the newest held
+batch request first), a request is refused with ``Shed`` (429; Anthropic's API: 529)
+and a ``Retry-After`` of the time the queue needs to clear, before any engine spent
+anything on it. A client that leaves while held just leaves the queue.
+
+All of it runs on the event loop; nothing here awaits but the held request itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from router.auth import bearers, tenant
+from router.clock import monotonic
+from router.config import AdmissionConfig
+from router.errors import RouterError, Shed, ShedOverloaded
+from router.fleet.workers import Fleet, Worker
+from router.observability.queue_metrics import ShedReason
+
+# Held requests for other workers a worker with room looks at, oldest first, per pass.
+MOVE_LOOKS = 8
+# While anything is held, room is looked for at least this often: an engine's reported
+# load and the learned speeds change without a request ending.
+RECHECK_S = 0.05
+MIN_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 60.0
+
+
+class Waiter(Protocol):
+    """A held request's lifecycle."""
+
+    def rechoose(self, held_prefill: Mapping[str, int]) -> tuple[str, int] | None:
+        """Where the request would go now, counting ``held_prefill`` as queued there:
+        the worker and the prompt's tokens it would compute; None: no eligible worker."""
+
+    def take(self, worker: str) -> None:
+        """Released: dispatch to ``worker`` now, so that the room is taken before the
+        queue looks for more (raises ``RouterError`` if it cannot)."""
+
+
+@dataclass(eq=False, slots=True)
+class Held:
+    waiter: Waiter
+    target: str  # the worker it waits for
+    priority: str
+    prefill_tokens: int  # uncached on the target
+    prompt_tokens: int
+    body_bytes: int
+    tenant: str | None
+    session: str | None
+    since: float
+    seq: int
+    released: asyncio.Future[str | None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    expiry: asyncio.TimerHandle | None = None
+    moved: bool = False  # released to another worker than it was held for
+
+
+class QueueObserver(Protocol):
+    """What the queue tells its metrics (``router.observability.queue_metrics``)."""
+
+    def admitted(self, priority: str, waited_s: float, moved: bool) -> None: ...
+
+    def shed(self, priority: str, reason: ShedReason) -> None: ...
+
+    def abandoned(self, priority: str) -> None: ...
+
+
+class RequestQueue:
+    def __init__(
+        self,
+        limits: AdmissionConfig,
+        fleet: Fleet,
+        prefill_rate: Callable[[str], float],
+        observer: QueueObserver,
+    ) -> None:
+        self._limits = limits
+        self._batch_tenants: frozenset[str] = frozenset()
+        self._fleet = fleet
+        self._rate = prefill_rate
+        self._observer = observer
+        self._seq = itertools.count()
+        self._held: dict[int, Held] = {}  # by seq: arrival order
+        self._by_target: dict[str, dict[int, Held]] = {}
+        self.held_prefill: dict[str, int] = {}  # per worker: uncached tokens held for it
+        self.held_bytes = 0
+        self._in_flight_tenants: Counter[str | None] = Counter()
+        self._in_flight_sessions: Counter[str] = Counter()
+        self._pump_soon: asyncio.Handle | None = None
+        self._recheck: asyncio.TimerHandle | None = None
+        self.limits = limits
+
+    @property
+    def limits(self) -> AdmissionConfig:
+        return self._limits
+
+    @limits.setter
+    def limits(self, limits: AdmissionConfig) -> None:
+        """New settings (the admin API's ``PUT /admin/admission``) apply to what is held
+        from the next look on; held requests keep the deadlines they were given."""
+        self._limits = limits
+        digests = (tenant(key) for key in bearers(limits.batch_api_keys))
+        self._batch_tenants = frozenset(d for d in digests if d is not None)
+        self.notify()
+
+    @property
+    def enabled(self) -> bool:
+        return self._limits.enabled
+
+    def priority_of(self, tenant_: str | None, asked: bytes | None) -> str:
+        """A request's class: batch if its client key is one of ``batch_api_keys`` or
+        it asks for batch (``PRIORITY_HEADER``); a request cannot raise itself."""
+        if asked is not None and asked.strip().lower() == b"batch":
+            return "batch"
+        return "batch" if tenant_ in self._batch_tenants else "interactive"
+
+    def went_at_once(self, priority: str) -> None:
+        self._observer.admitted(priority, 0.0, False)
+
+    def depth(self, priority: str | None = None) -> int:
+        if priority is None:
+            return len(self._held)
+        return sum(1 for h in self._held.values() if h.priority == priority)
+
+    def held_for(self, worker: str) -> int:
+        return len(self._by_target.get(worker, ()))
+
+    def has_room(self, worker: Worker, prompt_tokens: int) -> bool:
+        if worker.load == 0:
+            return True
+        limits = self.limits
+        ceiling = limits.max_outstanding_per_worker
+        if ceiling and worker.load >= ceiling:
+            return False
+        queued = worker.queued_prefill_tokens + worker.remote_queued_prefill
+        if queued >= limits.max_queued_prefill_s * self._rate(worker.name):
+            return False
+        running = worker.outstanding_tokens + worker.remote_tokens
+        return running + prompt_tokens <= limits.kv_budget * worker.capacity_tokens
+
+    def goes_now(self, worker: Worker, prompt_tokens: int) -> bool:
+        """A request chosen for ``worker`` goes at once: it has room, and nothing is held
+        for it (what is held was there first and is ordered by the release rule)."""
+        return not self._by_target.get(worker.name) and self.has_room(worker, prompt_tokens)
+
+    def started(self, tenant: str | None, session: str | None) -> None:
+        """A request passed the queue (at once or released): in flight until ``ended``."""
+        self._in_flight_tenants[tenant] += 1
+        if session is not None:
+            self._in_flight_sessions[session] += 1
+
+    def ended(self, tenant: str | None, session: str | None) -> None:
+        """A request that ``started`` ended; room may have opened."""
+        _drop(self._in_flight_tenants, tenant)
+        if session is not None:
+            _drop(self._in_flight_sessions, session)
+        self.notify()
+
+    async def hold(
+        self,
+        waiter: Waiter,
+        target: str,
+        priority: str,
+        prefill_tokens: int,
+        prompt_tokens: int,
+        body_bytes: int,
+        tenant: str | None,
+        session: str | None,
+        overloaded_status: bool = False,
+    ) -> None:
+        """Wait until released: then the waiter has taken a worker, or (its worker gone)
+        chooses again among all. Raises ``Shed`` (``ShedOverloaded`` with
+        ``overloaded_status``) if let go."""
+        now = monotonic()
+        held = Held(
+            waiter,
+            target,
+            priority,
+            prefill_tokens,
+            prompt_tokens,
+            body_bytes,
+            tenant,
+            session,
+            now,
+            next(self._seq),
+        )
+        refusal = self._make_room(held)
+        if refusal is not None:
+            self._observer.shed(priority, refusal)
+            raise self._shed_error(refusal, overloaded_status)
+        self._add(held)
+        loop = asyncio.get_running_loop()
+        held.expiry = loop.call_later(self.limits.deadline_s(priority), self._expire, held)
+        self.notify()
+        try:
+            await held.released
+        except asyncio.CancelledError:
+            if held.seq in self._held:  # the client left while held
+                self._remove(held)
+                self._observer.abandoned(priority)
+            raise
+        except Shed as shed:
+            raise self._shed_error(shed.reason, overloaded_status) from None
+        self._observer.admitted(priority, monotonic() - now, held.moved)
+
+    def notify(self) -> None:
+        """Something changed (a request ended, a worker answered): look for room soon,
+        once however many changes come before."""
+        if self._held and self._pump_soon is None:
+            self._pump_soon = asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        self._pump_soon = None
+        if self._recheck is not None:
+            self._recheck.cancel()
+            self._recheck = None
+        workers = self._fleet.workers
+        for name in list(self._by_target):
+            worker = workers.get(name)
+            if worker is None or not (worker.healthy and worker.breaker.allows()):
+                for held in list(self._by_target.get(name, {}).values()):
+                    self._release(held, None)  # its worker is gone: it chooses again
+                continue
+            for held in sorted(self._by_target.get(name, {}).values(), key=self._release_key):
+                if not self.has_room(worker, held.prompt_tokens):
+                    break
+                self._release(held, name)
+        self._move_to_idle(workers)
+        if self._held:
+            self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._pump)
+
+    def _move_to_idle(self, workers: Mapping[str, Worker]) -> None:
+        """Workers with room and nothing held for them take requests that would now
+        rather come to them."""
+        idle = [
+            w
+            for w in workers.values()
+            if not self._by_target.get(w.name) and w.healthy and self.has_room(w, 0)
+        ]
+        if not idle or not self._held:
+            return
+        idle_names = {w.name for w in idle}
+        for held in list(itertools.islice(self._held.values(), MOVE_LOOKS)):
+            ahead = dict(self.held_prefill)
+            ahead[held.target] -= held.prefill_tokens
+            choice = held.waiter.rechoose(ahead)
+            if choice is None or choice[0] == held.target:
+                continue
+            worker, prefill_tokens = choice
+            held.moved = True
+            if worker in idle_names and self.has_room(workers[worker], held.prompt_tokens):
+                self._release(held, worker)
+            else:
+                self._retarget(held, worker, prefill_tokens)
+
+    def _release_key(self, held: Held) -> tuple[int, int, int, float, int]:
+        rate = max(self._rate(held.target), 1.0)
+        waited = monotonic() - held.since
+        return (
+            0 if held.priority == "interactive" else 1,
+            self._in_flight_tenants[held.tenant],
+            self._in_flight_sessions[held.session] if held.session is not None else 0,
+            held.prefill_tokens / rate - self.limits.ageing * waited,
+            held.seq,
+        )
+
+    def _make_room(self, arriving: Held) -> ShedReason | None:
+        """Room in the queue for ``arriving``, displacing held batch requests for an
+        interactive one; the reason it is refused, if it is."""
+        limits = self.limits
+        while True:
+            if len(self._held) >= limits.queue_size:
+                reason: ShedReason = "queue_full"
+            elif self.held_bytes + arriving.body_bytes > limits.queue_bytes:
+                reason = "queue_bytes"
+            else:
+                return None
+            if arriving.priority == "batch":
+                return reason
+            victim = next((h for h in reversed(self._held.values()) if h.priority == "batch"), None)
+            if victim is None:
+                return reason
+            self._let_go(victim, "displaced")
+
+    def _expire(self, held: Held) -> None:
+        if held.seq in self._held:
+            self._let_go(held, "deadline")
+
+    def _let_go(self, held: Held, reason: ShedReason) -> None:
+        self._remove(held)
+        self._observer.shed(held.priority, reason)
+        if not held.released.done():
+            held.released.set_exception(self._shed_error(reason, False))
+
+    def _shed_error(self, reason: ShedReason | str, overloaded_status: bool) -> Shed:
+        kind = ShedOverloaded if overloaded_status else Shed
+        message = {
+            "deadline": "no worker had room for this request within its queue deadline",
+            "queue_full": "the router's queue is full",
+            "queue_bytes": "the router's queue holds as many request bytes as it may",
+            "displaced": "a request of a higher priority class took this one's place",
+        }.get(reason, "the router's queue let this request go")
+        return kind(message, self._clear_time(), reason)
+
+    def _clear_time(self) -> float:
+        """Seconds until what is held now could have started: the longest worker's."""
+        longest = max(
+            (tokens / max(self._rate(name), 1.0) for name, tokens in self.held_prefill.items()),
+            default=0.0,
+        )
+        return min(max(longest, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+
+    def _add(self, held: Held) -> None:
+        self._held[held.seq] = held
+        self._by_target.setdefault(held.target, {})[held.seq] = held
+        self.held_prefill[held.target] = self.held_prefill.get(held.target, 0) + (
+            held.prefill_tokens
+        )
+        self.held_bytes += held.body_bytes
+
+    def _remove(self, held: Held) -> None:
+        del self._held[held.seq]
+        targets = self._by_target[held.target]
+        del targets[held.seq]
+        if not targets:
+            del self._by_target[held.target]
+            del self.held_prefill[held.target]
+        else:
+            self.held_prefill[held.target] -= held.prefill_tokens
+        self.held_bytes -= held.body_bytes
+        if held.expiry is not None:
+            held.expiry.cancel()
+
+    def _retarget(self, held: Held, target: str, prefill_tokens: int) -> None:
+        self._remove(held)
+        held.target, held.prefill_tokens = target, prefill_tokens
+        self._add(held)
+        # Its deadline runs on from when it arrived.
+        remaining = held.since + self.limits.deadline_s(held.priority) - monotonic()
+        held.expiry = asyncio.get_running_loop().call_later(max(0.0, remaining), self._expire, held)
+
+    def _release(self, held: Held, worker: str | None) -> None:
+        """Out of the queue; on ``worker`` at once (None: it chooses again)."""
+        self._remove(held)
+        if held.released.done():
+            return
+        try:
+            if worker is not None:
+                held.waiter.take(worker)
+        except RouterError as exc:
+            held.released.set_exception(exc)
+        else:
+            held.released.set_result(None)
+
+
+K = TypeVar("K")
+
+
+def _drop(counts: Counter[K], key: K) -> None:
+    left = counts[key] - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)

@@ -1,0 +1,77 @@
+"""Offered load: sessions re-timed to bring a multiple of the measured capacity, the
+capacity read from a saturated run, and the comparison's router with its queue on."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.compare.demo import DemoConfig, kvrouter_command
+from bench.compare.matrix import _description, _loads
+from bench.compare.offered_load import saturated_turns_per_s
+from bench.replay.result import RequestRecord
+from bench.workloads.agent import AgentParams, generate
+from bench.workloads.load import all_at_once, at_load, session_rate, turns_per_session
+from bench.workloads.trace import Turn, group_sessions
+
+
+def _agent() -> list[Turn]:
+    return generate(AgentParams(sessions=20, rate=0.05), seed=3)
+
+
+def test_a_load_sets_the_session_rate_from_the_capacity() -> None:
+    turns = _agent()
+    per_session = turns_per_session(turns)
+    capacity = 2.0  # turns a second
+    for load in (0.5, 1.0, 2.0):
+        retimed = at_load(turns, load, capacity)
+        assert session_rate(retimed) == pytest.approx(load * capacity / per_session)
+        # Each session keeps its turns' own times relative to its start.
+        for before, after in zip(group_sessions(turns), group_sessions(retimed), strict=True):
+            shift = after.arrival - before.arrival
+            assert [t.arrival - shift for t in after.turns] == pytest.approx(
+                [t.arrival for t in before.turns]
+            )
+    assert session_rate(at_load(turns, 2.0, capacity)) == pytest.approx(
+        2 * session_rate(at_load(turns, 1.0, capacity))
+    )
+
+
+def test_all_at_once_starts_every_session_with_the_first() -> None:
+    sessions = group_sessions(all_at_once(_agent()))
+    assert len({s.arrival for s in sessions}) == 1
+    with pytest.raises(ValueError, match="all at once"):
+        at_load(all_at_once(_agent()), 1.0, 2.0)
+
+
+def test_capacity_is_the_completion_rate_while_saturated() -> None:
+    # Two turns a second for 50 s, then a slow tail (one every 10 s for 200 s).
+    ends = [i * 0.5 for i in range(100)] + [50.0 + 10.0 * i for i in range(1, 21)]
+    records = [
+        RequestRecord("s", i, end - 0.5, 0.1, 0.5, 10, 0, 0, 1, None, None, 200)
+        for i, end in enumerate(ends)
+    ]
+    assert saturated_turns_per_s(records) == pytest.approx(2.0, rel=0.05)
+    with pytest.raises(ValueError, match="too few"):
+        saturated_turns_per_s(records[:5])
+
+
+def test_a_queue_label_turns_the_routers_queue_on_with_its_settings() -> None:
+    config = DemoConfig()
+    plain = kvrouter_command(config, "ttft", ["http://e"], 1)
+    assert "--admission" not in plain and plain[plain.index("--policy") + 1] == "ttft"
+    queued = kvrouter_command(config, "ttft+queue:queue_timeout_s=3", ["http://e"], 1)
+    assert queued[queued.index("--policy") + 1] == "ttft"
+    settings = [queued[i + 1] for i, arg in enumerate(queued) if arg == "--admission"]
+    assert settings == ["enabled=true", "queue_timeout_s=3"]
+
+
+def test_loads_are_read_and_described() -> None:
+    assert _loads("0.5,1,2") == (0.5, 1.0, 2.0)
+    for bad in ("fast", "0,1", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _loads(bad)
+    assert _description("agent 1.5x", {"agent": "agents"}) == (
+        "agents, sessions bringing 1.5x the measured capacity"
+    )

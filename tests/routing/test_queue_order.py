@@ -1,0 +1,170 @@
+"""The queue's release rule on real workers, with the clock in the test's hands: who
+goes first when room opens, how waiting ages a long prompt, fairness across client keys,
+and a held request moving to a worker that has room."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from router.config import AdmissionConfig
+from router.fleet.workers import Fleet, Lease, Worker
+from router.observability.queue_metrics import QueueMetrics
+from router.routing import queue as queue_module
+from router.routing.queue import RequestQueue
+
+RATE = 10_000.0  # prefill tokens a second, every worker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Request:
+    """A held request's side of the queue: where it would go; released, it takes a
+    lease on its worker as a dispatch does."""
+
+    def __init__(self, fleet: Fleet, name: str, would_go: str | None = None) -> None:
+        self.fleet = fleet
+        self.name = name
+        self.would_go = would_go
+        self.took: str | None = None
+        self.lease: Lease | None = None
+
+    def rechoose(self, held_prefill: Mapping[str, int]) -> tuple[str, int] | None:
+        return None if self.would_go is None else (self.would_go, 100)
+
+    def take(self, worker: str) -> None:
+        self.took = worker
+        self.lease = Lease(self.fleet.workers[worker], 100, 100)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(queue_module, "monotonic", fake)
+    return fake
+
+
+def _fleet(*names: str) -> Fleet:
+    fleet = Fleet()
+    for name in names:
+        fleet.add(Worker(name, f"http://{name}", capacity_tokens=100_000))
+    return fleet
+
+
+def _busy(worker: Worker) -> Lease:
+    """The one request the worker takes (``max_outstanding_per_worker`` 1)."""
+    return Lease(worker, 100, 0)
+
+
+def _queue(fleet: Fleet, **limits: object) -> RequestQueue:
+    config = AdmissionConfig(enabled=True, max_outstanding_per_worker=1, **limits)  # type: ignore[arg-type]
+    return RequestQueue(config, fleet, lambda worker: RATE, QueueMetrics(CollectorRegistry()))
+
+
+async def _hold(
+    queue: RequestQueue,
+    request: Request,
+    target: str,
+    prefill: int,
+    tenant: str | None = None,
+    priority: str = "interactive",
+) -> asyncio.Task[None]:
+    task = asyncio.create_task(
+        queue.hold(request, target, priority, prefill, prefill, 100, tenant, request.name)
+    )
+    await asyncio.sleep(0)  # held now
+    return task
+
+
+async def _room_on(queue: RequestQueue, lease: Lease) -> None:
+    lease.release()
+    queue.notify()
+    await asyncio.sleep(0)  # the pump
+    await asyncio.sleep(0)  # the released request's task
+
+
+async def _released_order(
+    queue: RequestQueue, busy: Lease, requests: list[Request], tasks: list[asyncio.Task[None]]
+) -> list[str]:
+    order: list[str] = []
+    while len(order) < len(requests):
+        await _room_on(queue, busy)
+        taken = [r for r in requests if r.took is not None and r.name not in order]
+        assert len(taken) == 1  # one request at a time fits
+        order.append(taken[0].name)
+        assert taken[0].lease is not None
+        busy = taken[0].lease
+    await asyncio.gather(*tasks)
+    return order
+
+
+async def test_the_least_prefill_goes_first(clock: Clock) -> None:
+    fleet = _fleet("w0")
+    busy = _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    fresh, cached = Request(fleet, "fresh"), Request(fleet, "cached")
+    tasks = [await _hold(queue, fresh, "w0", 40_000), await _hold(queue, cached, "w0", 500)]
+    assert await _released_order(queue, busy, [fresh, cached], tasks) == ["cached", "fresh"]
+
+
+async def test_waiting_ages_a_long_prompt_ahead_of_later_short_ones(clock: Clock) -> None:
+    fleet = _fleet("w0")
+    busy = _busy(fleet.workers["w0"])
+    queue = _queue(fleet, queue_timeout_s=60.0)
+    fresh, cached = Request(fleet, "fresh"), Request(fleet, "cached")
+    first = await _hold(queue, fresh, "w0", 40_000)  # 4 s of prefill
+    clock.now += 4.5  # waited longer than its prefill is longer
+    tasks = [first, await _hold(queue, cached, "w0", 500)]
+    assert await _released_order(queue, busy, [fresh, cached], tasks) == ["fresh", "cached"]
+
+
+async def test_a_key_with_fewer_requests_in_flight_goes_first(clock: Clock) -> None:
+    fleet = _fleet("w0")
+    busy = _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    queue.started("busy", "s-a")
+    queue.started("busy", "s-b")
+    loud, quiet = Request(fleet, "loud"), Request(fleet, "quiet")
+    tasks = [
+        await _hold(queue, loud, "w0", 500, tenant="busy"),
+        await _hold(queue, quiet, "w0", 20_000, tenant="quiet"),
+    ]
+    assert await _released_order(queue, busy, [loud, quiet], tasks) == ["quiet", "loud"]
+
+
+async def test_a_held_request_moves_to_a_worker_with_room_when_it_would_rather(
+    clock: Clock,
+) -> None:
+    fleet = _fleet("w0", "w1")
+    on_w0, on_w1 = (_busy(w) for w in fleet.all())
+    queue = _queue(fleet)
+    stays = Request(fleet, "stays", would_go="w0")
+    moves = Request(fleet, "moves", would_go="w1")
+    tasks = [await _hold(queue, stays, "w0", 500), await _hold(queue, moves, "w0", 500)]
+    await _room_on(queue, on_w1)
+    assert (stays.took, moves.took) == (None, "w1")
+    assert queue.depth() == 1
+    await _room_on(queue, on_w0)
+    assert stays.took == "w0"
+    await asyncio.gather(*tasks)
+
+
+async def test_a_held_request_whose_worker_left_chooses_again(clock: Clock) -> None:
+    fleet = _fleet("w0")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    orphan = Request(fleet, "orphan")
+    task = await _hold(queue, orphan, "w0", 500)
+    fleet.remove("w0")
+    queue.notify()
+    await asyncio.wait_for(task, 1)  # released without a worker: its lifecycle chooses
+    assert orphan.took is None and queue.depth() == 0 and queue.held_prefill == {}
