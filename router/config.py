@@ -6,6 +6,7 @@ and flags, and checking the policy, is ``router.config_loader``'s.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -334,6 +335,18 @@ class AdmissionConfig:
             (self.queue_timeout_s > 0, "queue_timeout_s: must be > 0"),
             (self.batch_queue_timeout_s > 0, "batch_queue_timeout_s: must be > 0"),
             (self.ageing >= 0, "ageing: must be >= 0"),
+            (
+                all(
+                    math.isfinite(v)
+                    for v in (
+                        self.max_queued_prefill_s,
+                        self.queue_timeout_s,
+                        self.batch_queue_timeout_s,
+                        self.ageing,
+                    )
+                ),
+                "admission: times and ageing must be finite",
+            ),
         )
         for ok, message in checks:
             if not ok:

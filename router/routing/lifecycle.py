@@ -166,25 +166,28 @@ class RequestLifecycle:
                     self._first = None
                     queue.notify()
                 raise
+            self._candidates = None  # what was eligible before the wait may not be now
         self._started = True
         queue.started(terms.tenant, self.request.session_key)
 
-    def rechoose(self, held_prefill: Mapping[str, int]) -> tuple[str, int] | None:
+    def rechoose(self, held_prefill: Mapping[str, int]) -> str | None:
         """Where the held request would go now (``router.routing.queue.Waiter``)."""
         candidates = eligible(self._router, self.request.model, self._holder, self.tried)
         if not candidates:
             return None
         choice = self._router.choose(self.route, candidates, self.remote_matches, held_prefill)
-        return choice.worker.name, choice.prefill_tokens
+        return choice.worker.name
 
-    def take(self, worker: str) -> None:
+    def take(self, worker: str) -> bool:
         """Released to ``worker``: the first attempt's dispatch, made now. A worker no
         longer eligible is not taken: the first attempt chooses again."""
         candidates = eligible(self._router, self.request.model, self._holder, self.tried)
         chosen = [w for w in candidates if w.name == worker]
-        if chosen:
-            choice = self._router.choose(self.route, chosen, self.remote_matches)
-            self._first = self._router.take(choice, self.request, 1, self.arrived)
+        if not chosen:
+            return False
+        choice = self._router.choose(self.route, chosen, self.remote_matches)
+        self._first = self._router.take(choice, self.request, 1, self.arrived)
+        return True
 
     def end(self) -> None:
         """The request is over, however it ended: it leaves the queue's in-flight count."""

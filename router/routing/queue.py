@@ -44,7 +44,7 @@ from typing import Protocol, TypeVar
 from router.auth import bearers, tenant
 from router.clock import monotonic
 from router.config import AdmissionConfig
-from router.errors import RouterError, Shed, ShedOverloaded
+from router.errors import Shed, ShedOverloaded
 from router.fleet.workers import Fleet, Worker
 from router.observability.queue_metrics import ShedReason
 
@@ -60,13 +60,13 @@ MAX_RETRY_AFTER_S = 60.0
 class Waiter(Protocol):
     """A held request's lifecycle."""
 
-    def rechoose(self, held_prefill: Mapping[str, int]) -> tuple[str, int] | None:
-        """Where the request would go now, counting ``held_prefill`` as queued there:
-        the worker and the prompt's tokens it would compute; None: no eligible worker."""
+    def rechoose(self, held_prefill: Mapping[str, int]) -> str | None:
+        """The worker the request would go to now, counting ``held_prefill`` as queued
+        there; None: no eligible worker."""
 
-    def take(self, worker: str) -> None:
+    def take(self, worker: str) -> bool:
         """Released: dispatch to ``worker`` now, so that the room is taken before the
-        queue looks for more (raises ``RouterError`` if it cannot)."""
+        queue looks for more; False if it may no longer go there (it chooses again)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -133,6 +133,9 @@ class RequestQueue:
         self._limits = limits
         digests = (tenant(key) for key in bearers(limits.batch_api_keys))
         self._batch_tenants = frozenset(d for d in digests if d is not None)
+        if not limits.enabled:  # turned off: what is held goes as new requests now do
+            for held in list(self._held.values()):
+                self._release(held, None)
         self.notify()
 
     @property
@@ -249,14 +252,15 @@ class RequestQueue:
         workers = self._fleet.workers
         for name in list(self._by_target):
             worker = workers.get(name)
-            if worker is None or not (worker.healthy and worker.breaker.allows()):
+            if worker is None or not _takes_requests(worker):
                 for held in list(self._by_target.get(name, {}).values()):
                     self._release(held, None)  # its worker is gone: it chooses again
                 continue
             for held in sorted(self._by_target.get(name, {}).values(), key=self._release_key):
                 if not self.has_room(worker, held.prompt_tokens):
                     break
-                self._release(held, name)
+                if not self._release(held, name):
+                    break  # nothing was taken there: look again on the next pass
         self._move_to_idle(workers)
         if self._held:
             self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._pump)
@@ -267,7 +271,7 @@ class RequestQueue:
         idle = [
             w
             for w in workers.values()
-            if not self._by_target.get(w.name) and w.healthy and self.has_room(w, 0)
+            if not self._by_target.get(w.name) and _takes_requests(w) and self.has_room(w, 0)
         ]
         if not idle or not self._held:
             return
@@ -275,15 +279,12 @@ class RequestQueue:
         for held in list(itertools.islice(self._held.values(), MOVE_LOOKS)):
             ahead = dict(self.held_prefill)
             ahead[held.target] -= held.prefill_tokens
-            choice = held.waiter.rechoose(ahead)
-            if choice is None or choice[0] == held.target:
+            worker = held.waiter.rechoose(ahead)
+            if worker is None or worker == held.target:
                 continue
-            worker, prefill_tokens = choice
-            held.moved = True
             if worker in idle_names and self.has_room(workers[worker], held.prompt_tokens):
+                held.moved = True
                 self._release(held, worker)
-            else:
-                self._retarget(held, worker, prefill_tokens)
 
     def _release_key(self, held: Held) -> tuple[int, int, int, float, int]:
         rate = max(self._rate(held.target), 1.0)
@@ -298,21 +299,24 @@ class RequestQueue:
 
     def _make_room(self, arriving: Held) -> ShedReason | None:
         """Room in the queue for ``arriving``, displacing held batch requests for an
-        interactive one; the reason it is refused, if it is."""
+        interactive one where that makes room; the reason it is refused, if it is."""
         limits = self.limits
-        while True:
-            if len(self._held) >= limits.queue_size:
-                reason: ShedReason = "queue_full"
-            elif self.held_bytes + arriving.body_bytes > limits.queue_bytes:
-                reason = "queue_bytes"
-            else:
-                return None
-            if arriving.priority == "batch":
-                return reason
-            victim = next((h for h in reversed(self._held.values()) if h.priority == "batch"), None)
-            if victim is None:
-                return reason
+        batch = [h for h in self._held.values() if h.priority == "batch"]
+        if arriving.priority == "batch":
+            batch = []  # a batch request displaces nobody
+        count, size = len(self._held), self.held_bytes
+        # Would displacing every held batch request make room? If not, displace none.
+        if count - len(batch) >= limits.queue_size:
+            return "queue_full"
+        if size - sum(h.body_bytes for h in batch) + arriving.body_bytes > limits.queue_bytes:
+            return "queue_bytes"
+        for victim in reversed(batch):  # the newest first
+            if len(self._held) < limits.queue_size and (
+                self.held_bytes + arriving.body_bytes <= limits.queue_bytes
+            ):
+                break
             self._let_go(victim, "displaced")
+        return None
 
     def _expire(self, held: Held) -> None:
         if held.seq in self._held:
@@ -363,26 +367,23 @@ class RequestQueue:
         if held.expiry is not None:
             held.expiry.cancel()
 
-    def _retarget(self, held: Held, target: str, prefill_tokens: int) -> None:
+    def _release(self, held: Held, worker: str | None) -> bool:
+        """Out of the queue; on ``worker`` at once (None: it chooses again). True if it
+        took ``worker``."""
         self._remove(held)
-        held.target, held.prefill_tokens = target, prefill_tokens
-        self._add(held)
-        # Its deadline runs on from when it arrived.
-        remaining = held.since + self.limits.deadline_s(held.priority) - monotonic()
-        held.expiry = asyncio.get_running_loop().call_later(max(0.0, remaining), self._expire, held)
-
-    def _release(self, held: Held, worker: str | None) -> None:
-        """Out of the queue; on ``worker`` at once (None: it chooses again)."""
-        self._remove(held)
-        if held.released.done():
-            return
+        if held.released.done():  # its client left in the meantime
+            return False
         try:
-            if worker is not None:
-                held.waiter.take(worker)
-        except RouterError as exc:
+            taken = worker is not None and held.waiter.take(worker)
+        except Exception as exc:  # a policy's failure is this request's, not the queue's
             held.released.set_exception(exc)
-        else:
-            held.released.set_result(None)
+            return False
+        held.released.set_result(None)
+        return taken
+
+
+def _takes_requests(worker: Worker) -> bool:
+    return worker.healthy and not worker.draining and worker.breaker.allows()
 
 
 K = TypeVar("K")

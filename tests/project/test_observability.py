@@ -21,7 +21,7 @@ import yaml
 from bench.dashboards import render_all
 from bench.ports import free_port
 from bench.textgen import text_for
-from router.config import HealthConfig, PrefixConfig, StateConfig, WorkerConfig
+from router.config import AdmissionConfig, HealthConfig, PrefixConfig, StateConfig, WorkerConfig
 from tests.conftest import (
     TEST_MODEL,
     EngineFactory,
@@ -153,6 +153,7 @@ async def test_every_panel_and_rule_returns_data(
             prefix=PrefixConfig(block_bytes=64, tokenizer=str(model_dir)),
             health=FAST,
             state=StateConfig(url=redis_url),
+            admission=AdmissionConfig(enabled=True),  # the queue panel's wait series
         )
         async with serve_router(config) as router:
             process, prom = _prometheus(

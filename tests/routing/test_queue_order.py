@@ -11,6 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from router.config import AdmissionConfig
+from router.errors import Shed
 from router.fleet.workers import Fleet, Lease, Worker
 from router.observability.queue_metrics import QueueMetrics
 from router.routing import queue as queue_module
@@ -38,12 +39,13 @@ class Request:
         self.took: str | None = None
         self.lease: Lease | None = None
 
-    def rechoose(self, held_prefill: Mapping[str, int]) -> tuple[str, int] | None:
-        return None if self.would_go is None else (self.would_go, 100)
+    def rechoose(self, held_prefill: Mapping[str, int]) -> str | None:
+        return self.would_go
 
-    def take(self, worker: str) -> None:
+    def take(self, worker: str) -> bool:
         self.took = worker
         self.lease = Lease(self.fleet.workers[worker], 100, 100)
+        return True
 
 
 @pytest.fixture
@@ -168,3 +170,51 @@ async def test_a_held_request_whose_worker_left_chooses_again(clock: Clock) -> N
     queue.notify()
     await asyncio.wait_for(task, 1)  # released without a worker: its lifecycle chooses
     assert orphan.took is None and queue.depth() == 0 and queue.held_prefill == {}
+
+
+async def test_a_held_request_whose_worker_drains_chooses_again(clock: Clock) -> None:
+    # Found in review: only health was looked at; a draining worker kept its queue.
+    fleet = _fleet("w0")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    held = Request(fleet, "held")
+    task = await _hold(queue, held, "w0", 500)
+    fleet.workers["w0"].draining = True
+    queue.notify()
+    await asyncio.wait_for(task, 1)
+    assert held.took is None and queue.depth() == 0
+
+
+async def test_batch_requests_are_displaced_only_when_that_makes_room(clock: Clock) -> None:
+    # Found in review: an interactive request too large for the queue shed every held
+    # batch request and then was refused itself.
+    fleet = _fleet("w0")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet, queue_bytes=1000)
+    batch = [Request(fleet, f"b{i}") for i in range(3)]
+    tasks = [await _hold(queue, r, "w0", 500, priority="batch") for r in batch]
+    too_big = asyncio.create_task(
+        queue.hold(Request(fleet, "big"), "w0", "interactive", 500, 500, 5000, None, "big")
+    )
+    with pytest.raises(Shed):
+        await too_big
+    assert queue.depth("batch") == 3
+    fits = asyncio.create_task(
+        queue.hold(Request(fleet, "fits"), "w0", "interactive", 500, 500, 800, None, "fits")
+    )
+    await asyncio.sleep(0)
+    assert queue.depth("batch") == 2 and queue.depth("interactive") == 1  # the newest went
+    with pytest.raises(Shed):
+        await tasks[2]
+    queue.limits = AdmissionConfig(enabled=False)
+    await asyncio.wait_for(asyncio.gather(fits, *tasks[:2]), 1)
+
+
+async def test_turning_the_queue_off_lets_what_it_holds_go(clock: Clock) -> None:
+    fleet = _fleet("w0")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    task = await _hold(queue, Request(fleet, "held"), "w0", 500)
+    queue.limits = AdmissionConfig(enabled=False)
+    await asyncio.wait_for(task, 1)  # it goes as a new request would: chosen again
+    assert queue.depth() == 0
