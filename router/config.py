@@ -317,6 +317,10 @@ class AdmissionConfig:
     queue_size: int = 1024  # held requests, all classes
     queue_bytes: int = 256 * 1024 * 1024  # their bodies
     queue_timeout_s: float = 10.0  # the interactive class's deadline
+    # A session's first turn (no reply in it: nothing cached, no work invested) is shed
+    # sooner, so that under overload new sessions wait at the door rather than sessions
+    # already under way failing in the middle.
+    first_turn_queue_timeout_s: float = 2.0
     batch_queue_timeout_s: float = 60.0
     # A held request's prefill counts this many seconds less for each second it has
     # waited, so that a long fresh prompt is not passed over for ever.
@@ -333,6 +337,7 @@ class AdmissionConfig:
             (self.queue_size >= 0, "queue_size: must be >= 0"),
             (self.queue_bytes >= 0, "queue_bytes: must be >= 0"),
             (self.queue_timeout_s > 0, "queue_timeout_s: must be > 0"),
+            (self.first_turn_queue_timeout_s > 0, "first_turn_queue_timeout_s: must be > 0"),
             (self.batch_queue_timeout_s > 0, "batch_queue_timeout_s: must be > 0"),
             (self.ageing >= 0, "ageing: must be >= 0"),
             (
@@ -341,6 +346,7 @@ class AdmissionConfig:
                     for v in (
                         self.max_queued_prefill_s,
                         self.queue_timeout_s,
+                        self.first_turn_queue_timeout_s,
                         self.batch_queue_timeout_s,
                         self.ageing,
                     )
@@ -352,8 +358,14 @@ class AdmissionConfig:
             if not ok:
                 raise ConfigError(message)
 
-    def deadline_s(self, priority: str) -> float:
-        return self.batch_queue_timeout_s if priority == "batch" else self.queue_timeout_s
+    def deadline_s(self, priority: str, first_turn: bool = False) -> float:
+        if priority == "batch":
+            return self.batch_queue_timeout_s
+        return (
+            min(self.first_turn_queue_timeout_s, self.queue_timeout_s)
+            if first_turn
+            else (self.queue_timeout_s)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,6 +159,7 @@ class RequestLifecycle:
                     terms.tenant,
                     self.request.session_key,
                     terms.overloaded_status,
+                    self.route.first_turn,
                 )
             except asyncio.CancelledError:
                 if self._first is not None:  # released as the client left

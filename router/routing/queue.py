@@ -13,7 +13,8 @@ capacity (the engine would preempt, and recompute, rather than hold them); or at
 ``max_outstanding_per_worker`` requests, counting what the engine itself reports.
 
 Release order. When a worker has room, the first of the requests held for it by: class
-(interactive, then batch); the client key with fewer requests in flight; the session
+(interactive, then batch); a turn of a session under way before a session's first turn;
+the client key with fewer requests in flight; the session
 with fewer; the least prefill on that worker at its learned speed, less ``ageing`` for
 each second waited; arrival. A turn whose prefix the worker holds has little prefill
 and goes ahead of a long fresh prompt that would push out the prefixes of sessions about
@@ -23,7 +24,8 @@ Moving. A worker with room and nothing held for it looks at the requests held lo
 for other workers (``MOVE_LOOKS`` of them): each is asked again where it would go,
 counting what is held ahead of it; one that would now come here does.
 
-Shedding. Held past its class's deadline, or arriving to a full queue (``queue_size``
+Shedding. Held past its class's deadline (a first turn's is shorter: new sessions are
+turned away at the door before sessions under way fail in their middle), or arriving to a full queue (``queue_size``
 requests or ``queue_bytes`` of bodies; an interactive arrival displaces the newest held
 batch request first), a request is refused with ``Shed`` (429; Anthropic's API: 529)
 and a ``Retry-After`` of the time the queue needs to clear, before any engine spent
@@ -74,6 +76,7 @@ class Held:
     waiter: Waiter
     target: str  # the worker it waits for
     priority: str
+    first_turn: bool  # a session's first turn: nothing of it cached, no work invested
     prefill_tokens: int  # uncached on the target
     prompt_tokens: int
     body_bytes: int
@@ -202,6 +205,7 @@ class RequestQueue:
         tenant: str | None,
         session: str | None,
         overloaded_status: bool = False,
+        first_turn: bool = False,
     ) -> None:
         """Wait until released: then the waiter has taken a worker, or (its worker gone)
         chooses again among all. Raises ``Shed`` (``ShedOverloaded`` with
@@ -211,6 +215,7 @@ class RequestQueue:
             waiter,
             target,
             priority,
+            first_turn,
             prefill_tokens,
             prompt_tokens,
             body_bytes,
@@ -225,7 +230,8 @@ class RequestQueue:
             raise self._shed_error(refusal, overloaded_status)
         self._add(held)
         loop = asyncio.get_running_loop()
-        held.expiry = loop.call_later(self.limits.deadline_s(priority), self._expire, held)
+        deadline = self.limits.deadline_s(priority, first_turn)
+        held.expiry = loop.call_later(deadline, self._expire, held)
         self.notify()
         try:
             await held.released
@@ -286,11 +292,12 @@ class RequestQueue:
                 held.moved = True
                 self._release(held, worker)
 
-    def _release_key(self, held: Held) -> tuple[int, int, int, float, int]:
+    def _release_key(self, held: Held) -> tuple[int, bool, int, int, float, int]:
         rate = max(self._rate(held.target), 1.0)
         waited = monotonic() - held.since
         return (
             0 if held.priority == "interactive" else 1,
+            held.first_turn,
             self._in_flight_tenants[held.tenant],
             self._in_flight_sessions[held.session] if held.session is not None else 0,
             held.prefill_tokens / rate - self.limits.ageing * waited,

@@ -218,3 +218,39 @@ async def test_turning_the_queue_off_lets_what_it_holds_go(clock: Clock) -> None
     queue.limits = AdmissionConfig(enabled=False)
     await asyncio.wait_for(task, 1)  # it goes as a new request would: chosen again
     assert queue.depth() == 0
+
+
+async def test_a_session_under_way_goes_before_a_new_one_and_a_new_one_is_shed_sooner(
+    clock: Clock,
+) -> None:
+    fleet = _fleet("w0")
+    busy = _busy(fleet.workers["w0"])
+    queue = _queue(fleet, queue_timeout_s=10.0, first_turn_queue_timeout_s=0.05)
+    new, going = Request(fleet, "new"), Request(fleet, "going")
+    first_turn = asyncio.create_task(
+        queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
+    )
+    await asyncio.sleep(0)
+    under_way = await _hold(queue, going, "w0", 20_000)  # a missed turn: long prefill
+    with pytest.raises(Shed):
+        await asyncio.wait_for(first_turn, 1)  # its deadline (real time) ran out first
+    assert queue.depth() == 1
+    await _room_on(queue, busy)
+    await under_way
+    assert going.took == "w0" and new.took is None
+
+
+async def test_between_a_new_session_and_one_under_way_the_one_under_way_goes_first(
+    clock: Clock,
+) -> None:
+    fleet = _fleet("w0")
+    busy = _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    new, going = Request(fleet, "new"), Request(fleet, "going")
+    tasks = [
+        asyncio.create_task(
+            queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
+        ),
+        await _hold(queue, going, "w0", 20_000),
+    ]
+    assert await _released_order(queue, busy, [new, going], tasks) == ["going", "new"]
