@@ -79,6 +79,7 @@ TABLE_FIGURES = (
     "requests_per_s",
     "goodput_per_s",
     "retries",
+    "queue_sheds",
 )
 
 

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from bench.compare.demo import (
     REQUEST_TIMEOUT_S,
     DemoConfig,
+    RouterSpec,
     RouterSpecs,
     Workload,
     demo_workload,
@@ -112,9 +114,46 @@ async def run_at_loads(
             workload=workload,
             per_engine_flags=per_engine_flags,
             title=label,
+            after_each=functools.partial(router_queue, scale=config.engine_time_scale),
             retime=functools.partial(at_load, load=load, capacity_turns_per_s=capacity),
         )
     return results
+
+
+async def router_queue(
+    spec: RouterSpec, urls: Sequence[str], scale: float = 1.0
+) -> dict[str, float]:
+    """What kvrouter's queue did in the run, from its /metrics (summed over replicas):
+    the admitted requests' wait, p99 (a bucket's upper bound) and mean, in simulated
+    seconds (the router's times ``scale``), and the requests it shed. Nothing for a
+    router without those series (a peer)."""
+    buckets: dict[float, float] = {}
+    total = count = sheds = 0.0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        for url in urls:
+            async with http.get(url + "/metrics") as response:
+                if response.status != 200:
+                    return {}
+                text = await response.text()
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "kvrouter_queue_wait_seconds_bucket":
+                        le = float(sample.labels["le"])
+                        buckets[le] = buckets.get(le, 0.0) + sample.value
+                    elif sample.name == "kvrouter_queue_wait_seconds_sum":
+                        total += sample.value
+                    elif sample.name == "kvrouter_queue_wait_seconds_count":
+                        count += sample.value
+                    elif sample.name == "kvrouter_queue_sheds_total":
+                        sheds += sample.value
+    if not count:
+        return {}
+    p99 = next(le for le, n in sorted(buckets.items()) if n >= 0.99 * count)
+    return {
+        "queue_wait_p99": p99 * scale,
+        "queue_wait_mean": total / count * scale,
+        "queue_sheds": sheds,
+    }
 
 
 def _save_capacity(path: Path, capacity: float, loads: Sequence[float]) -> None:

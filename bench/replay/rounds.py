@@ -135,6 +135,20 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure("errors", "errors", lambda r: float(r.summary.errors), lambda v: f"{v:.0f}", False),
     Figure(
+        "queue_wait_p99",
+        "router queue wait p99 (admitted)",
+        lambda r: r.extras.get("queue_wait_p99"),
+        secs,
+        False,
+    ),
+    Figure(
+        "queue_sheds",
+        "requests shed by the router's queue",
+        lambda r: r.extras.get("queue_sheds"),
+        lambda v: f"{v:.0f}",
+        False,
+    ),
+    Figure(
         "retries",
         "turns sent again (refused: shed, overloaded)",
         lambda r: float(r.summary.retries) if r.summary.retries else None,

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import argparse
 
+import aiohttp
 import pytest
 
-from bench.compare.demo import DemoConfig, kvrouter_command
+from bench.compare.demo import DemoConfig, RouterSpec, kvrouter_command
 from bench.compare.matrix import _description, _loads
-from bench.compare.offered_load import saturated_turns_per_s
+from bench.compare.offered_load import router_queue, saturated_turns_per_s
 from bench.replay.result import RequestRecord
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.load import all_at_once, at_load, session_rate, turns_per_session
 from bench.workloads.trace import Turn, group_sessions
+from router.config import AdmissionConfig
+from tests.conftest import EngineFactory, router_config, serve_router
+from tests.router_client import chat_body, engines, post
 
 
 def _agent() -> list[Turn]:
@@ -75,3 +79,21 @@ def test_loads_are_read_and_described() -> None:
     assert _description("agent 1.5x", {"agent": "agents"}) == (
         "agents, sessions bringing 1.5x the measured capacity"
     )
+
+
+async def test_the_queue_figures_come_from_the_routers_metrics(
+    engine_factory: EngineFactory,
+) -> None:
+    spec = RouterSpec("ttft+queue", (), ())
+    async with (
+        engines(engine_factory, 1) as fleet,
+        serve_router(router_config(fleet, admission=AdmissionConfig(enabled=True))) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        for _ in range(3):
+            body = chat_body([{"role": "user", "content": "hi"}])
+            assert (await post(http, router.url, body)).status == 200
+        figures = await router_queue(spec, [router.url], scale=10.0)
+        # Three requests went at once (waits of 0: the first bucket, 5 ms), none shed.
+        assert figures == {"queue_wait_p99": 0.05, "queue_wait_mean": 0.0, "queue_sheds": 0.0}
+        assert await router_queue(spec, [fleet[0].url]) == {}  # an engine: no such series
