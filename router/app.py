@@ -160,10 +160,12 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         router.policies,
         state.config.state,
         redis_metrics,
+        state.queue,
     )
     await sync.start()
     task = asyncio.create_task(sync.run(), name="kvrouter-redis-sync")
     state.router.policies.publisher = sync.publish_policy
+    state.queue.publisher = sync.publish_admission
     # The request path has connections of its own: a burst of requests must not take
     # the sync loops' (an empty pool reads as Redis being away, and costs a resync).
     path_handle = connect(state.config.state.url) if state.config.state.read_your_writes else None
@@ -186,6 +188,7 @@ async def _shared_state(state: RouterState) -> AsyncIterator[None]:
         if path_handle is not None:
             await path_handle.aclose()
         state.router.policies.publisher = None
+        state.queue.publisher = None
         sync.stop()
         try:
             await asyncio.wait_for(task, SYNC_STOP_TIMEOUT_S)

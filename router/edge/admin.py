@@ -18,7 +18,8 @@ Off unless an admin token is configured (``admin_token`` / ``--admin-token`` /
     GET    /admin/admission                   the queue's settings (``admission``), what it
                                               holds per class and worker
     PUT    /admin/admission                   {setting: value, ...}: over the current
-                                              settings; held requests keep their deadlines
+                                              settings; held requests keep their deadlines;
+                                              with shared state, every replica's
 
 ``PUT /admin/policy``: without ``policy`` the current one is kept; ``knobs`` are given over
 the policy's defaults (not over its current knobs), so leaving them out resets them. Names
@@ -202,6 +203,7 @@ def _admission(state: RouterState) -> dict[str, Any]:
     settings["batch_api_keys"] = len(queue.limits.batch_api_keys)  # secrets: their number
     return {
         "settings": settings,
+        "version": queue.settings_version,
         "held": {p: queue.depth(p) for p in PRIORITIES},
         "held_prefill_tokens": dict(sorted(queue.held_prefill.items())),
     }
@@ -223,7 +225,7 @@ async def put_admission(call: Call) -> Answer:
         raise BadRequest("; ".join(exc.problems)) from None
     if not set(limits.batch_api_keys) <= set(state.config.api_keys):
         raise BadRequest("admission.batch_api_keys: every key must be one of api_keys")
-    state.queue.limits = limits
+    await state.queue.change(dataclasses.asdict(limits), limits)
     return json_answer(_admission(state))
 
 

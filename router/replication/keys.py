@@ -24,6 +24,7 @@ class Keys:
         self._response = f"{ns}:resp:"
         self._response_chain = f"{ns}:rchain:"
         self.policy = f"{ns}:policy"
+        self.admission = f"{ns}:admission"  # the router's queue settings, as the policy
         # What Redis type each key holds, by prefix (the longest first: "res:" and "resp:").
         self._types = sorted(
             (
@@ -31,6 +32,7 @@ class Keys:
                 (self.replicas, b"zset"),
                 (self.restarts, b"hash"),
                 (self.policy, b"hash"),
+                (self.admission, b"hash"),
                 (self.load_prefix, b"hash"),
                 (self.rate_prefix, b"string"),
                 (self._residency, b"zset"),

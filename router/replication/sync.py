@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -35,7 +36,8 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError
 
 from router.clock import monotonic
-from router.config import StateConfig
+from router.config import AdmissionConfig, StateConfig
+from router.config_loader import build
 from router.errors import SharedStateUnavailable
 from router.fleet.workers import Fleet
 from router.observability.sparse_log import SparseLog
@@ -50,6 +52,7 @@ from router.replication.repair import KeyRepaired, Repairs, is_wrong_type, queue
 from router.replication.scripts import StreamPosition
 from router.routing.learning import PrefillRate
 from router.routing.policy_slot import PolicySlot
+from router.routing.queue import RequestQueue
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +84,10 @@ class RedisSync:
         policies: PolicySlot,
         config: StateConfig,
         metrics: RedisMetrics,
+        queue: RequestQueue | None = None,
     ) -> None:
         self._redis = client
+        self._queue = queue  # the router's queue, whose settings the fleet shares
         self._index = index
         self._fleet = fleet
         self._rate = rate  # blended with the other replicas' rates
@@ -98,6 +103,7 @@ class RedisSync:
         )
         # The fleet's policy hash as last refused (not valid here), so it is warned about once.
         self._refused_policy: dict[bytes, bytes] = {}
+        self._refused_admission: dict[bytes, bytes] = {}
         self._cursor = "0-0"
         self._read = 0  # entries read off the stream, counted as Redis counts entries added
         self._snapshots = 0  # resyncs that read Redis's copy
@@ -218,6 +224,7 @@ class RedisSync:
         try:
             await self._resync()
             await self._follow_policy()
+            await self._follow_admission()
         except REDIS_ERRORS:
             log.warning(
                 "redis unreachable at start; starting with an empty index and the configured policy"
@@ -422,6 +429,7 @@ class RedisSync:
     async def _share(self) -> None:
         await self._share_load()
         await self._follow_policy()
+        await self._follow_admission()
 
     async def _share_load(self) -> None:
         fleet, rate = self._fleet, self._rate
@@ -528,20 +536,73 @@ class RedisSync:
 
     async def publish_policy(self, name: str, knobs: Mapping[str, Any], own_version: int) -> int:
         """Number a policy change for the whole fleet (the ``PolicySlot`` publisher)."""
-        key = self._policy_key
+        return await self._publish_versioned("policy", self._policy_key, name, knobs, own_version)
+
+    async def publish_admission(self, settings: Mapping[str, Any], own_version: int) -> int:
+        """Number a change of the queue's settings for the whole fleet (the
+        ``RequestQueue`` publisher). ``batch_api_keys`` stays each replica's own: secrets
+        are not written to Redis."""
+        shared = {k: v for k, v in settings.items() if k != "batch_api_keys"}
+        key = self._keys.admission
+        return await self._publish_versioned("admission", key, "admission", shared, own_version)
+
+    async def _publish_versioned(
+        self, what: str, key: str, name: str, payload: Mapping[str, Any], own_version: int
+    ) -> int:
+        """Write a change to one of the fleet's versioned hashes; its fleet version."""
         try:
             for _ in range(2):  # again once if the key was of another type (repaired)
                 change = self._redis.eval(
-                    fleet_policy.CHANGE, 1, key, own_version, name, fleet_policy.encode_knobs(knobs)
+                    fleet_policy.CHANGE,
+                    1,
+                    key,
+                    own_version,
+                    name,
+                    fleet_policy.encode_knobs(payload),
                 )
-                version = await self._op("policy", change, (key,))
+                version = await self._op(what, change, (key,))
                 if version is not None:
                     return int(version)
         except REDIS_ERRORS as exc:
             raise SharedStateUnavailable(
-                f"the shared state (Redis) is unreachable, so the policy was not changed: {exc}"
+                f"the shared state (Redis) is unreachable, so the {what} was not changed: {exc}"
             ) from exc
-        raise SharedStateUnavailable("the fleet's policy key could not be written")
+        raise SharedStateUnavailable(f"the fleet's {what} key could not be written")
+
+    async def _follow_admission(self) -> None:
+        """Install the fleet's queue settings if newer than this replica's."""
+        queue, key = self._queue, self._keys.admission
+        if queue is None:
+            return
+        fields = await self._op("admission", self._redis.hgetall(key), (key,), {})
+        if not fields:
+            if queue.settings_version > 0:  # Redis lost it: the fleet's settings go back
+                settings = dataclasses.asdict(queue.limits)
+                del settings["batch_api_keys"]
+                restore = self._redis.eval(
+                    fleet_policy.RESTORE,
+                    1,
+                    key,
+                    queue.settings_version,
+                    "admission",
+                    fleet_policy.encode_knobs(settings),
+                )
+                await self._op("admission", restore, (key,))
+            return
+        try:
+            fleet = fleet_policy.decode(fields)
+            if fleet.version <= queue.settings_version:
+                return
+            own = {"batch_api_keys": queue.limits.batch_api_keys}
+            limits = build(AdmissionConfig, {**fleet.knobs, **own}, "admission")
+        except ValueError as exc:  # ConfigError too: another kvrouter version's settings
+            if fields != self._refused_admission:
+                self._sparse.warning(
+                    "admission", "the fleet's queue settings are not valid here: %s", exc
+                )
+            self._refused_admission = fields
+            return
+        queue.install(limits, fleet.version)
 
     async def _follow_policy(self) -> None:
         slot = self._policies

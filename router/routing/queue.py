@@ -25,11 +25,12 @@ for other workers (``MOVE_LOOKS`` of them): each is asked again where it would g
 counting what is held ahead of it; one that would now come here does.
 
 Shedding. Held past its class's deadline (a first turn's is shorter: new sessions are
-turned away at the door before sessions under way fail in their middle), or arriving to a full queue (``queue_size``
-requests or ``queue_bytes`` of bodies; an interactive arrival displaces the newest held
-batch request first), a request is refused with ``Shed`` (429; Anthropic's API: 529)
-and a ``Retry-After`` of the time the queue needs to clear, before any engine spent
-anything on it. A client that leaves while held just leaves the queue.
+turned away at the door before sessions under way fail in their middle), or arriving to
+a full queue (``queue_size`` requests or ``queue_bytes`` of bodies; an interactive
+arrival displaces the newest held batch request first, where that makes room), a
+request is refused with ``Shed`` (429; Anthropic's API: 529) and a ``Retry-After`` of
+the time the queue needs to clear, before any engine spent anything on it. A client
+that leaves while held just leaves the queue.
 
 All of it runs on the event loop; nothing here awaits but the held request itself.
 """
@@ -39,9 +40,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from router.auth import bearers, tenant
 from router.clock import monotonic
@@ -91,6 +92,11 @@ class Held:
     moved: bool = False  # released to another worker than it was held for
 
 
+# (the settings as given, the publishing replica's version) -> the fleet's version for
+# the change (router.replication.sync); raises a RouterError if it cannot be published.
+SettingsPublisher = Callable[[Mapping[str, Any], int], Awaitable[int]]
+
+
 class QueueObserver(Protocol):
     """What the queue tells its metrics (``router.observability.queue_metrics``)."""
 
@@ -124,6 +130,10 @@ class RequestQueue:
         self._pump_soon: asyncio.Handle | None = None
         self._recheck: asyncio.TimerHandle | None = None
         self.limits = limits
+        # Settings versions order changes as the policy's do (router.routing.policy_slot):
+        # the configured ones are 0; with shared state Redis numbers the fleet's changes.
+        self.settings_version = 0
+        self.publisher: SettingsPublisher | None = None
 
     @property
     def limits(self) -> AdmissionConfig:
@@ -140,6 +150,22 @@ class RequestQueue:
             for held in list(self._held.values()):
                 self._release(held, None)
         self.notify()
+
+    async def change(self, settings: Mapping[str, Any], limits: AdmissionConfig) -> None:
+        """Number (fleet-wide through ``publisher``, when there is one) and install new
+        settings: ``limits``, built from ``settings`` as given."""
+        version = self.settings_version + 1
+        if self.publisher is not None:
+            version = await self.publisher(settings, self.settings_version)
+        self.install(limits, version)
+
+    def install(self, limits: AdmissionConfig, version: int) -> bool:
+        """Make ``limits`` current if ``version`` is newer; False (nothing done) if not."""
+        if version <= self.settings_version:
+            return False
+        self.settings_version = version
+        self.limits = limits
+        return True
 
     @property
     def enabled(self) -> bool:
