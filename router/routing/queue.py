@@ -129,6 +129,7 @@ class RequestQueue:
         self._in_flight_sessions: Counter[str] = Counter()
         self._pump_soon: asyncio.Handle | None = None
         self._recheck: asyncio.TimerHandle | None = None
+        self._moves_looked_at = float("-inf")
         self.limits = limits
         # Settings versions order changes as the policy's do (router.routing.policy_slot):
         # the configured ones are 0; with shared state Redis numbers the fleet's changes.
@@ -299,7 +300,11 @@ class RequestQueue:
 
     def _move_to_idle(self, workers: Mapping[str, Worker]) -> None:
         """Workers with room and nothing held for them take requests that would now
-        rather come to them."""
+        rather come to them. At most once each ``RECHECK_S``: every look asks the policy
+        again for ``MOVE_LOOKS`` requests, and pumps come with every first byte."""
+        now = monotonic()
+        if now - self._moves_looked_at < RECHECK_S:
+            return
         idle = [
             w
             for w in workers.values()
@@ -307,6 +312,7 @@ class RequestQueue:
         ]
         if not idle or not self._held:
             return
+        self._moves_looked_at = now
         idle_names = {w.name for w in idle}
         for held in list(itertools.islice(self._held.values(), MOVE_LOOKS)):
             ahead = dict(self.held_prefill)

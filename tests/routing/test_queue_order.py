@@ -38,8 +38,10 @@ class Request:
         self.would_go = would_go
         self.took: str | None = None
         self.lease: Lease | None = None
+        self.asked = 0  # times the queue asked where it would go now
 
     def rechoose(self, held_prefill: Mapping[str, int]) -> str | None:
+        self.asked += 1
         return self.would_go
 
     def take(self, worker: str) -> bool:
@@ -254,3 +256,22 @@ async def test_between_a_new_session_and_one_under_way_the_one_under_way_goes_fi
         await _hold(queue, going, "w0", 20_000),
     ]
     assert await _released_order(queue, busy, [new, going], tasks) == ["going", "new"]
+
+
+async def test_held_requests_are_asked_where_they_would_go_once_an_interval(
+    clock: Clock,
+) -> None:
+    fleet = _fleet("w0", "w1")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    stays = Request(fleet, "stays", would_go="w0")
+    task = await _hold(queue, stays, "w0", 500)  # w1 is idle, but it would rather wait
+    for _ in range(5):  # first bytes and ends elsewhere: a pump each
+        queue.notify()
+        await asyncio.sleep(0)
+    assert stays.asked == 1
+    clock.now += 2 * queue_module.RECHECK_S
+    queue.notify()
+    await asyncio.sleep(0)
+    assert stays.asked == 2
+    task.cancel()
