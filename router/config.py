@@ -321,6 +321,9 @@ class AdmissionConfig:
     # sooner, so that under overload new sessions wait at the door rather than sessions
     # already under way failing in the middle.
     first_turn_queue_timeout_s: float = 2.0
+    # Sessions' first turns wait while any turn of a session under way is held: the fleet
+    # is full for the sessions it has, and a new one would bring dozens of turns more.
+    door: bool = True
     batch_queue_timeout_s: float = 60.0
     # A held request's prefill counts this many seconds less for each second it has
     # waited, so that a long fresh prompt is not passed over for ever.

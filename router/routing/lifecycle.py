@@ -144,7 +144,7 @@ class RequestLifecycle:
             self.route, candidates, self.remote_matches, queue.held_prefill
         )
         terms = self._terms
-        if queue.goes_now(choice.worker, self.route.prompt_tokens):
+        if queue.goes_now(choice.worker, self.route.prompt_tokens, self.route.first_turn):
             self._first = self._router.take(choice, self.request, 1, self.arrived)
             queue.went_at_once(terms.priority)
         else:

@@ -20,6 +20,11 @@ each second waited; arrival. A turn whose prefix the worker holds has little pre
 and goes ahead of a long fresh prompt that would push out the prefixes of sessions about
 to return; ageing keeps the long one from waiting for ever.
 
+The door. A session's first turn (nothing of it cached, no work invested) goes at once
+only while no turn of a session under way is held anywhere, and is released only then
+(``door``): when the fleet is full for the sessions it has, new sessions wait and, past
+their shorter deadline, are turned away, rather than adding dozens of turns each.
+
 Moving. A worker with room and nothing held for it looks at the requests held longest
 for other workers (``MOVE_LOOKS`` of them): each is asked again where it would go,
 counting what is held ahead of it; one that would now come here does.
@@ -130,6 +135,7 @@ class RequestQueue:
         self._pump_soon: asyncio.Handle | None = None
         self._recheck: asyncio.TimerHandle | None = None
         self._moves_looked_at = float("-inf")
+        self._held_under_way = 0  # held turns of sessions under way (not first turns)
         self.limits = limits
         # Settings versions order changes as the policy's do (router.routing.policy_slot):
         # the configured ones are 0; with shared state Redis numbers the fleet's changes.
@@ -203,10 +209,18 @@ class RequestQueue:
         running = worker.outstanding_tokens + worker.remote_tokens
         return running + prompt_tokens <= limits.kv_budget * worker.capacity_tokens
 
-    def goes_now(self, worker: Worker, prompt_tokens: int) -> bool:
+    def goes_now(self, worker: Worker, prompt_tokens: int, first_turn: bool = False) -> bool:
         """A request chosen for ``worker`` goes at once: it has room, and nothing is held
-        for it (what is held was there first and is ordered by the release rule)."""
+        for it (what is held was there first and is ordered by the release rule). A
+        session's first turn also waits while a turn of a session under way is held
+        anywhere: the fleet is full for the sessions it has."""
+        if first_turn and self._gate_closed():
+            return False
         return not self._by_target.get(worker.name) and self.has_room(worker, prompt_tokens)
+
+    def _gate_closed(self) -> bool:
+        """New sessions wait: a turn of a session under way is held (``door``)."""
+        return self.limits.door and self._held_under_way > 0
 
     def started(self, tenant: str | None, session: str | None) -> None:
         """A request passed the queue (at once or released): in flight until ``ended``."""
@@ -290,6 +304,8 @@ class RequestQueue:
                     self._release(held, None)  # its worker is gone: it chooses again
                 continue
             for held in sorted(self._by_target.get(name, {}).values(), key=self._release_key):
+                if held.first_turn and self._gate_closed():
+                    break  # first turns come after the turns of sessions under way
                 if not self.has_room(worker, held.prompt_tokens):
                     break
                 if not self._release(held, name):
@@ -392,6 +408,8 @@ class RequestQueue:
             held.prefill_tokens
         )
         self.held_bytes += held.body_bytes
+        if not held.first_turn:
+            self._held_under_way += 1
 
     def _remove(self, held: Held) -> None:
         del self._held[held.seq]
@@ -403,6 +421,8 @@ class RequestQueue:
         else:
             self.held_prefill[held.target] -= held.prefill_tokens
         self.held_bytes -= held.body_bytes
+        if not held.first_turn:
+            self._held_under_way -= 1
         if held.expiry is not None:
             held.expiry.cancel()
 

@@ -275,3 +275,41 @@ async def test_held_requests_are_asked_where_they_would_go_once_an_interval(
     await asyncio.sleep(0)
     assert stays.asked == 2
     task.cancel()
+
+
+async def test_new_sessions_wait_at_the_door_while_a_session_under_way_waits(
+    clock: Clock,
+) -> None:
+    fleet = _fleet("w0", "w1")
+    on_w0 = _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    w1 = fleet.workers["w1"]
+    assert queue.goes_now(w1, 500, first_turn=True)  # nobody waits: the door is open
+    going = await _hold(queue, Request(fleet, "going"), "w0", 500)
+    # w1 has room, but a session under way waits on w0: a new session waits too.
+    assert not queue.goes_now(w1, 500, first_turn=True)
+    assert queue.goes_now(w1, 500, first_turn=False)
+    new = Request(fleet, "new")
+    door = asyncio.create_task(
+        queue.hold(new, "w1", "interactive", 500, 500, 100, None, "new", first_turn=True)
+    )
+    await asyncio.sleep(0)
+    queue.notify()
+    await asyncio.sleep(0)
+    assert new.took is None  # w1 has room, the door is closed
+    await _room_on(queue, on_w0)
+    await going
+    queue.notify()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert new.took == "w1"  # nobody under way waits now
+    await door
+
+
+async def test_without_the_door_a_new_session_takes_room_where_it_is(clock: Clock) -> None:
+    fleet = _fleet("w0", "w1")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet, door=False)
+    going = await _hold(queue, Request(fleet, "going"), "w0", 500)
+    assert queue.goes_now(fleet.workers["w1"], 500, first_turn=True)
+    going.cancel()
