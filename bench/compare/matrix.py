@@ -297,9 +297,11 @@ def write_outputs(out: Path, results: dict[str, Rounds], selected: Sequence[Row]
         )
     )
     (out / "matrix.md").write_text(matrix_markdown(results, selected))
-    from bench.compare.matrix_plots import write_matrix_plots  # matplotlib: only when drawing
+    # matplotlib: only when drawing
+    from bench.compare.matrix_plots import write_load_plots, write_matrix_plots
 
     write_matrix_plots(results, out)
+    write_load_plots(results, out)
 
 
 def print_matrix(console: Console, results: dict[str, Rounds]) -> None:

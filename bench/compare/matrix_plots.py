@@ -83,3 +83,62 @@ def write_sweep_plot(
     ttft_axes.legend(fontsize="small")
     hit_axes.set_title(f"sweep of {knob}: median, bars min-max over rounds")
     return _save(figure, path)
+
+
+LOAD_FIGURES = ("goodput_per_s", "hit_rate", "ttft_p99")
+
+
+def load_of(name: str) -> tuple[str, float] | None:
+    """``("agent", 1.5)`` for a matrix row run at an offered load (``"agent 1.5x"``)."""
+    row, _, load = name.rpartition(" ")
+    if not row or not load.endswith("x"):
+        return None
+    try:
+        return row, float(load[:-1])
+    except ValueError:
+        return None
+
+
+def write_load_plots(results: Mapping[str, Rounds], out: Path) -> list[Path]:
+    """Per workload run at several offered loads, one figure per measure against the
+    load: a line per router, medians with min-max error bars."""
+    by_row: dict[str, list[tuple[float, Rounds]]] = {}
+    for name, rounds in results.items():
+        found = load_of(name)
+        if found is not None:
+            by_row.setdefault(found[0], []).append((found[1], rounds))
+    written = []
+    for row, runs in by_row.items():
+        runs.sort(key=lambda run: run[0])
+        figure = Figure(figsize=(5.0 * len(LOAD_FIGURES), 4.2), layout="tight")
+        for column, key in enumerate(LOAD_FIGURES, start=1):
+            spec = FIGURE_BY_KEY[key]
+            axes = figure.add_subplot(1, len(LOAD_FIGURES), column)
+            labels: list[str] = []
+            for _, rounds in runs:
+                labels += [label for label in rounds.labels if label not in labels]
+            for label in labels:
+                points = [
+                    (load, spread)
+                    for load, rounds in runs
+                    if label in rounds.runs and (spread := rounds.spread(label, spec)) is not None
+                ]
+                if not points:
+                    continue
+                axes.errorbar(
+                    [load for load, _ in points],
+                    [s.median for _, s in points],
+                    yerr=[
+                        [s.median - s.low for _, s in points],
+                        [s.high - s.median for _, s in points],
+                    ],
+                    capsize=3,
+                    marker="o",
+                    label=label,
+                )
+            axes.set_xlabel("offered load (x measured capacity)")
+            axes.set_ylabel(spec.title + (" (s)" if key.startswith("ttft") else ""))
+            axes.set_title(f"{row}: {spec.title}", fontsize="medium")
+            axes.legend(fontsize="small")
+        written.append(_save(figure, out / f"load-{row}.png"))
+    return written

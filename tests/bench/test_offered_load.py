@@ -4,14 +4,17 @@ capacity read from a saturated run, and the comparison's router with its queue o
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from bench.compare.demo import DemoConfig, RouterSpec, kvrouter_command
 from bench.compare.matrix import _description, _loads
+from bench.compare.matrix_plots import load_of, write_load_plots
 from bench.compare.offered_load import router_queue, saturated_turns_per_s
-from bench.replay.result import RequestRecord
+from bench.replay.result import RequestRecord, RunMeta, RunResult
+from bench.replay.rounds import Rounds, ScoredRun
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.load import all_at_once, at_load, session_rate, turns_per_session
 from bench.workloads.trace import Turn, group_sessions
@@ -97,3 +100,24 @@ async def test_the_queue_figures_come_from_the_routers_metrics(
         # Three requests went at once (waits of 0: the first bucket, 5 ms), none shed.
         assert figures == {"queue_wait_p99": 0.05, "queue_wait_mean": 0.0, "queue_sheds": 0.0}
         assert await router_queue(spec, [fleet[0].url]) == {}  # an engine: no such series
+
+
+def _rounds(ttft_s: float) -> Rounds:
+    records = tuple(
+        RequestRecord("s", t, float(t), ttft_s, 1.0, 100, 50, 50, 10, None, None, 200)
+        for t in range(4)
+    )
+    meta = RunMeta("http://x", "t", "m", 1.0, 1, "2026-01-01", 10.0, slo_ttft_s=0.5)
+    rounds = Rounds()
+    for label in ("ttft", "ttft+queue"):
+        rounds.add(label, ScoredRun.of(RunResult(meta, records)))
+    return rounds
+
+
+def test_rows_at_offered_loads_are_plotted_against_the_load(tmp_path: Path) -> None:
+    assert load_of("agent 1.5x") == ("agent", 1.5)
+    assert load_of("agent") is None and load_of("mix overload") is None
+    results = {"agent 0.5x": _rounds(0.1), "agent 2x": _rounds(1.0), "chat": _rounds(0.1)}
+    written = write_load_plots(results, tmp_path)
+    assert [p.name for p in written] == ["load-agent.png"]
+    assert written[0].stat().st_size > 10_000
