@@ -206,6 +206,7 @@ class RequestLifecycle:
         """The next attempt, on a worker not tried yet; raises ``NoEligibleWorker``."""
         if self._first is not None:
             first, self._first = self._first, None
+            self._candidates = None  # a retry looks again, without the worker that failed
             return first
         candidates = self.candidates()
         self._candidates = None

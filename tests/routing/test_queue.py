@@ -22,6 +22,7 @@ from tests.router_client import (
     held_stream,
     metric,
     post,
+    set_faults,
     wait_for,
 )
 
@@ -277,3 +278,24 @@ async def test_admission_and_the_choice_share_one_eligibility_check(
         for _ in range(3):
             assert (await post(http, router.url, SHORT)).status == 200
         assert calls == 3
+
+
+async def test_a_request_the_queue_sent_is_retried_on_another_worker(
+    engine_factory: EngineFactory,
+) -> None:
+    # Found: the queue's first dispatch left the eligible list of the admission check in
+    # place, so the retry after a failure chose among it again, the failed worker included.
+    async with (
+        engines(engine_factory, 2) as fleet,
+        serve_router(router_config(fleet, admission=AdmissionConfig(enabled=True))) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        await set_faults(http, fleet[0], fail_requests=True)
+        served = set()
+        for i in range(6):
+            body = chat_body(conversation(f"retry{i}", 300, 50), max_tokens=2)
+            result = await post(http, router.url, body)
+            assert result.status == 200
+            served.add(result.worker)
+        assert served == {"w1"}
+        assert await metric(http, router, "kvrouter_retries_total") >= 1
