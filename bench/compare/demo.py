@@ -44,6 +44,7 @@ from bench.workloads.agent import AgentParams, generate
 from bench.workloads.api_bodies import APIS, DEFAULT_API, Api
 from bench.workloads.trace import Turn, group_sessions, write_trace
 from router.cli.help_format import DefaultsHelpFormatter
+from router.config import AdmissionConfig
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,30 @@ class RouterSpec:
 
 # A policy label with this after its name runs the policy with the router's queue on.
 QUEUE_SUFFIX = "+queue"
+# The queue's settings that are times (seconds of the engines' work or of waiting).
+QUEUE_TIMES = (
+    "max_queued_prefill_s",
+    "queue_timeout_s",
+    "first_turn_queue_timeout_s",
+    "batch_queue_timeout_s",
+)
+
+
+def queue_settings(given: str, time_scale: float) -> list[str]:
+    """``--admission`` values for a ``+queue:K=V:...`` label. The queue's times are the
+    engines' times: on the real clock, with engines ``time_scale`` times faster than
+    real, every one of them (given or default) is divided by it."""
+    settings: dict[str, str] = {"enabled": "true"}
+    if time_scale != 1.0:
+        defaults = AdmissionConfig()
+        settings |= {name: str(getattr(defaults, name)) for name in QUEUE_TIMES}
+    for pair in (p for p in given.split(":") if p):
+        name, _, value = pair.partition("=")
+        settings[name] = value
+    for name in QUEUE_TIMES:
+        if name in settings and time_scale != 1.0:
+            settings[name] = f"{float(settings[name]) / time_scale:g}"
+    return [f"{name}={value}" for name, value in settings.items()]
 
 
 def kvrouter_command(
@@ -124,7 +149,7 @@ def kvrouter_command(
     workers = [arg for url in worker_urls for arg in ("--worker", url)]
     policy, queued, settings = policy.partition(QUEUE_SUFFIX)
     if queued:
-        pairs = ["enabled=true", *(p for p in settings.split(":") if p)]
+        pairs = queue_settings(settings, config.engine_time_scale)
         extra = (*(arg for pair in pairs for arg in ("--admission", pair)), *extra)
     return (
         sys.executable,

@@ -74,6 +74,22 @@ def test_a_queue_label_turns_the_routers_queue_on_with_its_settings() -> None:
     assert settings == ["enabled=true", "queue_timeout_s=3"]
 
 
+def test_on_the_real_clock_the_queues_times_are_the_engines() -> None:
+    # Engines ten times faster than real: ten simulated seconds are one of the router's.
+    real = DemoConfig(clock="real", time_scale=10.0)
+    queued = kvrouter_command(real, "ttft+queue:queue_timeout_s=3", ["http://e"], 1)
+    settings = dict(
+        queued[i + 1].split("=") for i, arg in enumerate(queued) if arg == "--admission"
+    )
+    assert settings == {
+        "enabled": "true",
+        "max_queued_prefill_s": "0.1",
+        "queue_timeout_s": "0.3",
+        "first_turn_queue_timeout_s": "0.2",
+        "batch_queue_timeout_s": "6",
+    }
+
+
 def test_loads_are_read_and_described() -> None:
     assert _loads("0.5,1,2") == (0.5, 1.0, 2.0)
     for bad in ("fast", "0,1", ""):
