@@ -313,7 +313,7 @@ class AdmissionConfig:
     enabled: bool = False
     max_outstanding_per_worker: int = 0
     max_queued_prefill_s: float = 1.0
-    kv_budget: float = 0.9
+    kv_budget: float = 1.0
     queue_size: int = 1024  # held requests, all classes
     queue_bytes: int = 256 * 1024 * 1024  # their bodies
     queue_timeout_s: float = 10.0  # the interactive class's deadline

@@ -115,6 +115,6 @@ async def test_fleet_settings_not_valid_here_are_ignored(
             engines(engine_factory, 1) as fleet,
             serve_router(replica(fleet, redis_url)) as a,
         ):
-            assert a.state.queue.settings_version == 0 and a.state.queue.limits.kv_budget == 0.9
+            assert a.state.queue.settings_version == 0 and a.state.queue.limits.kv_budget == 1.0
     finally:
         await client.aclose()
