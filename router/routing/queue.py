@@ -305,7 +305,7 @@ class RequestQueue:
                 continue
             for held in sorted(self._by_target.get(name, {}).values(), key=self._release_key):
                 if held.first_turn and self._gate_closed():
-                    break  # first turns come after the turns of sessions under way
+                    continue  # new sessions wait; a batch turn under way behind may go
                 if not self.has_room(worker, held.prompt_tokens):
                     break
                 if not self._release(held, name):

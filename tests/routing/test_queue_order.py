@@ -313,3 +313,24 @@ async def test_without_the_door_a_new_session_takes_room_where_it_is(clock: Cloc
     going = await _hold(queue, Request(fleet, "going"), "w0", 500)
     assert queue.goes_now(fleet.workers["w1"], 500, first_turn=True)
     going.cancel()
+
+
+async def test_a_batch_turn_under_way_goes_past_new_interactive_sessions_at_the_door(
+    clock: Clock,
+) -> None:
+    fleet = _fleet("w0", "w1")
+    on_w0 = _busy(fleet.workers["w0"])
+    _busy(fleet.workers["w1"])
+    queue = _queue(fleet)
+    blocker = await _hold(queue, Request(fleet, "blocker"), "w1", 500)  # closes the door
+    new = Request(fleet, "new")
+    door = asyncio.create_task(
+        queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
+    )
+    batch = Request(fleet, "batch")
+    batch_task = await _hold(queue, batch, "w0", 500, priority="batch")
+    await _room_on(queue, on_w0)
+    assert (batch.took, new.took) == ("w0", None)
+    await batch_task
+    for task in (blocker, door):
+        task.cancel()
