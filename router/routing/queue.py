@@ -135,7 +135,7 @@ class RequestQueue:
         self._pump_soon: asyncio.Handle | None = None
         self._recheck: asyncio.TimerHandle | None = None
         self._moves_looked_at = float("-inf")
-        self._held_under_way = 0  # held turns of sessions under way (not first turns)
+        self._held_under_way = 0  # held interactive turns of sessions under way
         self.limits = limits
         # Settings versions order changes as the policy's do (router.routing.policy_slot):
         # the configured ones are 0; with shared state Redis numbers the fleet's changes.
@@ -164,7 +164,10 @@ class RequestQueue:
         version = self.settings_version + 1
         if self.publisher is not None:
             version = await self.publisher(settings, self.settings_version)
-        self.install(limits, version)
+        if not self.install(limits, version) and self.settings_version == version:
+            # The fleet's copy of this very change came back first (while publishing):
+            # it lacks this replica's own batch_api_keys, which the change carries.
+            self.limits = limits
 
     def install(self, limits: AdmissionConfig, version: int) -> bool:
         """Make ``limits`` current if ``version`` is newer; False (nothing done) if not."""
@@ -219,7 +222,8 @@ class RequestQueue:
         return not self._by_target.get(worker.name) and self.has_room(worker, prompt_tokens)
 
     def _gate_closed(self) -> bool:
-        """New sessions wait: a turn of a session under way is held (``door``)."""
+        """New sessions wait: an interactive turn of a session under way is held
+        (``door``)."""
         return self.limits.door and self._held_under_way > 0
 
     def started(self, tenant: str | None, session: str | None) -> None:
@@ -304,7 +308,7 @@ class RequestQueue:
                     self._release(held, None)  # its worker is gone: it chooses again
                 continue
             for held in sorted(self._by_target.get(name, {}).values(), key=self._release_key):
-                if held.first_turn and self._gate_closed():
+                if self._at_the_door(held):
                     continue  # new sessions wait; a batch turn under way behind may go
                 if not self.has_room(worker, held.prompt_tokens):
                     break
@@ -315,22 +319,24 @@ class RequestQueue:
             self._recheck = asyncio.get_running_loop().call_later(RECHECK_S, self._pump)
 
     def _move_to_idle(self, workers: Mapping[str, Worker]) -> None:
-        """Workers with room and nothing held for them take requests that would now
-        rather come to them. At most once each ``RECHECK_S``: every look asks the policy
-        again for ``MOVE_LOOKS`` requests, and pumps come with every first byte."""
+        """Workers with room and nothing held for them that may go now take requests
+        that would now rather come to them (not new sessions while the door is closed).
+        At most once each ``RECHECK_S``: every look asks the policy again for
+        ``MOVE_LOOKS`` requests, and pumps come with every first byte."""
         now = monotonic()
         if now - self._moves_looked_at < RECHECK_S:
             return
         idle = [
             w
             for w in workers.values()
-            if not self._by_target.get(w.name) and _takes_requests(w) and self.has_room(w, 0)
+            if not self._may_go_for(w.name) and _takes_requests(w) and self.has_room(w, 0)
         ]
         if not idle or not self._held:
             return
         self._moves_looked_at = now
         idle_names = {w.name for w in idle}
-        for held in list(itertools.islice(self._held.values(), MOVE_LOOKS)):
+        candidates = (h for h in self._held.values() if not self._at_the_door(h))
+        for held in list(itertools.islice(candidates, MOVE_LOOKS)):
             ahead = dict(self.held_prefill)
             ahead[held.target] -= held.prefill_tokens
             worker = held.waiter.rechoose(ahead)
@@ -339,6 +345,14 @@ class RequestQueue:
             if worker in idle_names and self.has_room(workers[worker], held.prompt_tokens):
                 held.moved = True
                 self._release(held, worker)
+
+    def _at_the_door(self, held: Held) -> bool:
+        return held.first_turn and self._gate_closed()
+
+    def _may_go_for(self, worker: str) -> bool:
+        """Something held for ``worker`` could go there now (not only new sessions at
+        a closed door)."""
+        return any(not self._at_the_door(h) for h in self._by_target.get(worker, {}).values())
 
     def _release_key(self, held: Held) -> tuple[int, bool, int, int, float, int]:
         rate = max(self._rate(held.target), 1.0)
@@ -408,7 +422,7 @@ class RequestQueue:
             held.prefill_tokens
         )
         self.held_bytes += held.body_bytes
-        if not held.first_turn:
+        if _under_way(held):
             self._held_under_way += 1
 
     def _remove(self, held: Held) -> None:
@@ -421,7 +435,7 @@ class RequestQueue:
         else:
             self.held_prefill[held.target] -= held.prefill_tokens
         self.held_bytes -= held.body_bytes
-        if not held.first_turn:
+        if _under_way(held):
             self._held_under_way -= 1
         if held.expiry is not None:
             held.expiry.cancel()
@@ -439,6 +453,12 @@ class RequestQueue:
             return False
         held.released.set_result(None)
         return taken
+
+
+def _under_way(held: Held) -> bool:
+    """An interactive turn of a session under way: what closes the door. Batch work and
+    requests of no session (one-shot completions) do not."""
+    return held.priority == "interactive" and not held.first_turn and held.session is not None
 
 
 def _takes_requests(worker: Worker) -> bool:

@@ -334,3 +334,56 @@ async def test_a_batch_turn_under_way_goes_past_new_interactive_sessions_at_the_
     await batch_task
     for task in (blocker, door):
         task.cancel()
+
+
+async def test_a_worker_holding_only_new_sessions_at_the_door_takes_a_turn_under_way(
+    clock: Clock,
+) -> None:
+    # Found in review: new sessions held for the worker with room made it look busy, so
+    # the turn under way (which closed the door) never moved there.
+    fleet = _fleet("w0", "w1")
+    _busy(fleet.workers["w0"])
+    on_w1 = _busy(fleet.workers["w1"])
+    queue = _queue(fleet)
+    new = Request(fleet, "new", would_go="w0")
+    new_task = asyncio.create_task(
+        queue.hold(new, "w1", "interactive", 500, 500, 100, None, "new", first_turn=True)
+    )
+    await asyncio.sleep(0)
+    going = Request(fleet, "going", would_go="w1")
+    going_task = await _hold(queue, going, "w0", 500)  # closes the door
+    await _room_on(queue, on_w1)
+    await asyncio.wait_for(going_task, 1)  # before the new session's 2 s are up
+    assert (going.took, new.took) == ("w1", None)  # moved; the new session was not
+    new_task.cancel()
+
+
+async def test_batch_work_and_requests_of_no_session_leave_the_door_open(clock: Clock) -> None:
+    fleet = _fleet("w0", "w1")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    batch = await _hold(queue, Request(fleet, "batch"), "w0", 500, priority="batch")
+    anonymous = asyncio.create_task(
+        queue.hold(Request(fleet, "x"), "w0", "interactive", 500, 500, 100, None, None)
+    )
+    await asyncio.sleep(0)
+    assert queue.goes_now(fleet.workers["w1"], 500, first_turn=True)
+    for task in (batch, anonymous):
+        task.cancel()
+
+
+async def test_a_change_keeps_its_own_keys_when_the_fleets_copy_comes_back_first(
+    clock: Clock,
+) -> None:
+    queue = _queue(_fleet("w0"))
+    mine = AdmissionConfig(enabled=True, batch_api_keys=("k",))
+
+    async def publish(settings: Mapping[str, object], own: int) -> int:
+        # The share loop read this change back from Redis while it was being written:
+        # the fleet's copy, without this replica's batch_api_keys.
+        queue.install(AdmissionConfig(enabled=True), own + 1)
+        return own + 1
+
+    queue.publisher = publish
+    await queue.change({"enabled": True}, mine)
+    assert queue.settings_version == 1 and queue.limits.batch_api_keys == ("k",)
