@@ -44,7 +44,7 @@ import aiohttp
 from rich.console import Console
 
 from bench import netns, proc_cpu
-from bench.compare.demo import DemoConfig, kvrouter_command, stop_process
+from bench.compare.demo import QUEUE_SUFFIX, DemoConfig, kvrouter_command, stop_process
 from bench.compare.peers import smg_command, vllm_router_command
 from bench.cost.prompt import prompt_cost
 from bench.replay.rounds import rotated
@@ -298,6 +298,12 @@ async def run_rounds(config: ThroughputConfig, console: Console) -> list[Run]:
     return runs
 
 
+def policies_of(labels: Sequence[str]) -> list[str]:
+    """The policies behind kvrouter labels, once each (``ttft+queue`` is ``ttft``: the
+    prompt's cost is the policy's)."""
+    return list(dict.fromkeys(label.partition(QUEUE_SUFFIX)[0] for label in labels))
+
+
 async def run_benchmark(config: ThroughputConfig, console: Console) -> list[Run]:
     """The rounds, their tables and the prompt cost; refuses peers outside a
     loopback-only namespace before anything starts."""
@@ -308,7 +314,7 @@ async def run_benchmark(config: ThroughputConfig, console: Console) -> list[Run]
         console.print(runs_table(runs, variant))
     costs = [
         prompt_cost(p, config.prompt_tokens, config.engines, config.prompt_repeat)
-        for p in config.policies
+        for p in policies_of(config.policies)
     ]
     console.print(prompt_cost_table(costs))
     save(runs, costs, config.out / "throughput.json")

@@ -15,6 +15,7 @@ from bench.compare.matrix_plots import load_of, write_load_plots
 from bench.compare.offered_load import router_queue, saturated_turns_per_s
 from bench.replay.result import RequestRecord, RunMeta, RunResult
 from bench.replay.rounds import Rounds, ScoredRun
+from bench.throughput.run import policies_of
 from bench.workloads.agent import AgentParams, generate
 from bench.workloads.load import all_at_once, at_load, session_rate, turns_per_session
 from bench.workloads.trace import Turn, group_sessions
@@ -137,3 +138,12 @@ def test_rows_at_offered_loads_are_plotted_against_the_load(tmp_path: Path) -> N
     written = write_load_plots(results, tmp_path)
     assert [p.name for p in written] == ["load-agent.png"]
     assert written[0].stat().st_size > 10_000
+
+
+def test_the_throughput_bench_costs_a_queued_policys_prompt_as_the_policys() -> None:
+    # Found: bench throughput --policies ttft,ttft+queue measured every round, then
+    # failed building the policy "ttft+queue" for the prompt's cost.
+    assert policies_of(["ttft", "ttft+queue", "cache_aware+queue:queue_timeout_s=3"]) == [
+        "ttft",
+        "cache_aware",
+    ]
