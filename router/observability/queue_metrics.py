@@ -17,6 +17,11 @@ from router.observability.metric_types import LoopCounter, LoopHistogram
 # Why the router's queue let a request go (router.routing.queue).
 ShedReason = Literal["deadline", "queue_full", "queue_bytes", "displaced"]
 SHED_REASONS: tuple[ShedReason, ...] = get_args(ShedReason)
+# Why a request was held rather than sent at once: its worker's queued prefill, its KV
+# budget or request ceiling (the room rules), requests already held for that worker,
+# or the door (a new session while sessions under way wait).
+HoldReason = Literal["prefill", "kv", "ceiling", "behind", "door"]
+HOLD_REASONS: tuple[HoldReason, ...] = get_args(HoldReason)
 # Waits at the router: from none (most requests, when there is room) up to the batch
 # class's default deadline.
 QUEUE_WAIT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
@@ -86,6 +91,15 @@ class QueueMetrics:
             ["priority", "reason"],
             registry=registry,
         )
+        self.held_total = LoopCounter(
+            "kvrouter_queue_held",
+            "Requests held rather than sent at once, by class and why: prefill (the "
+            "worker's queued prefill), kv (its KV budget), ceiling (its request ceiling), "
+            "behind (others held for it), door (a new session while sessions under way "
+            "wait).",
+            ["priority", "reason"],
+            registry=registry,
+        )
         self.abandoned_total = LoopCounter(
             "kvrouter_queue_abandoned",
             "Held requests whose client left before they went to a worker.",
@@ -102,6 +116,9 @@ class QueueMetrics:
         self._waits = {p: self.wait.labels(p) for p in PRIORITIES}
         self._sheds = {(p, r): self.sheds.labels(p, r) for p in PRIORITIES for r in SHED_REASONS}
         self._abandoned = {p: self.abandoned_total.labels(p) for p in PRIORITIES}
+        self._held = {
+            (p, r): self.held_total.labels(p, r) for p in PRIORITIES for r in HOLD_REASONS
+        }
         self._moved = self.moved.labels()
 
     def watch(self, queue: HeldRequests) -> None:
@@ -115,6 +132,9 @@ class QueueMetrics:
 
     def shed(self, priority: str, reason: ShedReason) -> None:
         self._sheds[(priority, reason)].inc()
+
+    def held(self, priority: str, reason: HoldReason) -> None:
+        self._held[(priority, reason)].inc()
 
     def abandoned(self, priority: str) -> None:
         self._abandoned[priority].inc()

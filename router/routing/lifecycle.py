@@ -144,7 +144,8 @@ class RequestLifecycle:
             self.route, candidates, self.remote_matches, queue.held_prefill
         )
         terms = self._terms
-        if queue.goes_now(choice.worker, self.route.prompt_tokens, self.route.first_turn):
+        reason = queue.hold_reason(choice.worker, self.route.prompt_tokens, self.route.first_turn)
+        if reason is None:
             self._first = self._router.take(choice, self.request, 1, self.arrived)
             queue.went_at_once(terms.priority)
         else:
@@ -160,6 +161,7 @@ class RequestLifecycle:
                     self.request.session_key,
                     terms.overloaded_status,
                     self.route.first_turn,
+                    reason,
                 )
             except asyncio.CancelledError:
                 if self._first is not None:  # released as the client left

@@ -54,7 +54,7 @@ from router.clock import monotonic
 from router.config import AdmissionConfig
 from router.errors import Shed, ShedOverloaded
 from router.fleet.workers import Fleet, Worker
-from router.observability.queue_metrics import ShedReason
+from router.observability.queue_metrics import HoldReason, ShedReason
 
 # Held requests for other workers a worker with room looks at, oldest first, per pass.
 MOVE_LOOKS = 8
@@ -108,6 +108,8 @@ class QueueObserver(Protocol):
     def admitted(self, priority: str, waited_s: float, moved: bool) -> None: ...
 
     def shed(self, priority: str, reason: ShedReason) -> None: ...
+
+    def held(self, priority: str, reason: HoldReason) -> None: ...
 
     def abandoned(self, priority: str) -> None: ...
 
@@ -200,26 +202,42 @@ class RequestQueue:
         return len(self._by_target.get(worker, ()))
 
     def has_room(self, worker: Worker, prompt_tokens: int) -> bool:
+        return self.full_by(worker, prompt_tokens) is None
+
+    def full_by(self, worker: Worker, prompt_tokens: int) -> HoldReason | None:
+        """Which room rule ``worker`` fails for a prompt of ``prompt_tokens``; None: it
+        has room."""
         if worker.load == 0:
-            return True
+            return None
         limits = self.limits
         ceiling = limits.max_outstanding_per_worker
         if ceiling and worker.load >= ceiling:
-            return False
+            return "ceiling"
         queued = worker.queued_prefill_tokens + worker.remote_queued_prefill
         if queued >= limits.max_queued_prefill_s * self._rate(worker.name):
-            return False
+            return "prefill"
         running = worker.outstanding_tokens + worker.remote_tokens
-        return running + prompt_tokens <= limits.kv_budget * worker.capacity_tokens
+        if running + prompt_tokens > limits.kv_budget * worker.capacity_tokens:
+            return "kv"
+        return None
 
     def goes_now(self, worker: Worker, prompt_tokens: int, first_turn: bool = False) -> bool:
         """A request chosen for ``worker`` goes at once: it has room, and nothing is held
         for it (what is held was there first and is ordered by the release rule). A
         session's first turn also waits while a turn of a session under way is held
         anywhere: the fleet is full for the sessions it has."""
+        return self.hold_reason(worker, prompt_tokens, first_turn) is None
+
+    def hold_reason(
+        self, worker: Worker, prompt_tokens: int, first_turn: bool = False
+    ) -> HoldReason | None:
+        """Why a request chosen for ``worker`` would be held (``goes_now``'s answer,
+        with its reason); None: it goes at once."""
         if first_turn and self._gate_closed():
-            return False
-        return not self._by_target.get(worker.name) and self.has_room(worker, prompt_tokens)
+            return "door"
+        if self._by_target.get(worker.name):
+            return "behind"
+        return self.full_by(worker, prompt_tokens)
 
     def _gate_closed(self) -> bool:
         """New sessions wait: an interactive turn of a session under way is held
@@ -251,6 +269,7 @@ class RequestQueue:
         session: str | None,
         overloaded_status: bool = False,
         first_turn: bool = False,
+        reason: HoldReason = "behind",
     ) -> None:
         """Wait until released: then the waiter has taken a worker, or (its worker gone)
         chooses again among all. Raises ``Shed`` (``ShedOverloaded`` with
@@ -274,6 +293,7 @@ class RequestQueue:
             self._observer.shed(priority, refusal)
             raise self._shed_error(refusal, overloaded_status)
         self._add(held)
+        self._observer.held(priority, reason)
         loop = asyncio.get_running_loop()
         deadline = self.limits.deadline_s(priority, first_turn)
         held.expiry = loop.call_later(deadline, self._expire, held)

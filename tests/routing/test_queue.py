@@ -58,6 +58,8 @@ async def test_a_full_worker_holds_requests_at_the_router_then_serves(
         result = await asyncio.wait_for(waiting, 10)  # the long one left: room again
         assert result.status == 200
         assert await _depth(http, router, "interactive") == 0
+        held = await metric(http, router, "kvrouter_queue_held_total", reason="ceiling")
+        assert held == 1 and await metric(http, router, "kvrouter_queue_held_total") == 1
         waited = await metric(http, router, "kvrouter_queue_wait_seconds_count")
         assert waited == 2  # the long one at once, the short one after its wait
 

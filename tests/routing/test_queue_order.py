@@ -70,7 +70,8 @@ def _busy(worker: Worker) -> Lease:
 
 
 def _queue(fleet: Fleet, **limits: object) -> RequestQueue:
-    config = AdmissionConfig(enabled=True, max_outstanding_per_worker=1, **limits)  # type: ignore[arg-type]
+    settings: dict[str, object] = {"max_outstanding_per_worker": 1, **limits}
+    config = AdmissionConfig(enabled=True, **settings)  # type: ignore[arg-type]
     return RequestQueue(config, fleet, lambda worker: RATE, QueueMetrics(CollectorRegistry()))
 
 
@@ -387,3 +388,19 @@ async def test_a_change_keeps_its_own_keys_when_the_fleets_copy_comes_back_first
     queue.publisher = publish
     await queue.change({"enabled": True}, mine)
     assert queue.settings_version == 1 and queue.limits.batch_api_keys == ("k",)
+
+
+async def test_the_reason_a_request_is_held_is_the_rule_it_failed(clock: Clock) -> None:
+    fleet = _fleet("w0")
+    worker = fleet.workers["w0"]
+    queue = _queue(fleet, max_outstanding_per_worker=0, max_queued_prefill_s=1.0)
+    assert queue.hold_reason(worker, 500) is None  # idle: anything goes
+    Lease(worker, 80_000, int(RATE))  # one second of prefill queued, 80K tokens running
+    assert queue.hold_reason(worker, 500) == "prefill"
+    worker.queued_prefill_tokens = 0
+    assert queue.hold_reason(worker, 30_000) == "kv"  # 110K past the 100K capacity
+    assert queue.hold_reason(worker, 10_000) is None
+    held = await _hold(queue, Request(fleet, "going"), "w0", 500)
+    assert queue.hold_reason(worker, 10_000) == "behind"
+    assert queue.hold_reason(fleet.workers["w0"], 10_000, first_turn=True) == "door"
+    held.cancel()
