@@ -74,6 +74,10 @@ class Worker:
         """Metrics missing or stale: assume the worst."""
         return self.metrics_at is None or now - self.metrics_at > stale_after_s
 
+    def takes_requests(self) -> bool:
+        """Healthy, not draining, and its circuit lets a request through."""
+        return self.healthy and not self.draining and self.breaker.allows()
+
     def serves(self, model: str | None) -> bool:
         # Before the first /v1/models answer a worker is assumed to serve any model.
         return model is None or not self.models or model in self.models
@@ -170,11 +174,7 @@ class Fleet:
         found = [
             w
             for w in self.workers.values()
-            if w.healthy
-            and not w.draining
-            and w.name not in excluded
-            and w.serves(model)
-            and w.breaker.allows()
+            if w.name not in excluded and w.serves(model) and w.takes_requests()
         ]
         if stale_after_s is None:
             return found

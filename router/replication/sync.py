@@ -542,8 +542,8 @@ class RedisSync:
         """Number a change of the queue's settings for the whole fleet (the
         ``RequestQueue`` publisher). ``batch_api_keys`` stays each replica's own: secrets
         are not written to Redis."""
-        shared = {k: v for k, v in settings.items() if k != "batch_api_keys"}
         key = self._keys.admission
+        shared = _shared(settings)
         return await self._publish_versioned("admission", key, "admission", shared, own_version)
 
     async def _publish_versioned(
@@ -569,6 +569,15 @@ class RedisSync:
             ) from exc
         raise SharedStateUnavailable(f"the fleet's {what} key could not be written")
 
+    async def _restore_versioned(
+        self, what: str, key: str, version: int, name: str, payload: Mapping[str, Any]
+    ) -> None:
+        """Write back a versioned hash Redis lost (only over an older version)."""
+        encoded = fleet_policy.encode_knobs(payload)
+        restore = self._redis.eval(fleet_policy.RESTORE, 1, key, version, name, encoded)
+        # Written as another type again since: repaired again.
+        await self._op(what, restore, (key,))
+
     async def _follow_admission(self) -> None:
         """Install the fleet's queue settings if newer than this replica's."""
         queue, key = self._queue, self._keys.admission
@@ -577,17 +586,9 @@ class RedisSync:
         fields = await self._op("admission", self._redis.hgetall(key), (key,), {})
         if not fields:
             if queue.settings_version > 0:  # Redis lost it: the fleet's settings go back
-                settings = dataclasses.asdict(queue.limits)
-                del settings["batch_api_keys"]
-                restore = self._redis.eval(
-                    fleet_policy.RESTORE,
-                    1,
-                    key,
-                    queue.settings_version,
-                    "admission",
-                    fleet_policy.encode_knobs(settings),
-                )
-                await self._op("admission", restore, (key,))
+                settings = _shared(dataclasses.asdict(queue.limits))
+                version = queue.settings_version
+                await self._restore_versioned("admission", key, version, "admission", settings)
             return
         try:
             fleet = fleet_policy.decode(fields)
@@ -611,17 +612,8 @@ class RedisSync:
         current = slot.current
         if not fields:
             if current.version > 0:  # Redis lost it: the fleet's policy goes back
-                await self._op(
-                    "policy",
-                    self._redis.eval(
-                        fleet_policy.RESTORE,
-                        1,
-                        self._policy_key,
-                        current.version,
-                        current.name,
-                        fleet_policy.encode_knobs(current.knobs),
-                    ),
-                    (key,),  # written as another type again since: repaired again
+                await self._restore_versioned(
+                    "policy", key, current.version, current.name, current.knobs
                 )
             return
         try:
@@ -640,3 +632,8 @@ class RedisSync:
             self._refused_policy = fields
             return
         slot.install(candidate)
+
+
+def _shared(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The queue's settings as the fleet shares them: without the client keys."""
+    return {k: v for k, v in settings.items() if k != "batch_api_keys"}

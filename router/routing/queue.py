@@ -323,7 +323,7 @@ class RequestQueue:
         workers = self._fleet.workers
         for name in list(self._by_target):
             worker = workers.get(name)
-            if worker is None or not _takes_requests(worker):
+            if worker is None or not worker.takes_requests():
                 for held in list(self._by_target.get(name, {}).values()):
                     self._release(held, None)  # its worker is gone: it chooses again
                 continue
@@ -349,7 +349,7 @@ class RequestQueue:
         idle = [
             w
             for w in workers.values()
-            if not self._may_go_for(w.name) and _takes_requests(w) and self.has_room(w, 0)
+            if not self._may_go_for(w.name) and w.takes_requests() and self.has_room(w, 0)
         ]
         if not idle or not self._held:
             return
@@ -479,10 +479,6 @@ def _under_way(held: Held) -> bool:
     """An interactive turn of a session under way: what closes the door. Batch work and
     requests of no session (one-shot completions) do not."""
     return held.priority == "interactive" and not held.first_turn and held.session is not None
-
-
-def _takes_requests(worker: Worker) -> bool:
-    return worker.healthy and not worker.draining and worker.breaker.allows()
 
 
 K = TypeVar("K")

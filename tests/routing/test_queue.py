@@ -6,6 +6,8 @@ held leaves the queue, and the settings change at run time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -14,7 +16,14 @@ import pytest
 
 from router.config import AdmissionConfig
 from router.fleet.workers import Fleet, Worker
-from tests.conftest import TEST_MODEL, EngineFactory, RunningRouter, router_config, serve_router
+from tests.conftest import (
+    TEST_MODEL,
+    EngineFactory,
+    RunningEngine,
+    RunningRouter,
+    router_config,
+    serve_router,
+)
 from tests.router_client import (
     chat_body,
     conversation,
@@ -31,6 +40,21 @@ SHORT = chat_body([{"role": "user", "content": "short"}], max_tokens=2)
 ONE_AT_A_TIME = AdmissionConfig(enabled=True, max_outstanding_per_worker=1)
 
 
+@contextlib.asynccontextmanager
+async def queue_router(
+    engine_factory: EngineFactory, limits: AdmissionConfig | None = None, engines_n: int = 1
+) -> AsyncIterator[tuple[list[RunningEngine], RunningRouter, aiohttp.ClientSession]]:
+    """Simulated engines, a router over them with the queue as ``limits`` says (None:
+    the default, off), and a client."""
+    overrides = {} if limits is None else {"admission": limits}
+    async with (
+        engines(engine_factory, engines_n) as fleet,
+        serve_router(router_config(fleet, **overrides)) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        yield fleet, router, http
+
+
 async def _depth(http: aiohttp.ClientSession, router: RunningRouter, priority: str) -> float:
     return await metric(http, router, "kvrouter_queue_depth", priority=priority)
 
@@ -45,11 +69,7 @@ async def _held(http: aiohttp.ClientSession, router: RunningRouter, count: int) 
 async def test_a_full_worker_holds_requests_at_the_router_then_serves(
     engine_factory: EngineFactory,
 ) -> None:
-    async with (
-        engines(engine_factory, 1) as fleet,
-        serve_router(router_config(fleet, admission=ONE_AT_A_TIME)) as router,
-        aiohttp.ClientSession() as http,
-    ):
+    async with queue_router(engine_factory, ONE_AT_A_TIME) as (fleet, router, http):
         async with held_stream(http, router.url, LONG):
             waiting = asyncio.create_task(post(http, router.url, SHORT))
             await _held(http, router, 1)
@@ -80,11 +100,7 @@ async def test_a_cached_turn_goes_before_a_fresh_long_prompt_held_before_it(
     engine_factory: EngineFactory,
 ) -> None:
     history = conversation("agent", 3000, 200)
-    async with (
-        engines(engine_factory, 1) as fleet,
-        serve_router(router_config(fleet, admission=ONE_AT_A_TIME)) as router,
-        aiohttp.ClientSession() as http,
-    ):
+    async with queue_router(engine_factory, ONE_AT_A_TIME) as (_fleet, router, http):
         first = await post(http, router.url, chat_body(history, max_tokens=16))
         assert first.status == 200
         follow_up = [
@@ -118,11 +134,7 @@ async def test_a_full_queue_sheds_with_429_and_anthropic_gets_529(
         "max_tokens": 2,
         "messages": [{"role": "user", "content": "hi"}],
     }
-    async with (
-        engines(engine_factory, 1) as fleet,
-        serve_router(router_config(fleet, admission=limits)) as router,
-        aiohttp.ClientSession() as http,
-    ):
+    async with queue_router(engine_factory, limits) as (_fleet, router, http):
         async with held_stream(http, router.url, LONG):
             queued = asyncio.create_task(post(http, router.url, SHORT))
             await _held(http, router, 1)
@@ -146,11 +158,7 @@ async def test_a_request_that_cannot_start_within_its_deadline_is_shed(
     engine_factory: EngineFactory,
 ) -> None:
     limits = AdmissionConfig(enabled=True, max_outstanding_per_worker=1, queue_timeout_s=0.3)
-    async with (
-        engines(engine_factory, 1) as fleet,
-        serve_router(router_config(fleet, admission=limits)) as router,
-        aiohttp.ClientSession() as http,
-    ):
+    async with queue_router(engine_factory, limits) as (_fleet, router, http):
         async with held_stream(http, router.url, LONG):
             refused = await asyncio.wait_for(post(http, router.url, SHORT), 5)
             assert (
@@ -213,11 +221,7 @@ async def test_interactive_goes_before_batch_and_displaces_it_from_a_full_queue(
 async def test_a_client_that_leaves_while_held_leaves_the_queue(
     engine_factory: EngineFactory,
 ) -> None:
-    async with (
-        engines(engine_factory, 1) as fleet,
-        serve_router(router_config(fleet, admission=ONE_AT_A_TIME)) as router,
-        aiohttp.ClientSession() as http,
-    ):
+    async with queue_router(engine_factory, ONE_AT_A_TIME) as (_fleet, router, http):
         async with held_stream(http, router.url, LONG):
             leaving = asyncio.create_task(post(http, router.url, SHORT))
             await _held(http, router, 1)
@@ -263,11 +267,7 @@ async def test_admission_and_the_choice_share_one_eligibility_check(
     # Found: with admission on, Fleet.eligible ran for the room check and again for the
     # choice; a request's lifecycle now computes it once (a retry looks again).
     limits = AdmissionConfig(enabled=True, max_outstanding_per_worker=4)
-    async with (
-        engines(engine_factory, 2) as fleet,
-        serve_router(router_config(fleet, admission=limits)) as router,
-        aiohttp.ClientSession() as http,
-    ):
+    async with queue_router(engine_factory, limits, engines_n=2) as (_fleet, router, http):
         calls = 0
         eligible = Fleet.eligible
 
@@ -287,10 +287,10 @@ async def test_a_request_the_queue_sent_is_retried_on_another_worker(
 ) -> None:
     # Found: the queue's first dispatch left the eligible list of the admission check in
     # place, so the retry after a failure chose among it again, the failed worker included.
-    async with (
-        engines(engine_factory, 2) as fleet,
-        serve_router(router_config(fleet, admission=AdmissionConfig(enabled=True))) as router,
-        aiohttp.ClientSession() as http,
+    async with queue_router(engine_factory, AdmissionConfig(enabled=True), engines_n=2) as (
+        fleet,
+        router,
+        http,
     ):
         await set_faults(http, fleet[0], fail_requests=True)
         served = set()
