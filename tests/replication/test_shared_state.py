@@ -43,7 +43,21 @@ def shared_config(fleet: list[RunningEngine], url: str, **overrides: Any) -> Rou
 
 
 async def synced(http: aiohttp.ClientSession, routers: list[RunningRouter]) -> None:
-    """Wait until every replica has applied every other replica's index changes."""
+    """Wait until every replica has applied every other replica's index changes.
+
+    A reply can reach the client before its replica has recorded (or sent) the change it
+    makes to the index; so first every replica's requests have ended and its outbox is
+    empty, then every change sent has been received everywhere else."""
+
+    async def quiet() -> bool:
+        for r in routers:
+            index = r.state.router.index
+            assert isinstance(index, SharedPrefixIndex)
+            if index.outbox or any(w.outstanding_requests for w in r.state.router.fleet.all()):
+                return False
+        return True
+
+    await wait_for(quiet)
 
     async def ready() -> bool:
         sent = [
