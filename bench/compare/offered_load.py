@@ -125,9 +125,10 @@ async def router_queue(
 ) -> dict[str, float]:
     """What kvrouter's queue did in the run, from its /metrics (summed over replicas):
     the admitted requests' wait, p99 (a bucket's upper bound) and mean, in simulated
-    seconds (the router's times ``scale``), and the requests it shed. Nothing for a
-    router without those series (a peer)."""
+    seconds (the router's times ``scale``), the requests it shed, and how many it held
+    for each reason. Nothing for a router without those series (a peer)."""
     buckets: dict[float, float] = {}
+    held: dict[str, float] = {}
     total = count = sheds = 0.0
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         for url in urls:
@@ -146,6 +147,9 @@ async def router_queue(
                         count += sample.value
                     elif sample.name == "kvrouter_queue_sheds_total":
                         sheds += sample.value
+                    elif sample.name == "kvrouter_queue_held_total":
+                        reason = f"queue_held_{sample.labels['reason']}"
+                        held[reason] = held.get(reason, 0.0) + sample.value
     if not count:
         return {}
     p99 = next(le for le, n in sorted(buckets.items()) if n >= 0.99 * count)
@@ -153,6 +157,7 @@ async def router_queue(
         "queue_wait_p99": p99 * scale,
         "queue_wait_mean": total / count * scale,
         "queue_sheds": sheds,
+        **held,
     }
 
 

@@ -23,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from bench.replay.result import RunResult, Summary, summarize
+from router.observability.queue_metrics import HOLD_REASONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,17 @@ class Figure:
     higher_is_better: bool
 
 
+def _held_figure(reason: str) -> Figure:
+    key = f"queue_held_{reason}"
+    return Figure(
+        key,
+        f"requests held by the router's queue: {reason}",
+        lambda r: r.extras.get(key),
+        lambda v: f"{v:.0f}",
+        False,
+    )
+
+
 FIGURES: tuple[Figure, ...] = (
     Figure("hit_rate", "hit rate", lambda r: r.summary.hit_rate, pct, True),
     Figure("of_reference", "hit / capacity reference", lambda r: r.of_reference, pct, True),
@@ -148,6 +160,7 @@ FIGURES: tuple[Figure, ...] = (
         lambda v: f"{v:.0f}",
         False,
     ),
+    *(_held_figure(reason) for reason in HOLD_REASONS),
     Figure(
         "retries",
         "turns sent again (refused: shed, overloaded)",

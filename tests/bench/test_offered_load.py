@@ -20,6 +20,7 @@ from bench.workloads.agent import AgentParams, generate
 from bench.workloads.load import all_at_once, at_load, session_rate, turns_per_session
 from bench.workloads.trace import Turn, group_sessions
 from router.config import AdmissionConfig
+from router.observability.queue_metrics import HOLD_REASONS
 from tests.conftest import EngineFactory, router_config, serve_router
 from tests.router_client import chat_body, engines, post
 
@@ -115,7 +116,13 @@ async def test_the_queue_figures_come_from_the_routers_metrics(
             assert (await post(http, router.url, body)).status == 200
         figures = await router_queue(spec, [router.url], scale=10.0)
         # Three requests went at once (waits of 0: the first bucket, 5 ms), none shed.
-        assert figures == {"queue_wait_p99": 0.05, "queue_wait_mean": 0.0, "queue_sheds": 0.0}
+        held = {f"queue_held_{reason}": 0.0 for reason in HOLD_REASONS}
+        assert figures == {
+            "queue_wait_p99": 0.05,
+            "queue_wait_mean": 0.0,
+            "queue_sheds": 0.0,
+            **held,
+        }
         assert await router_queue(spec, [fleet[0].url]) == {}  # an engine: no such series
 
 
