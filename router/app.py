@@ -74,7 +74,11 @@ def build_state(
     )
     queue_metrics = QueueMetrics(metrics.registry)
     queue = RequestQueue(
-        config.admission, fleet, router.learner.prefill_tokens_per_s, queue_metrics
+        config.admission,
+        fleet,
+        router.learner.prefill_tokens_per_s,
+        queue_metrics,
+        router.room_for_a_session,
     )
     queue_metrics.watch(queue)
     membership = Membership(fleet, index, metrics, router.learner, block_tokens)

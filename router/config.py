@@ -324,7 +324,17 @@ class AdmissionConfig:
     # Sessions' first turns wait while any turn of a session under way is held: the fleet
     # is full for the sessions it has, and a new one would bring dozens of turns more.
     door: bool = True
+    # The door also stays closed while no worker could take a typical session (the mean
+    # context a turn leaves, learned) without pushing out more than this share of it
+    # from sessions expected back (router.routing.returns): the fleet's cache is full of
+    # live sessions. 1: the door never closes on that account.
+    door_returning_share: float = 1.0
     batch_queue_timeout_s: float = 60.0
+    # The first-token target of interactive requests (0: none). A held interactive request
+    # is shed as soon as it could no longer start in time to meet it: once it has waited
+    # the target less its own prefill (at its worker's learned speed). One whose prefill
+    # alone takes longer cannot meet it anyway and keeps its class's deadline.
+    ttft_target_s: float = 0.0
     # A held request's prefill counts this many seconds less for each second it has
     # waited, so that a long fresh prompt is not passed over for ever.
     ageing: float = 1.0
@@ -343,6 +353,8 @@ class AdmissionConfig:
             (self.first_turn_queue_timeout_s > 0, "first_turn_queue_timeout_s: must be > 0"),
             (self.batch_queue_timeout_s > 0, "batch_queue_timeout_s: must be > 0"),
             (self.ageing >= 0, "ageing: must be >= 0"),
+            (self.ttft_target_s >= 0, "ttft_target_s: must be >= 0 (0: none)"),
+            (0 <= self.door_returning_share <= 1, "door_returning_share: must be in [0, 1]"),
             (
                 all(
                     math.isfinite(v)
@@ -351,6 +363,7 @@ class AdmissionConfig:
                         self.queue_timeout_s,
                         self.first_turn_queue_timeout_s,
                         self.batch_queue_timeout_s,
+                        self.ttft_target_s,
                         self.ageing,
                     )
                 ),
@@ -369,6 +382,14 @@ class AdmissionConfig:
             if first_turn
             else (self.queue_timeout_s)
         )
+
+    def target_slack_s(self, priority: str, prefill_s: float) -> float | None:
+        """How long a request whose own prefill takes ``prefill_s`` may wait and still
+        meet ``ttft_target_s``; None: no target applies (none set, batch, or the prefill
+        alone misses it)."""
+        if self.ttft_target_s <= 0 or priority == "batch" or prefill_s >= self.ttft_target_s:
+            return None
+        return self.ttft_target_s - prefill_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,6 +119,7 @@ QUEUE_TIMES = (
     "max_queued_prefill_s",
     "queue_timeout_s",
     "first_turn_queue_timeout_s",
+    "ttft_target_s",
     "batch_queue_timeout_s",
 )
 

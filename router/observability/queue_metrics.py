@@ -15,12 +15,12 @@ from router.config import PRIORITIES
 from router.observability.metric_types import LoopCounter, LoopHistogram
 
 # Why the router's queue let a request go (router.routing.queue).
-ShedReason = Literal["deadline", "queue_full", "queue_bytes", "displaced"]
+ShedReason = Literal["deadline", "ttft_target", "queue_full", "queue_bytes", "displaced"]
 SHED_REASONS: tuple[ShedReason, ...] = get_args(ShedReason)
 # Why a request was held rather than sent at once: its worker's queued prefill, its KV
 # budget or request ceiling (the room rules), requests already held for that worker,
 # or the door (a new session while sessions under way wait).
-HoldReason = Literal["prefill", "kv", "ceiling", "behind", "door"]
+HoldReason = Literal["prefill", "kv", "ceiling", "behind", "door", "resident"]
 HOLD_REASONS: tuple[HoldReason, ...] = get_args(HoldReason)
 # Waits at the router: from none (most requests, when there is room) up to the batch
 # class's default deadline.
@@ -86,8 +86,9 @@ class QueueMetrics:
         self.sheds = LoopCounter(
             "kvrouter_queue_sheds",
             "Requests the queue let go before any engine saw them (429, Anthropic 529), "
-            "by class and why: deadline, queue_full, queue_bytes, displaced (by a "
-            "request of a higher class).",
+            "by class and why: deadline, ttft_target (could no longer start in time for "
+            "the first-token target), queue_full, queue_bytes, displaced (by a request "
+            "of a higher class).",
             ["priority", "reason"],
             registry=registry,
         )
@@ -96,7 +97,8 @@ class QueueMetrics:
             "Requests held rather than sent at once, by class and why: prefill (the "
             "worker's queued prefill), kv (its KV budget), ceiling (its request ceiling), "
             "behind (others held for it), door (a new session while sessions under way "
-            "wait).",
+            "wait), resident (a new session while the caches are full of sessions "
+            "expected back).",
             ["priority", "reason"],
             registry=registry,
         )

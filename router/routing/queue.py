@@ -121,12 +121,15 @@ class RequestQueue:
         fleet: Fleet,
         prefill_rate: Callable[[str], float],
         observer: QueueObserver,
+        room_for_a_session: Callable[[float], bool] = lambda returning_share: True,
     ) -> None:
         self._limits = limits
         self._batch_tenants: frozenset[str] = frozenset()
         self._fleet = fleet
         self._rate = prefill_rate
         self._observer = observer
+        self._room_for_a_session = room_for_a_session
+        self._session_room = (float("-inf"), True)  # (when looked, the answer)
         self._seq = itertools.count()
         self._held: dict[int, Held] = {}  # by seq: arrival order
         self._by_target: dict[str, dict[int, Held]] = {}
@@ -233,16 +236,36 @@ class RequestQueue:
     ) -> HoldReason | None:
         """Why a request chosen for ``worker`` would be held (``goes_now``'s answer,
         with its reason); None: it goes at once."""
-        if first_turn and self._gate_closed():
-            return "door"
+        if first_turn:
+            closed = self._door_closed_by()
+            if closed is not None:
+                return closed
         if self._by_target.get(worker.name):
             return "behind"
         return self.full_by(worker, prompt_tokens)
 
-    def _gate_closed(self) -> bool:
-        """New sessions wait: an interactive turn of a session under way is held
-        (``door``)."""
-        return self.limits.door and self._held_under_way > 0
+    def _door_closed_by(self) -> HoldReason | None:
+        """Why new sessions wait, if they do: an interactive turn of a session under way
+        is held (``door``), or no worker's cache has room for another session that is
+        not spoken for by sessions expected back (``resident``)."""
+        limits = self.limits
+        if not limits.door:
+            return None
+        if self._held_under_way > 0:
+            return "door"
+        if limits.door_returning_share < 1.0 and not self._has_session_room():
+            return "resident"
+        return None
+
+    def _has_session_room(self) -> bool:
+        """``room_for_a_session``, asked at most once each ``RECHECK_S`` (it walks every
+        worker's oldest sessions)."""
+        looked, room = self._session_room
+        now = monotonic()
+        if now - looked >= RECHECK_S:
+            room = self._room_for_a_session(self.limits.door_returning_share)
+            self._session_room = (now, room)
+        return room
 
     def started(self, tenant: str | None, session: str | None) -> None:
         """A request passed the queue (at once or released): in flight until ``ended``."""
@@ -295,8 +318,13 @@ class RequestQueue:
         self._add(held)
         self._observer.held(priority, reason)
         loop = asyncio.get_running_loop()
-        deadline = self.limits.deadline_s(priority, first_turn)
-        held.expiry = loop.call_later(deadline, self._expire, held)
+        limits = self.limits
+        why: ShedReason = "deadline"
+        deadline = limits.deadline_s(priority, first_turn)
+        slack = limits.target_slack_s(priority, prefill_tokens / max(self._rate(target), 1.0))
+        if slack is not None and slack < deadline:
+            deadline, why = slack, "ttft_target"
+        held.expiry = loop.call_later(deadline, self._expire, held, why)
         self.notify()
         try:
             await held.released
@@ -367,7 +395,7 @@ class RequestQueue:
                 self._release(held, worker)
 
     def _at_the_door(self, held: Held) -> bool:
-        return held.first_turn and self._gate_closed()
+        return held.first_turn and self._door_closed_by() is not None
 
     def _may_go_for(self, worker: str) -> bool:
         """Something held for ``worker`` could go there now (not only new sessions at
@@ -407,9 +435,9 @@ class RequestQueue:
             self._let_go(victim, "displaced")
         return None
 
-    def _expire(self, held: Held) -> None:
+    def _expire(self, held: Held, reason: ShedReason) -> None:
         if held.seq in self._held:
-            self._let_go(held, "deadline")
+            self._let_go(held, reason)
 
     def _let_go(self, held: Held, reason: ShedReason) -> None:
         self._remove(held)
@@ -421,6 +449,8 @@ class RequestQueue:
         kind = ShedOverloaded if overloaded_status else Shed
         message = {
             "deadline": "no worker had room for this request within its queue deadline",
+            "ttft_target": "no worker had room for this request in time to meet the "
+            "first-token target",
             "queue_full": "the router's queue is full",
             "queue_bytes": "the router's queue holds as many request bytes as it may",
             "displaced": "a request of a higher priority class took this one's place",

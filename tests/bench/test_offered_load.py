@@ -79,7 +79,8 @@ def test_a_queue_label_turns_the_routers_queue_on_with_its_settings() -> None:
 def test_on_the_real_clock_the_queues_times_are_the_engines() -> None:
     # Engines ten times faster than real: ten simulated seconds are one of the router's.
     real = DemoConfig(clock="real", time_scale=10.0)
-    queued = kvrouter_command(real, "ttft+queue:queue_timeout_s=3", ["http://e"], 1)
+    label = "ttft+queue:queue_timeout_s=3:ttft_target_s=5"
+    queued = kvrouter_command(real, label, ["http://e"], 1)
     settings = dict(
         queued[i + 1].split("=") for i, arg in enumerate(queued) if arg == "--admission"
     )
@@ -88,6 +89,7 @@ def test_on_the_real_clock_the_queues_times_are_the_engines() -> None:
         "max_queued_prefill_s": "0.1",
         "queue_timeout_s": "0.3",
         "first_turn_queue_timeout_s": "0.2",
+        "ttft_target_s": "0.5",
         "batch_queue_timeout_s": "6",
     }
 

@@ -404,3 +404,67 @@ async def test_the_reason_a_request_is_held_is_the_rule_it_failed(clock: Clock) 
     assert queue.hold_reason(worker, 10_000) == "behind"
     assert queue.hold_reason(fleet.workers["w0"], 10_000, first_turn=True) == "door"
     held.cancel()
+
+
+async def test_new_sessions_wait_while_no_cache_has_room_for_one(clock: Clock) -> None:
+    """``door_returning_share``: the door closes while the fleet answers that no
+    worker's cache has room for another session, and opens when one has."""
+    fleet = _fleet("w0")
+    room = {"answer": False}
+    asked: list[float] = []
+
+    def room_for_a_session(share: float) -> bool:
+        asked.append(share)
+        return room["answer"]
+
+    config = AdmissionConfig(enabled=True, door_returning_share=0.5)
+    queue = RequestQueue(
+        config, fleet, lambda worker: RATE, QueueMetrics(CollectorRegistry()), room_for_a_session
+    )
+    worker = fleet.workers["w0"]
+    assert queue.hold_reason(worker, 500, first_turn=True) == "resident"
+    assert queue.hold_reason(worker, 500, first_turn=False) is None  # turns under way go
+    new = Request(fleet, "new")
+    door = asyncio.create_task(
+        queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
+    )
+    await asyncio.sleep(0)
+    assert new.took is None and asked == [0.5]  # asked once a recheck period
+    room["answer"] = True
+    clock.now += 2 * queue_module.RECHECK_S
+    queue.notify()
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert new.took == "w0"
+    await door
+    off = RequestQueue(
+        AdmissionConfig(enabled=True), fleet, lambda w: RATE, QueueMetrics(CollectorRegistry())
+    )
+    assert off.hold_reason(fleet.workers["w0"], 500, first_turn=True) is None
+
+
+async def test_a_request_that_can_no_longer_meet_the_first_token_target_is_shed(
+    clock: Clock,
+) -> None:
+    """``ttft_target_s`` 0.1 s, prefill at 10,000 tokens/s: a request of 500 uncached
+    tokens (0.05 s) may wait 0.05 s; one of 2,000 (0.2 s) cannot meet the target at all
+    and keeps its class's deadline; batch work has no target."""
+    fleet = _fleet("w0")
+    busy = _busy(fleet.workers["w0"])
+    queue = _queue(fleet, queue_timeout_s=10.0, ttft_target_s=0.1)
+    short, long, batch = (Request(fleet, n) for n in ("short", "long", "batch"))
+    short_task = await _hold(queue, short, "w0", 500)
+    long_task = await _hold(queue, long, "w0", 2_000)
+    batch_task = await _hold(queue, batch, "w0", 500, priority="batch")
+    with pytest.raises(Shed) as shed:
+        await asyncio.wait_for(short_task, 1)  # real time: its slack ran out
+    assert shed.value.reason == "ttft_target"
+    await asyncio.sleep(0.1)  # past the target: the other two still wait
+    assert queue.depth() == 2
+    await _room_on(queue, busy)
+    await long_task
+    assert long.took == "w0"
+    assert long.lease is not None
+    await _room_on(queue, long.lease)
+    await batch_task
+    assert batch.took == "w0"
