@@ -78,7 +78,6 @@ def build_state(
         fleet,
         router.learner.prefill_tokens_per_s,
         queue_metrics,
-        router.room_for_a_session,
     )
     queue_metrics.watch(queue)
     membership = Membership(fleet, index, metrics, router.learner, block_tokens)

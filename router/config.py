@@ -324,11 +324,6 @@ class AdmissionConfig:
     # Sessions' first turns wait while any turn of a session under way is held: the fleet
     # is full for the sessions it has, and a new one would bring dozens of turns more.
     door: bool = True
-    # The door also stays closed while no worker could take a typical session (the mean
-    # context a turn leaves, learned) without pushing out more than this share of it
-    # from sessions expected back (router.routing.returns): the fleet's cache is full of
-    # live sessions. 1: the door never closes on that account.
-    door_returning_share: float = 1.0
     batch_queue_timeout_s: float = 60.0
     # The first-token target of interactive requests (0: none). A held interactive request
     # is shed as soon as it could no longer start in time to meet it: once it has waited
@@ -354,7 +349,6 @@ class AdmissionConfig:
             (self.batch_queue_timeout_s > 0, "batch_queue_timeout_s: must be > 0"),
             (self.ageing >= 0, "ageing: must be >= 0"),
             (self.ttft_target_s >= 0, "ttft_target_s: must be >= 0 (0: none)"),
-            (0 <= self.door_returning_share <= 1, "door_returning_share: must be in [0, 1]"),
             (
                 all(
                     math.isfinite(v)

@@ -20,7 +20,7 @@ SHED_REASONS: tuple[ShedReason, ...] = get_args(ShedReason)
 # Why a request was held rather than sent at once: its worker's queued prefill, its KV
 # budget or request ceiling (the room rules), requests already held for that worker,
 # or the door (a new session while sessions under way wait).
-HoldReason = Literal["prefill", "kv", "ceiling", "behind", "door", "resident"]
+HoldReason = Literal["prefill", "kv", "ceiling", "behind", "door"]
 HOLD_REASONS: tuple[HoldReason, ...] = get_args(HoldReason)
 # Waits at the router: from none (most requests, when there is room) up to the batch
 # class's default deadline.
@@ -97,8 +97,7 @@ class QueueMetrics:
             "Requests held rather than sent at once, by class and why: prefill (the "
             "worker's queued prefill), kv (its KV budget), ceiling (its request ceiling), "
             "behind (others held for it), door (a new session while sessions under way "
-            "wait), resident (a new session while the caches are full of sessions "
-            "expected back).",
+            "wait).",
             ["priority", "reason"],
             registry=registry,
         )

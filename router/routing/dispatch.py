@@ -269,23 +269,6 @@ class Router:
             attempt,
         )
 
-    def room_for_a_session(self, returning_share: float) -> bool:
-        """Some worker that takes requests could hold a typical session (the learned
-        ``session_tokens``) while pushing out at most ``returning_share`` of that from
-        sessions expected back: its cache has room that is not spoken for."""
-        need = self.learner.session_tokens
-        if returning_share >= 1.0 or need <= 0:
-            return True
-        now = monotonic()
-        for worker in self.fleet.all():
-            if not worker.takes_requests():
-                continue
-            resident = self.index.resident_blocks(worker.name) * self.block_tokens
-            evicted = resident + need - self.learner.modelled_capacity(worker)
-            if self.learner.returning_tokens(worker.name, evicted, now) <= returning_share * need:
-                return True
-        return False
-
     @staticmethod
     def room_among(candidates: list[Worker], limit: int) -> bool:
         """Some of ``candidates`` has fewer than ``limit`` requests outstanding."""

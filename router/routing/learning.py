@@ -48,8 +48,6 @@ MIN_RATE_SAMPLE_TOKENS = 512
 SETTLED_RATE_SAMPLES = 20
 # Per-worker speed ratios: a slower average than the fleet rate's, and bounds.
 SPEED_EWMA_ALPHA = 0.05
-# The typical session's context follows the last hundred or so turn ends.
-SESSION_TOKENS_WEIGHT = 0.02
 MIN_SPEED_RATIO = 0.25
 MAX_SPEED_RATIO = 4.0
 # Ratios closer to 1 than this factor count as 1: prefills sharing a step and decode
@@ -169,9 +167,6 @@ class Learner:
         self.sessions = SessionTracker()
         self.returns = ReturnTimes()
         self.resident_sessions = ResidentSessions(self.returns)
-        # The context a turn leaves its session with, averaged over recent turn ends: what
-        # a live session takes of the fleet's cache (weighted, as residency is, by turns).
-        self.session_tokens = 0.0
 
     def modelled_capacity(self, worker: Worker) -> int:
         """The tokens ``worker``'s cache is modelled to hold: its calibrated share."""
@@ -252,8 +247,6 @@ class Learner:
         )
         self.sessions.remember(key, memory)
         self.returns.ended(waiting)
-        weight = SESSION_TOKENS_WEIGHT if self.session_tokens else 1.0
-        self.session_tokens += weight * (history_tokens - self.session_tokens)
         if self._fleet.workers.get(worker.name) is worker:  # not removed meanwhile
             capacity = self.modelled_capacity(worker)
             self.resident_sessions.ended(worker.name, key, history_tokens, waiting, now, capacity)

@@ -30,7 +30,9 @@ for other workers (``MOVE_LOOKS`` of them): each is asked again where it would g
 counting what is held ahead of it; one that would now come here does.
 
 Shedding. Held past its class's deadline (a first turn's is shorter: new sessions are
-turned away at the door before sessions under way fail in their middle), or arriving to
+turned away at the door before sessions under way fail in their middle), or, with a
+first-token target (``ttft_target_s``), once it could no longer start in time to meet
+it (its own prefill at its worker's speed counted), or arriving to
 a full queue (``queue_size`` requests or ``queue_bytes`` of bodies; an interactive
 arrival displaces the newest held batch request first, where that makes room), a
 request is refused with ``Shed`` (429; Anthropic's API: 529) and a ``Retry-After`` of
@@ -121,15 +123,12 @@ class RequestQueue:
         fleet: Fleet,
         prefill_rate: Callable[[str], float],
         observer: QueueObserver,
-        room_for_a_session: Callable[[float], bool] = lambda returning_share: True,
     ) -> None:
         self._limits = limits
         self._batch_tenants: frozenset[str] = frozenset()
         self._fleet = fleet
         self._rate = prefill_rate
         self._observer = observer
-        self._room_for_a_session = room_for_a_session
-        self._session_room = (float("-inf"), True)  # (when looked, the answer)
         self._seq = itertools.count()
         self._held: dict[int, Held] = {}  # by seq: arrival order
         self._by_target: dict[str, dict[int, Held]] = {}
@@ -236,36 +235,16 @@ class RequestQueue:
     ) -> HoldReason | None:
         """Why a request chosen for ``worker`` would be held (``goes_now``'s answer,
         with its reason); None: it goes at once."""
-        if first_turn:
-            closed = self._door_closed_by()
-            if closed is not None:
-                return closed
+        if first_turn and self._gate_closed():
+            return "door"
         if self._by_target.get(worker.name):
             return "behind"
         return self.full_by(worker, prompt_tokens)
 
-    def _door_closed_by(self) -> HoldReason | None:
-        """Why new sessions wait, if they do: an interactive turn of a session under way
-        is held (``door``), or no worker's cache has room for another session that is
-        not spoken for by sessions expected back (``resident``)."""
-        limits = self.limits
-        if not limits.door:
-            return None
-        if self._held_under_way > 0:
-            return "door"
-        if limits.door_returning_share < 1.0 and not self._has_session_room():
-            return "resident"
-        return None
-
-    def _has_session_room(self) -> bool:
-        """``room_for_a_session``, asked at most once each ``RECHECK_S`` (it walks every
-        worker's oldest sessions)."""
-        looked, room = self._session_room
-        now = monotonic()
-        if now - looked >= RECHECK_S:
-            room = self._room_for_a_session(self.limits.door_returning_share)
-            self._session_room = (now, room)
-        return room
+    def _gate_closed(self) -> bool:
+        """New sessions wait: an interactive turn of a session under way is held
+        (``door``)."""
+        return self.limits.door and self._held_under_way > 0
 
     def started(self, tenant: str | None, session: str | None) -> None:
         """A request passed the queue (at once or released): in flight until ``ended``."""
@@ -395,7 +374,7 @@ class RequestQueue:
                 self._release(held, worker)
 
     def _at_the_door(self, held: Held) -> bool:
-        return held.first_turn and self._door_closed_by() is not None
+        return held.first_turn and self._gate_closed()
 
     def _may_go_for(self, worker: str) -> bool:
         """Something held for ``worker`` could go there now (not only new sessions at

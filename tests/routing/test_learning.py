@@ -136,33 +136,3 @@ def test_a_full_cache_counts_the_sessions_a_placement_would_push_out_until_they_
     router.learner.forget("a100")
     router.learner.turn_ended(in_flight, 600)
     assert router.learner.resident_sessions.sessions_on("a100") == 0
-
-
-def test_a_fleet_has_room_for_a_session_while_a_cache_has_room_not_spoken_for() -> None:
-    """The door's question (``door_returning_share``): could some worker take a typical
-    session (the mean context turns leave) without pushing out, beyond the share given,
-    tokens of sessions expected back? Agents waiting on tools fill a100's cache; h100
-    still has room, until it leaves; a100 has room again once its agents are back."""
-    router = _a_settled_router()
-    a100, h100 = router.fleet.workers["a100"], router.fleet.workers["h100"]
-    a100.capacity_tokens = 1_280
-    router.index.resize_worker("a100", 20)
-
-    def agent_turn(session: str) -> Dispatch:
-        request = _chat(f"{session} word " * 300, session)
-        dispatch = router.dispatch(request, router.route_request(request, "r"), ["h100"])
-        router.index.touch("a100", dispatch.route.block_hashes)
-        dispatch.turn_end = "tool"
-        return dispatch
-
-    assert router.room_for_a_session(0.5)  # nothing learned: no typical session yet
-    for session in ("agent-1", "agent-2"):
-        router.learner.turn_ended(agent_turn(session), 600)
-    assert router.learner.session_tokens == 600
-    assert router.room_for_a_session(0.5)  # h100 is empty
-    h100.draining = True
-    assert not router.room_for_a_session(0.5)  # a100 would push out 600 of agents' tokens
-    assert router.room_for_a_session(1.0)  # the door does not close on this account
-    for session in ("agent-1", "agent-2"):
-        router.learner.session_returns(router.route_request(_chat("x", session), "r").session_key)
-    assert router.room_for_a_session(0.5)  # in use, not at the LRU's end

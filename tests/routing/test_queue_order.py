@@ -406,43 +406,6 @@ async def test_the_reason_a_request_is_held_is_the_rule_it_failed(clock: Clock) 
     held.cancel()
 
 
-async def test_new_sessions_wait_while_no_cache_has_room_for_one(clock: Clock) -> None:
-    """``door_returning_share``: the door closes while the fleet answers that no
-    worker's cache has room for another session, and opens when one has."""
-    fleet = _fleet("w0")
-    room = {"answer": False}
-    asked: list[float] = []
-
-    def room_for_a_session(share: float) -> bool:
-        asked.append(share)
-        return room["answer"]
-
-    config = AdmissionConfig(enabled=True, door_returning_share=0.5)
-    queue = RequestQueue(
-        config, fleet, lambda worker: RATE, QueueMetrics(CollectorRegistry()), room_for_a_session
-    )
-    worker = fleet.workers["w0"]
-    assert queue.hold_reason(worker, 500, first_turn=True) == "resident"
-    assert queue.hold_reason(worker, 500, first_turn=False) is None  # turns under way go
-    new = Request(fleet, "new")
-    door = asyncio.create_task(
-        queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
-    )
-    await asyncio.sleep(0)
-    assert new.took is None and asked == [0.5]  # asked once a recheck period
-    room["answer"] = True
-    clock.now += 2 * queue_module.RECHECK_S
-    queue.notify()
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert new.took == "w0"
-    await door
-    off = RequestQueue(
-        AdmissionConfig(enabled=True), fleet, lambda w: RATE, QueueMetrics(CollectorRegistry())
-    )
-    assert off.hold_reason(fleet.workers["w0"], 500, first_turn=True) is None
-
-
 async def test_a_request_that_can_no_longer_meet_the_first_token_target_is_shed(
     clock: Clock,
 ) -> None:
