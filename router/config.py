@@ -324,6 +324,10 @@ class AdmissionConfig:
     # Sessions' first turns wait while any turn of a session under way is held: the fleet
     # is full for the sessions it has, and a new one would bring dozens of turns more.
     door: bool = True
+    # ... and stays closed this long after the last such turn left the queue: under
+    # overload the moments nothing is held are brief, and a session let in then brings
+    # its later turns into the same overload.
+    door_reopen_after_s: float = 0.0
     batch_queue_timeout_s: float = 60.0
     # The first-token target of interactive requests (0: none). A held interactive request
     # is shed as soon as it could no longer start in time to meet it: once it has waited
@@ -349,6 +353,7 @@ class AdmissionConfig:
             (self.batch_queue_timeout_s > 0, "batch_queue_timeout_s: must be > 0"),
             (self.ageing >= 0, "ageing: must be >= 0"),
             (self.ttft_target_s >= 0, "ttft_target_s: must be >= 0 (0: none)"),
+            (self.door_reopen_after_s >= 0, "door_reopen_after_s: must be >= 0"),
             (
                 all(
                     math.isfinite(v)
@@ -358,6 +363,7 @@ class AdmissionConfig:
                         self.first_turn_queue_timeout_s,
                         self.batch_queue_timeout_s,
                         self.ttft_target_s,
+                        self.door_reopen_after_s,
                         self.ageing,
                     )
                 ),

@@ -120,6 +120,7 @@ QUEUE_TIMES = (
     "queue_timeout_s",
     "first_turn_queue_timeout_s",
     "ttft_target_s",
+    "door_reopen_after_s",
     "batch_queue_timeout_s",
 )
 

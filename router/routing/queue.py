@@ -140,6 +140,7 @@ class RequestQueue:
         self._recheck: asyncio.TimerHandle | None = None
         self._moves_looked_at = float("-inf")
         self._held_under_way = 0  # held interactive turns of sessions under way
+        self._under_way_left_at = float("-inf")  # when the last of them left the queue
         self.limits = limits
         # Settings versions order changes as the policy's do (router.routing.policy_slot):
         # the configured ones are 0; with shared state Redis numbers the fleet's changes.
@@ -242,9 +243,14 @@ class RequestQueue:
         return self.full_by(worker, prompt_tokens)
 
     def _gate_closed(self) -> bool:
-        """New sessions wait: an interactive turn of a session under way is held
-        (``door``)."""
-        return self.limits.door and self._held_under_way > 0
+        """New sessions wait: an interactive turn of a session under way is held, or one
+        left the queue less than ``door_reopen_after_s`` ago (``door``)."""
+        limits = self.limits
+        if not limits.door:
+            return False
+        if self._held_under_way > 0:
+            return True
+        return monotonic() - self._under_way_left_at < limits.door_reopen_after_s
 
     def started(self, tenant: str | None, session: str | None) -> None:
         """A request passed the queue (at once or released): in flight until ``ended``."""
@@ -466,6 +472,7 @@ class RequestQueue:
         self.held_bytes -= held.body_bytes
         if _under_way(held):
             self._held_under_way -= 1
+            self._under_way_left_at = monotonic()
         if held.expiry is not None:
             held.expiry.cancel()
 
