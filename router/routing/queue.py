@@ -32,7 +32,8 @@ counting what is held ahead of it; one that would now come here does.
 Shedding. Held past its class's deadline (a first turn's is shorter: new sessions are
 turned away at the door before sessions under way fail in their middle), or, with a
 first-token target (``ttft_target_s``), once it could no longer start in time to meet
-it (its own prefill at its worker's speed counted), or arriving to
+it (its own prefill at its worker's speed counted; not a session's retry after such a
+refusal), or arriving to
 a full queue (``queue_size`` requests or ``queue_bytes`` of bodies; an interactive
 arrival displaces the newest held batch request first, where that makes room), a
 request is refused with ``Shed`` (429; Anthropic's API: 529) and a ``Retry-After`` of
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -64,6 +65,8 @@ MOVE_LOOKS = 8
 # load and the learned speeds change without a request ending.
 RECHECK_S = 0.05
 MIN_RETRY_AFTER_S = 1.0
+# Sessions remembered as refused for the first-token target (the oldest forgotten first).
+MAX_MISSED_TARGET_SESSIONS = 10_000
 MAX_RETRY_AFTER_S = 60.0
 
 
@@ -141,6 +144,9 @@ class RequestQueue:
         self._moves_looked_at = float("-inf")
         self._held_under_way = 0  # held interactive turns of sessions under way
         self._under_way_left_at = float("-inf")  # when the last of them left the queue
+        # Sessions whose request was shed for the first-token target and that have not
+        # had one pass the queue since: their retry is held to its class's deadline only.
+        self._missed_target: OrderedDict[str, None] = OrderedDict()
         self.limits = limits
         # Settings versions order changes as the policy's do (router.routing.policy_slot):
         # the configured ones are 0; with shared state Redis numbers the fleet's changes.
@@ -257,6 +263,7 @@ class RequestQueue:
         self._in_flight_tenants[tenant] += 1
         if session is not None:
             self._in_flight_sessions[session] += 1
+            self._missed_target.pop(session, None)
 
     def ended(self, tenant: str | None, session: str | None) -> None:
         """A request that ``started`` ended; room may have opened."""
@@ -307,6 +314,8 @@ class RequestQueue:
         why: ShedReason = "deadline"
         deadline = limits.deadline_s(priority, first_turn)
         slack = limits.target_slack_s(priority, prefill_tokens / max(self._rate(target), 1.0))
+        if session is not None and session in self._missed_target:
+            slack = None  # the target has cost this session a refusal already
         if slack is not None and slack < deadline:
             deadline, why = slack, "ttft_target"
         held.expiry = loop.call_later(deadline, self._expire, held, why)
@@ -426,6 +435,10 @@ class RequestQueue:
 
     def _let_go(self, held: Held, reason: ShedReason) -> None:
         self._remove(held)
+        if reason == "ttft_target" and held.session is not None:
+            self._missed_target[held.session] = None
+            if len(self._missed_target) > MAX_MISSED_TARGET_SESSIONS:
+                self._missed_target.popitem(last=False)
         self._observer.shed(held.priority, reason)
         if not held.released.done():
             held.released.set_exception(self._shed_error(reason, False))
