@@ -328,6 +328,12 @@ class AdmissionConfig:
     # overload the moments nothing is held are brief, and a session let in then brings
     # its later turns into the same overload.
     door_reopen_after_s: float = 0.0
+    # ... and stays closed while at least this share of the turns of sessions under way
+    # in the last door_window_s had to wait (1: never on that account). A turn waiting
+    # now and then (a long context for a worker busy with another) leaves it open; a
+    # fleet where most wait is full for the sessions it has.
+    door_pressure: float = 1.0
+    door_window_s: float = 30.0
     batch_queue_timeout_s: float = 60.0
     # The first-token target of interactive requests (0: none). A held interactive request
     # is shed as soon as it could no longer start in time to meet it: once it has waited
@@ -356,6 +362,8 @@ class AdmissionConfig:
             (self.ageing >= 0, "ageing: must be >= 0"),
             (self.ttft_target_s >= 0, "ttft_target_s: must be >= 0 (0: none)"),
             (self.door_reopen_after_s >= 0, "door_reopen_after_s: must be >= 0"),
+            (0 < self.door_pressure <= 1, "door_pressure: must be in (0, 1]"),
+            (self.door_window_s > 0, "door_window_s: must be > 0"),
             (
                 all(
                     math.isfinite(v)
@@ -366,6 +374,7 @@ class AdmissionConfig:
                         self.batch_queue_timeout_s,
                         self.ttft_target_s,
                         self.door_reopen_after_s,
+                        self.door_window_s,
                         self.ageing,
                     )
                 ),

@@ -121,6 +121,7 @@ QUEUE_TIMES = (
     "first_turn_queue_timeout_s",
     "ttft_target_s",
     "door_reopen_after_s",
+    "door_window_s",
     "batch_queue_timeout_s",
 )
 

@@ -147,7 +147,7 @@ class RequestLifecycle:
         reason = queue.hold_reason(choice.worker, self.route.prompt_tokens, self.route.first_turn)
         if reason is None:
             self._first = self._router.take(choice, self.request, 1, self.arrived)
-            queue.went_at_once(terms.priority)
+            queue.went_at_once(terms.priority, self.route.first_turn, self.request.session_key)
         else:
             try:
                 await queue.hold(

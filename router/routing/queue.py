@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -67,6 +67,8 @@ RECHECK_S = 0.05
 MIN_RETRY_AFTER_S = 1.0
 # Sessions remembered as refused for the first-token target (the oldest forgotten first).
 MAX_MISSED_TARGET_SESSIONS = 10_000
+# Turns of sessions under way remembered for the door's pressure, at most.
+MAX_TURNS_REMEMBERED = 4096
 MAX_RETRY_AFTER_S = 60.0
 
 
@@ -144,6 +146,9 @@ class RequestQueue:
         self._moves_looked_at = float("-inf")
         self._held_under_way = 0  # held interactive turns of sessions under way
         self._under_way_left_at = float("-inf")  # when the last of them left the queue
+        # Turns of sessions under way lately: (when, whether it was held), oldest first.
+        self._under_way_turns: deque[tuple[float, bool]] = deque()
+        self._under_way_held_lately = 0
         # Sessions whose request was shed for the first-token target and that have not
         # had one pass the queue since: their retry is held to its class's deadline only.
         self._missed_target: OrderedDict[str, None] = OrderedDict()
@@ -199,8 +204,29 @@ class RequestQueue:
             return "batch"
         return "batch" if tenant_ in self._batch_tenants else "interactive"
 
-    def went_at_once(self, priority: str) -> None:
+    def went_at_once(self, priority: str, first_turn: bool, session: str | None) -> None:
         self._observer.admitted(priority, 0.0, False)
+        if _is_under_way(priority, first_turn, session):
+            self._turn_under_way(held=False)
+
+    def _turn_under_way(self, held: bool) -> None:
+        self._under_way_turns.append((monotonic(), held))
+        self._under_way_held_lately += held
+        if len(self._under_way_turns) > MAX_TURNS_REMEMBERED:
+            self._forget_oldest_turn()
+
+    def _forget_oldest_turn(self) -> None:
+        _, held = self._under_way_turns.popleft()
+        self._under_way_held_lately -= held
+
+    def _pressure(self) -> float:
+        """The share of the turns of sessions under way in the last ``door_window_s``
+        that were held."""
+        turns = self._under_way_turns
+        since = monotonic() - self.limits.door_window_s
+        while turns and turns[0][0] < since:
+            self._forget_oldest_turn()
+        return self._under_way_held_lately / len(turns) if turns else 0.0
 
     def depth(self, priority: str | None = None) -> int:
         if priority is None:
@@ -256,6 +282,8 @@ class RequestQueue:
             return False
         if self._held_under_way > 0:
             return True
+        if limits.door_pressure < 1.0 and self._pressure() >= limits.door_pressure:
+            return True
         return monotonic() - self._under_way_left_at < limits.door_reopen_after_s
 
     def started(self, tenant: str | None, session: str | None) -> None:
@@ -309,6 +337,8 @@ class RequestQueue:
             raise self._shed_error(refusal, overloaded_status)
         self._add(held)
         self._observer.held(priority, reason)
+        if _under_way(held):
+            self._turn_under_way(held=True)
         loop = asyncio.get_running_loop()
         limits = self.limits
         why: ShedReason = "deadline"
@@ -505,9 +535,13 @@ class RequestQueue:
 
 
 def _under_way(held: Held) -> bool:
+    return _is_under_way(held.priority, held.first_turn, held.session)
+
+
+def _is_under_way(priority: str, first_turn: bool, session: str | None) -> bool:
     """An interactive turn of a session under way: what closes the door. Batch work and
     requests of no session (one-shot completions) do not."""
-    return held.priority == "interactive" and not held.first_turn and held.session is not None
+    return priority == "interactive" and not first_turn and session is not None
 
 
 K = TypeVar("K")

@@ -465,3 +465,35 @@ async def test_the_door_stays_shut_a_while_after_sessions_under_way_stop_waiting
     await asyncio.sleep(0)
     assert new.took == "w1"
     await door
+
+
+async def test_the_door_stays_shut_while_most_turns_under_way_lately_had_to_wait(
+    clock: Clock,
+) -> None:
+    """``door_pressure`` 0.5 over ``door_window_s`` 30: one turn under way held now and
+    then leaves the door open; half of them held shuts it, though none waits now; once
+    those turns are older than the window it opens again."""
+    fleet = _fleet("w0", "w1")
+    w1 = fleet.workers["w1"]
+    queue = _queue(fleet, door_pressure=0.5, door_window_s=30.0)
+    for session in ("a", "b"):
+        queue.went_at_once("interactive", False, session)
+    queue.went_at_once("interactive", True, "new")  # first turns do not count
+    queue.went_at_once("batch", False, "c")  # nor does batch work
+
+    async def one_held(name: str) -> None:
+        busy = _busy(fleet.workers["w0"])
+        request = Request(fleet, name)
+        task = await _hold(queue, request, "w0", 500)
+        await _room_on(queue, busy)
+        await task
+        assert queue.depth() == 0 and request.lease is not None
+        request.lease.release()
+
+    await one_held("c")
+    assert queue.goes_now(w1, 500, first_turn=True)  # 1 of 3 waited
+    await one_held("d")
+    assert queue.hold_reason(w1, 500, first_turn=True) == "door"  # 2 of 4
+    assert queue.goes_now(w1, 500, first_turn=False)
+    clock.now += 31.0
+    assert queue.goes_now(w1, 500, first_turn=True)
