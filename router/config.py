@@ -338,9 +338,7 @@ class AdmissionConfig:
     # The first-token target of interactive requests (0: none). A held interactive request
     # is shed as soon as it could no longer start in time to meet it: once it has waited
     # the target less its own prefill (at its worker's learned speed). One whose prefill
-    # alone takes longer cannot meet it anyway and keeps its class's deadline; so does
-    # the next request of a session refused for the target (its retry): the target costs
-    # a session one refusal, not its end.
+    # alone takes longer cannot meet it anyway and keeps its class's deadline.
     ttft_target_s: float = 0.0
     # A held request's prefill counts this many seconds less for each second it has
     # waited, so that a long fresh prompt is not passed over for ever.

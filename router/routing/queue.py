@@ -32,8 +32,7 @@ counting what is held ahead of it; one that would now come here does.
 Shedding. Held past its class's deadline (a first turn's is shorter: new sessions are
 turned away at the door before sessions under way fail in their middle), or, with a
 first-token target (``ttft_target_s``), once it could no longer start in time to meet
-it (its own prefill at its worker's speed counted; not a session's retry after such a
-refusal), or arriving to
+it (its own prefill at its worker's speed counted), or arriving to
 a full queue (``queue_size`` requests or ``queue_bytes`` of bodies; an interactive
 arrival displaces the newest held batch request first, where that makes room), a
 request is refused with ``Shed`` (429; Anthropic's API: 529) and a ``Retry-After`` of
@@ -47,7 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -65,8 +64,6 @@ MOVE_LOOKS = 8
 # load and the learned speeds change without a request ending.
 RECHECK_S = 0.05
 MIN_RETRY_AFTER_S = 1.0
-# Sessions remembered as refused for the first-token target (the oldest forgotten first).
-MAX_MISSED_TARGET_SESSIONS = 10_000
 # Turns of sessions under way remembered for the door's pressure, at most.
 MAX_TURNS_REMEMBERED = 4096
 MAX_RETRY_AFTER_S = 60.0
@@ -149,9 +146,6 @@ class RequestQueue:
         # Turns of sessions under way lately: (when, whether it was held), oldest first.
         self._under_way_turns: deque[tuple[float, bool]] = deque()
         self._under_way_held_lately = 0
-        # Sessions whose request was shed for the first-token target and that have not
-        # had one pass the queue since: their retry is held to its class's deadline only.
-        self._missed_target: OrderedDict[str, None] = OrderedDict()
         self.limits = limits
         # Settings versions order changes as the policy's do (router.routing.policy_slot):
         # the configured ones are 0; with shared state Redis numbers the fleet's changes.
@@ -291,7 +285,6 @@ class RequestQueue:
         self._in_flight_tenants[tenant] += 1
         if session is not None:
             self._in_flight_sessions[session] += 1
-            self._missed_target.pop(session, None)
 
     def ended(self, tenant: str | None, session: str | None) -> None:
         """A request that ``started`` ended; room may have opened."""
@@ -344,8 +337,6 @@ class RequestQueue:
         why: ShedReason = "deadline"
         deadline = limits.deadline_s(priority, first_turn)
         slack = limits.target_slack_s(priority, prefill_tokens / max(self._rate(target), 1.0))
-        if session is not None and session in self._missed_target:
-            slack = None  # the target has cost this session a refusal already
         if slack is not None and slack < deadline:
             deadline, why = slack, "ttft_target"
         held.expiry = loop.call_later(deadline, self._expire, held, why)
@@ -465,10 +456,6 @@ class RequestQueue:
 
     def _let_go(self, held: Held, reason: ShedReason) -> None:
         self._remove(held)
-        if reason == "ttft_target" and held.session is not None:
-            self._missed_target[held.session] = None
-            if len(self._missed_target) > MAX_MISSED_TARGET_SESSIONS:
-                self._missed_target.popitem(last=False)
         self._observer.shed(held.priority, reason)
         if not held.released.done():
             held.released.set_exception(self._shed_error(reason, False))
