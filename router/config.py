@@ -324,10 +324,6 @@ class AdmissionConfig:
     # Sessions' first turns wait while any turn of a session under way is held: the fleet
     # is full for the sessions it has, and a new one would bring dozens of turns more.
     door: bool = True
-    # ... and stays closed this long after the last such turn left the queue: under
-    # overload the moments nothing is held are brief, and a session let in then brings
-    # its later turns into the same overload.
-    door_reopen_after_s: float = 0.0
     # ... and stays closed while at least this share of the turns of sessions under way
     # in the last door_window_s had to wait (1: never on that account). A turn waiting
     # now and then (a long context for a worker busy with another) leaves it open; a
@@ -359,7 +355,6 @@ class AdmissionConfig:
             (self.batch_queue_timeout_s > 0, "batch_queue_timeout_s: must be > 0"),
             (self.ageing >= 0, "ageing: must be >= 0"),
             (self.ttft_target_s >= 0, "ttft_target_s: must be >= 0 (0: none)"),
-            (self.door_reopen_after_s >= 0, "door_reopen_after_s: must be >= 0"),
             (0 < self.door_pressure <= 1, "door_pressure: must be in (0, 1]"),
             (self.door_window_s > 0, "door_window_s: must be > 0"),
             (
@@ -371,7 +366,6 @@ class AdmissionConfig:
                         self.first_turn_queue_timeout_s,
                         self.batch_queue_timeout_s,
                         self.ttft_target_s,
-                        self.door_reopen_after_s,
                         self.door_window_s,
                         self.ageing,
                     )

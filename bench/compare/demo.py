@@ -120,7 +120,6 @@ QUEUE_TIMES = (
     "queue_timeout_s",
     "first_turn_queue_timeout_s",
     "ttft_target_s",
-    "door_reopen_after_s",
     "door_window_s",
     "batch_queue_timeout_s",
 )

@@ -142,7 +142,6 @@ class RequestQueue:
         self._recheck: asyncio.TimerHandle | None = None
         self._moves_looked_at = float("-inf")
         self._held_under_way = 0  # held interactive turns of sessions under way
-        self._under_way_left_at = float("-inf")  # when the last of them left the queue
         # Turns of sessions under way lately: (when, whether it was held), oldest first.
         self._under_way_turns: deque[tuple[float, bool]] = deque()
         self._under_way_held_lately = 0
@@ -269,16 +268,14 @@ class RequestQueue:
         return self.full_by(worker, prompt_tokens)
 
     def _gate_closed(self) -> bool:
-        """New sessions wait: an interactive turn of a session under way is held, or one
-        left the queue less than ``door_reopen_after_s`` ago (``door``)."""
+        """New sessions wait: an interactive turn of a session under way is held, or
+        ``door_pressure`` of them lately were (``door``)."""
         limits = self.limits
         if not limits.door:
             return False
         if self._held_under_way > 0:
             return True
-        if limits.door_pressure < 1.0 and self._pressure() >= limits.door_pressure:
-            return True
-        return monotonic() - self._under_way_left_at < limits.door_reopen_after_s
+        return limits.door_pressure < 1.0 and self._pressure() >= limits.door_pressure
 
     def started(self, tenant: str | None, session: str | None) -> None:
         """A request passed the queue (at once or released): in flight until ``ended``."""
@@ -502,7 +499,6 @@ class RequestQueue:
         self.held_bytes -= held.body_bytes
         if _under_way(held):
             self._held_under_way -= 1
-            self._under_way_left_at = monotonic()
         if held.expiry is not None:
             held.expiry.cancel()
 

@@ -90,6 +90,7 @@ def test_on_the_real_clock_the_queues_times_are_the_engines() -> None:
         "queue_timeout_s": "0.3",
         "first_turn_queue_timeout_s": "0.2",
         "ttft_target_s": "0.5",
+        "door_window_s": "3",
         "batch_queue_timeout_s": "6",
     }
 

@@ -433,33 +433,6 @@ async def test_a_request_that_can_no_longer_meet_the_first_token_target_is_shed(
     assert batch.took == "w0"
 
 
-async def test_the_door_stays_shut_a_while_after_sessions_under_way_stop_waiting(
-    clock: Clock,
-) -> None:
-    fleet = _fleet("w0", "w1")
-    busy = _busy(fleet.workers["w0"])
-    queue = _queue(fleet, door_reopen_after_s=5.0)
-    w1 = fleet.workers["w1"]
-    going = await _hold(queue, Request(fleet, "going"), "w0", 500)
-    new = Request(fleet, "new")
-    door = asyncio.create_task(
-        queue.hold(new, "w1", "interactive", 500, 500, 100, None, "new", first_turn=True)
-    )
-    await _room_on(queue, busy)
-    await going  # nothing under way waits now
-    assert not queue.goes_now(w1, 500, first_turn=True)
-    queue.notify()
-    await asyncio.sleep(0)
-    assert new.took is None  # w1 has room, but the door is shut for 5 s more
-    clock.now += 5.0
-    assert queue.hold_reason(w1, 500, first_turn=True) == "behind"  # open: "new" is first
-    queue.notify()
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert new.took == "w1"
-    await door
-
-
 async def test_the_door_stays_shut_while_most_turns_under_way_lately_had_to_wait(
     clock: Clock,
 ) -> None:
