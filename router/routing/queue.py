@@ -23,7 +23,9 @@ to return; ageing keeps the long one from waiting for ever.
 The door. A session's first turn (nothing of it cached, no work invested) goes at once
 only while no turn of a session under way is held anywhere, and is released only then
 (``door``): when the fleet is full for the sessions it has, new sessions wait and, past
-their shorter deadline, are turned away, rather than adding dozens of turns each.
+their shorter deadline, are turned away, rather than adding dozens of turns each. With
+``door_pressure`` the door also stays shut while that share of the turns under way of
+the last ``door_window_s`` had to wait (judged on ``MIN_PRESSURE_TURNS`` at least).
 
 Moving. A worker with room and nothing held for it looks at the requests held longest
 for other workers (``MOVE_LOOKS`` of them): each is asked again where it would go,
@@ -64,9 +66,10 @@ MOVE_LOOKS = 8
 # load and the learned speeds change without a request ending.
 RECHECK_S = 0.05
 MIN_RETRY_AFTER_S = 1.0
-# Turns of sessions under way remembered for the door's pressure, at most.
-MAX_TURNS_REMEMBERED = 4096
 MAX_RETRY_AFTER_S = 60.0
+# Turns of sessions under way the door's pressure is judged on: at least, at most.
+MIN_PRESSURE_TURNS = 10
+MAX_TURNS_REMEMBERED = 4096
 
 
 class Waiter(Protocol):
@@ -219,7 +222,9 @@ class RequestQueue:
         since = monotonic() - self.limits.door_window_s
         while turns and turns[0][0] < since:
             self._forget_oldest_turn()
-        return self._under_way_held_lately / len(turns) if turns else 0.0
+        if len(turns) < MIN_PRESSURE_TURNS:
+            return 0.0  # one turn held among a handful says nothing about the fleet
+        return self._under_way_held_lately / len(turns)
 
     def depth(self, priority: str | None = None) -> int:
         if priority is None:
@@ -263,8 +268,8 @@ class RequestQueue:
         with its reason); None: it goes at once."""
         if first_turn and self._gate_closed():
             return "door"
-        if self._by_target.get(worker.name):
-            return "behind"
+        if self._may_go_for(worker.name):
+            return "behind"  # new sessions waiting at a shut door are not ahead of it
         return self.full_by(worker, prompt_tokens)
 
     def _gate_closed(self) -> bool:
@@ -412,7 +417,10 @@ class RequestQueue:
     def _may_go_for(self, worker: str) -> bool:
         """Something held for ``worker`` could go there now (not only new sessions at
         a closed door)."""
-        return any(not self._at_the_door(h) for h in self._by_target.get(worker, {}).values())
+        held = self._by_target.get(worker, {})
+        if not held or not self._gate_closed():
+            return bool(held)
+        return any(not h.first_turn for h in held.values())
 
     def _release_key(self, held: Held) -> tuple[int, bool, int, int, float, int]:
         rate = max(self._rate(held.target), 1.0)

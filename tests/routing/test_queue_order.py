@@ -436,14 +436,13 @@ async def test_a_request_that_can_no_longer_meet_the_first_token_target_is_shed(
 async def test_the_door_stays_shut_while_most_turns_under_way_lately_had_to_wait(
     clock: Clock,
 ) -> None:
-    """``door_pressure`` 0.5 over ``door_window_s`` 30: one turn under way held now and
-    then leaves the door open; half of them held shuts it, though none waits now; once
-    those turns are older than the window it opens again."""
+    """``door_pressure`` 0.5 over ``door_window_s`` 30: turns under way held now and
+    then leave the door open; half of them held shuts it, though none waits now; once
+    those turns are older than the window it opens again. Fewer than
+    ``MIN_PRESSURE_TURNS`` turns say nothing."""
     fleet = _fleet("w0", "w1")
     w1 = fleet.workers["w1"]
     queue = _queue(fleet, door_pressure=0.5, door_window_s=30.0)
-    for session in ("a", "b"):
-        queue.went_at_once("interactive", False, session)
     queue.went_at_once("interactive", True, "new")  # first turns do not count
     queue.went_at_once("batch", False, "c")  # nor does batch work
 
@@ -456,10 +455,46 @@ async def test_the_door_stays_shut_while_most_turns_under_way_lately_had_to_wait
         assert queue.depth() == 0 and request.lease is not None
         request.lease.release()
 
-    await one_held("c")
-    assert queue.goes_now(w1, 500, first_turn=True)  # 1 of 3 waited
-    await one_held("d")
-    assert queue.hold_reason(w1, 500, first_turn=True) == "door"  # 2 of 4
+    for name in "abcd":
+        await one_held(name)
+    assert queue.goes_now(w1, 500, first_turn=True)  # 4 of 4 waited: too few to say
+    for session in "efghij":
+        queue.went_at_once("interactive", False, session)
+    assert queue.goes_now(w1, 500, first_turn=True)  # 4 of 10
+    await one_held("k")
+    assert queue.goes_now(w1, 500, first_turn=True)  # 5 of 11
+    await one_held("l")
+    assert queue.hold_reason(w1, 500, first_turn=True) == "door"  # 6 of 12
     assert queue.goes_now(w1, 500, first_turn=False)
     clock.now += 31.0
     assert queue.goes_now(w1, 500, first_turn=True)
+
+
+async def test_new_sessions_at_a_shut_door_are_not_ahead_of_a_turn_under_way(
+    clock: Clock,
+) -> None:
+    """A first turn waits at the shut door for w1, which has room: a turn of a session
+    under way chosen for w1 goes at once (it is not held behind it, which would also
+    count it as a turn that had to wait)."""
+    fleet = _fleet("w0", "w1")
+    _busy(fleet.workers["w0"])
+    queue = _queue(fleet)
+    going = await _hold(queue, Request(fleet, "going"), "w0", 500)  # shuts the door
+    new = Request(fleet, "new")
+    door = asyncio.create_task(
+        queue.hold(new, "w1", "interactive", 500, 500, 100, None, "new", first_turn=True)
+    )
+    await asyncio.sleep(0)
+    assert queue.held_for("w1") == 1 and new.took is None
+    assert queue.hold_reason(fleet.workers["w1"], 500) is None
+    assert queue.hold_reason(fleet.workers["w1"], 500, first_turn=True) == "door"
+    for task in (going, door):
+        task.cancel()
+
+
+def test_the_target_leaves_a_request_its_slack_after_its_own_prefill() -> None:
+    limits = AdmissionConfig(enabled=True, ttft_target_s=5.0)
+    assert limits.target_slack_s("interactive", 1.5) == 3.5
+    assert limits.target_slack_s("interactive", 5.0) is None  # cannot meet it anyway
+    assert limits.target_slack_s("batch", 1.5) is None
+    assert AdmissionConfig(enabled=True).target_slack_s("interactive", 1.5) is None
