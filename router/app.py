@@ -74,10 +74,7 @@ def build_state(
     )
     queue_metrics = QueueMetrics(metrics.registry)
     queue = RequestQueue(
-        config.admission,
-        fleet,
-        router.learner.prefill_tokens_per_s,
-        queue_metrics,
+        config.admission, fleet, router.learner.prefill_tokens_per_s, queue_metrics
     )
     queue_metrics.watch(queue)
     membership = Membership(fleet, index, metrics, router.learner, block_tokens)

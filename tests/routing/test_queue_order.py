@@ -90,6 +90,14 @@ async def _hold(
     return task
 
 
+def _first_turn(queue: RequestQueue, request: Request, target: str) -> asyncio.Task[None]:
+    """A new session's first turn (500 tokens), held for ``target`` once the loop runs."""
+    held = queue.hold(
+        request, target, "interactive", 500, 500, 100, None, request.name, first_turn=True
+    )
+    return asyncio.create_task(held)
+
+
 async def _room_on(queue: RequestQueue, lease: Lease) -> None:
     lease.release()
     queue.notify()
@@ -230,9 +238,7 @@ async def test_a_session_under_way_goes_before_a_new_one_and_a_new_one_is_shed_s
     busy = _busy(fleet.workers["w0"])
     queue = _queue(fleet, queue_timeout_s=10.0, first_turn_queue_timeout_s=0.05)
     new, going = Request(fleet, "new"), Request(fleet, "going")
-    first_turn = asyncio.create_task(
-        queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
-    )
+    first_turn = _first_turn(queue, new, "w0")
     await asyncio.sleep(0)
     under_way = await _hold(queue, going, "w0", 20_000)  # a missed turn: long prefill
     with pytest.raises(Shed):
@@ -251,9 +257,7 @@ async def test_between_a_new_session_and_one_under_way_the_one_under_way_goes_fi
     queue = _queue(fleet)
     new, going = Request(fleet, "new"), Request(fleet, "going")
     tasks = [
-        asyncio.create_task(
-            queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
-        ),
+        _first_turn(queue, new, "w0"),
         await _hold(queue, going, "w0", 20_000),
     ]
     assert await _released_order(queue, busy, [new, going], tasks) == ["going", "new"]
@@ -291,9 +295,7 @@ async def test_new_sessions_wait_at_the_door_while_a_session_under_way_waits(
     assert not queue.goes_now(w1, 500, first_turn=True)
     assert queue.goes_now(w1, 500, first_turn=False)
     new = Request(fleet, "new")
-    door = asyncio.create_task(
-        queue.hold(new, "w1", "interactive", 500, 500, 100, None, "new", first_turn=True)
-    )
+    door = _first_turn(queue, new, "w1")
     await asyncio.sleep(0)
     queue.notify()
     await asyncio.sleep(0)
@@ -325,9 +327,7 @@ async def test_a_batch_turn_under_way_goes_past_new_interactive_sessions_at_the_
     queue = _queue(fleet)
     blocker = await _hold(queue, Request(fleet, "blocker"), "w1", 500)  # closes the door
     new = Request(fleet, "new")
-    door = asyncio.create_task(
-        queue.hold(new, "w0", "interactive", 500, 500, 100, None, "new", first_turn=True)
-    )
+    door = _first_turn(queue, new, "w0")
     batch = Request(fleet, "batch")
     batch_task = await _hold(queue, batch, "w0", 500, priority="batch")
     await _room_on(queue, on_w0)
@@ -347,9 +347,7 @@ async def test_a_worker_holding_only_new_sessions_at_the_door_takes_a_turn_under
     on_w1 = _busy(fleet.workers["w1"])
     queue = _queue(fleet)
     new = Request(fleet, "new", would_go="w0")
-    new_task = asyncio.create_task(
-        queue.hold(new, "w1", "interactive", 500, 500, 100, None, "new", first_turn=True)
-    )
+    new_task = _first_turn(queue, new, "w1")
     await asyncio.sleep(0)
     going = Request(fleet, "going", would_go="w1")
     going_task = await _hold(queue, going, "w0", 500)  # closes the door
@@ -481,9 +479,7 @@ async def test_new_sessions_at_a_shut_door_are_not_ahead_of_a_turn_under_way(
     queue = _queue(fleet)
     going = await _hold(queue, Request(fleet, "going"), "w0", 500)  # shuts the door
     new = Request(fleet, "new")
-    door = asyncio.create_task(
-        queue.hold(new, "w1", "interactive", 500, 500, 100, None, "new", first_turn=True)
-    )
+    door = _first_turn(queue, new, "w1")
     await asyncio.sleep(0)
     assert queue.held_for("w1") == 1 and new.took is None
     assert queue.hold_reason(fleet.workers["w1"], 500) is None
