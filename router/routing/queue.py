@@ -25,7 +25,7 @@ only while no turn of a session under way is held anywhere, and is released only
 (``door``): when the fleet is full for the sessions it has, new sessions wait and, past
 their shorter deadline, are turned away, rather than adding dozens of turns each. With
 ``door_pressure`` the door also stays shut while that share of the turns under way of
-the last ``door_window_s`` had to wait (judged on ``MIN_PRESSURE_TURNS`` at least).
+the last ``door_window_s`` had to wait (``router.routing.door_pressure``).
 
 Moving. A worker with room and nothing held for it looks at the requests held longest
 for other workers (``MOVE_LOOKS`` of them): each is asked again where it would go,
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -59,6 +59,7 @@ from router.config import AdmissionConfig
 from router.errors import Shed, ShedOverloaded
 from router.fleet.workers import Fleet, Worker
 from router.observability.queue_metrics import HoldReason, ShedReason
+from router.routing.door_pressure import RecentWaits
 
 # Held requests for other workers a worker with room looks at, oldest first, per pass.
 MOVE_LOOKS = 8
@@ -67,9 +68,6 @@ MOVE_LOOKS = 8
 RECHECK_S = 0.05
 MIN_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
-# Turns of sessions under way the door's pressure is judged on: at least, at most.
-MIN_PRESSURE_TURNS = 10
-MAX_TURNS_REMEMBERED = 4096
 
 
 class Waiter(Protocol):
@@ -145,9 +143,7 @@ class RequestQueue:
         self._recheck: asyncio.TimerHandle | None = None
         self._moves_looked_at = float("-inf")
         self._held_under_way = 0  # held interactive turns of sessions under way
-        # Turns of sessions under way lately: (when, whether it was held), oldest first.
-        self._under_way_turns: deque[tuple[float, bool]] = deque()
-        self._under_way_held_lately = 0
+        self._recent_waits = RecentWaits()  # of turns of sessions under way
         self.limits = limits
         # Settings versions order changes as the policy's do (router.routing.policy_slot):
         # the configured ones are 0; with shared state Redis numbers the fleet's changes.
@@ -203,28 +199,7 @@ class RequestQueue:
     def went_at_once(self, priority: str, first_turn: bool, session: str | None) -> None:
         self._observer.admitted(priority, 0.0, False)
         if _is_under_way(priority, first_turn, session):
-            self._turn_under_way(held=False)
-
-    def _turn_under_way(self, held: bool) -> None:
-        self._under_way_turns.append((monotonic(), held))
-        self._under_way_held_lately += held
-        if len(self._under_way_turns) > MAX_TURNS_REMEMBERED:
-            self._forget_oldest_turn()
-
-    def _forget_oldest_turn(self) -> None:
-        _, held = self._under_way_turns.popleft()
-        self._under_way_held_lately -= held
-
-    def _pressure(self) -> float:
-        """The share of the turns of sessions under way in the last ``door_window_s``
-        that were held."""
-        turns = self._under_way_turns
-        since = monotonic() - self.limits.door_window_s
-        while turns and turns[0][0] < since:
-            self._forget_oldest_turn()
-        if len(turns) < MIN_PRESSURE_TURNS:
-            return 0.0  # one turn held among a handful says nothing about the fleet
-        return self._under_way_held_lately / len(turns)
+            self._recent_waits.add(monotonic(), held=False)
 
     def depth(self, priority: str | None = None) -> int:
         if priority is None:
@@ -280,7 +255,9 @@ class RequestQueue:
             return False
         if self._held_under_way > 0:
             return True
-        return limits.door_pressure < 1.0 and self._pressure() >= limits.door_pressure
+        if limits.door_pressure >= 1.0:
+            return False
+        return self._recent_waits.share(monotonic(), limits.door_window_s) >= limits.door_pressure
 
     def started(self, tenant: str | None, session: str | None) -> None:
         """A request passed the queue (at once or released): in flight until ``ended``."""
@@ -333,7 +310,7 @@ class RequestQueue:
         self._add(held)
         self._observer.held(priority, reason)
         if _under_way(held):
-            self._turn_under_way(held=True)
+            self._recent_waits.add(monotonic(), held=True)
         loop = asyncio.get_running_loop()
         limits = self.limits
         why: ShedReason = "deadline"
