@@ -52,6 +52,7 @@ METRIC_ROWS: tuple[Row, ...] = (
     ("TTFT p50, missed turns", lambda s: _secs(s.missed_ttft_p50)),
     ("TTFT p90, missed turns", lambda s: _secs(s.missed_ttft_p90)),
     ("TTFT p99, missed turns", lambda s: _secs(s.missed_ttft_p99)),
+    ("TTFT p99 of the attempts served", lambda s: _secs(s.served_ttft_p99)),
     ("turns after a tool call", lambda s: _count(s.after_tool_requests)),
     ("TTFT p50 after a tool call", lambda s: _secs(s.after_tool_ttft_p50)),
     ("TTFT p99 after a tool call", lambda s: _secs(s.after_tool_ttft_p99)),

@@ -65,6 +65,15 @@ class RequestRecord:
     after: str | None = None  # bench.workloads.trace.EndedBy of the session's previous turn
     attempts: int = 1  # sent this many times (retried after refusals)
     gave_up: bool = False  # refused after every retry: the session sent nothing more
+    # From the first attempt to the one recorded: refusals and the waits after them.
+    # ``ttft_s`` and ``latency_s`` include it, as the client felt them.
+    retry_wait_s: float = 0.0
+
+    @property
+    def served_ttft_s(self) -> float | None:
+        """The TTFT of the attempt that was served, from when it was sent: what the
+        router and engine took once they accepted the request."""
+        return None if self.ttft_s is None else self.ttft_s - self.retry_wait_s
 
     @property
     def ok(self) -> bool:
@@ -158,6 +167,9 @@ class Summary:
     after_tool_requests: int = 0
     after_tool_ttft_p50: float | None = None
     after_tool_ttft_p99: float | None = None
+    # TTFT p99 of the attempts served, each from when it was sent (the client's retries
+    # after refusals left out): the router's latency for the requests it admitted.
+    served_ttft_p99: float | None = None
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -311,6 +323,7 @@ def summarize(
         after_tool_requests=len(after_tool),
         after_tool_ttft_p50=percentile(after_tool_ttfts, 50),
         after_tool_ttft_p99=percentile(after_tool_ttfts, 99),
+        served_ttft_p99=percentile([t for r in ok if (t := r.served_ttft_s) is not None], 99),
     )
 
 

@@ -124,6 +124,13 @@ FIGURES: tuple[Figure, ...] = (
         False,
     ),
     Figure(
+        "served_ttft_p99",
+        "TTFT p99 of the attempts served (retries left out)",
+        lambda r: r.summary.served_ttft_p99,
+        secs,
+        False,
+    ),
+    Figure(
         "after_tool_ttft_p99",
         "TTFT p99 after a tool call",
         lambda r: r.summary.after_tool_ttft_p99,

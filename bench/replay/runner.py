@@ -223,6 +223,7 @@ class _Run:
             after=after,
             attempts=attempts,
             gave_up=gave_up,
+            retry_wait_s=waited * s,
         )
         self.records.append(record)
         if self._sink is not None:

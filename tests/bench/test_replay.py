@@ -457,11 +457,17 @@ async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_u
     through = results[2].records
     assert [(r.attempts, r.error, r.gave_up) for r in through] == [(3, None, False)] * 3
     assert all((r.ttft_s or 0) >= 0.1 for r in through)  # two Retry-After waits of 0.05 s
+    assert all(r.retry_wait_s >= 0.1 for r in through)
+    # The attempt served is timed from its own send: the waits before it left out.
+    served = [r.served_ttft_s for r in through]
+    assert all(t is not None and t < 0.1 for t in served)
+    assert summarize(through).served_ttft_p99 == percentile([t for t in served if t], 99)
     assert summarize(through).retries == 6
     gave_up = results[1].records
     assert [(r.turn, r.attempts, r.status, r.gave_up) for r in gave_up] == [(0, 2, 429, True)]
     assert summarize(gave_up).sessions_given_up == 1
     plain = results[0].records
+    assert all(r.retry_wait_s == 0 for r in plain)
     assert [(r.turn, r.status, r.attempts) for r in plain] == [
         (0, 429, 1),
         (1, 429, 1),
