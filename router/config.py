@@ -331,6 +331,9 @@ class AdmissionConfig:
     door_pressure: float = 1.0
     door_window_s: float = 30.0
     batch_queue_timeout_s: float = 60.0
+    # The least Retry-After a shed request is given (the time until what is held could
+    # start, when longer): clients sent back sooner would find the queue as full.
+    min_retry_after_s: float = 1.0
     # The first-token target of interactive requests (0: none). A held interactive request
     # is shed as soon as it could no longer start in time to meet it: once it has waited
     # the target less its own prefill (at its worker's learned speed). One whose prefill
@@ -357,6 +360,7 @@ class AdmissionConfig:
             (self.ttft_target_s >= 0, "ttft_target_s: must be >= 0 (0: none)"),
             (0 < self.door_pressure <= 1, "door_pressure: must be in (0, 1]"),
             (self.door_window_s > 0, "door_window_s: must be > 0"),
+            (self.min_retry_after_s > 0, "min_retry_after_s: must be > 0"),
             (
                 all(
                     math.isfinite(v)
@@ -367,6 +371,7 @@ class AdmissionConfig:
                         self.batch_queue_timeout_s,
                         self.ttft_target_s,
                         self.door_window_s,
+                        self.min_retry_after_s,
                         self.ageing,
                     )
                 ),

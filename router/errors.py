@@ -35,6 +35,8 @@ import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from router.wire.headers import RETRY_AFTER_HEADER, RETRY_AFTER_MS_HEADER
+
 
 class RouterError(Exception):
     status: ClassVar[int] = 500
@@ -141,12 +143,16 @@ class RetryLater(RouterError):
         self.retry_after_s = retry_after_s
 
     def headers(self) -> dict[str, str]:
-        return {"Retry-After": retry_after_header(self.retry_after_s)}
+        return retry_after_headers(self.retry_after_s)
 
 
-def retry_after_header(seconds: float) -> str:
-    """``Retry-After`` in whole seconds, at least 1 (RFC 9110 allows no fraction)."""
-    return str(max(1, math.ceil(seconds)))
+def retry_after_headers(seconds: float) -> dict[str, str]:
+    """``Retry-After`` in whole seconds, at least 1 (RFC 9110 allows no fraction), and
+    ``retry-after-ms`` as it is, for the SDKs that wait no longer than asked."""
+    return {
+        RETRY_AFTER_HEADER: str(max(1, math.ceil(seconds))),
+        RETRY_AFTER_MS_HEADER: str(max(0, round(seconds * 1000))),
+    }
 
 
 class TooManyRequests(RetryLater):

@@ -122,6 +122,7 @@ QUEUE_TIMES = (
     "ttft_target_s",
     "door_window_s",
     "batch_queue_timeout_s",
+    "min_retry_after_s",
 )
 
 

@@ -10,7 +10,7 @@ outcome rather than raised: the replay records it and carries on.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import aiohttp
@@ -20,7 +20,12 @@ from bench.replay.api_streams import MAX_ERROR_CHARS, READERS, StreamOutcome, St
 from bench.replay.sse import iter_sse
 from bench.workloads.api_bodies import BODIES, DEFAULT_API, PATHS, Api, ChatRequest
 from router.clock import monotonic
-from router.wire.headers import SESSION_HEADER, WORKER_HEADER
+from router.wire.headers import (
+    RETRY_AFTER_HEADER,
+    RETRY_AFTER_MS_HEADER,
+    SESSION_HEADER,
+    WORKER_HEADER,
+)
 from router.wire.sessions import PARENT_SESSION_HEADER
 
 # How requests are spread over several router replicas.
@@ -67,13 +72,21 @@ async def _read_stream(resp: aiohttp.ClientResponse, reader: StreamReader, t0: f
     reader.outcome.error = reader.end_missing
 
 
-def _seconds(value: str | None) -> float | None:
-    """A ``Retry-After`` given in seconds (an HTTP date is not read: None)."""
-    try:
-        seconds = float(value) if value is not None else None
-    except ValueError:
-        return None
-    return seconds if seconds is not None and seconds >= 0 else None
+def retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """When a refusal says to send again, as the OpenAI and Anthropic SDKs read it:
+    ``retry-after-ms`` first, then ``Retry-After`` in seconds (an HTTP date is not
+    read: None)."""
+    for name, unit_s in ((RETRY_AFTER_MS_HEADER, 0.001), (RETRY_AFTER_HEADER, 1.0)):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value) * unit_s
+        except ValueError:
+            continue
+        if seconds >= 0:
+            return seconds
+    return None
 
 
 class ChatClient:
@@ -132,7 +145,7 @@ class ChatClient:
                 outcome.status = resp.status
                 outcome.worker = resp.headers.get(WORKER_HEADER)
                 if resp.status != 200:
-                    outcome.retry_after_s = _seconds(resp.headers.get("Retry-After"))
+                    outcome.retry_after_s = retry_after_s(resp.headers)
                     head = await resp.content.read(MAX_ERROR_CHARS)
                     text = head.decode("utf-8", errors="replace")
                     outcome.error = f"HTTP {resp.status}: {text}"

@@ -66,7 +66,6 @@ MOVE_LOOKS = 8
 # While anything is held, room is looked for at least this often: an engine's reported
 # load and the learned speeds change without a request ending.
 RECHECK_S = 0.05
-MIN_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 60.0
 
 
@@ -460,7 +459,7 @@ class RequestQueue:
             (tokens / max(self._rate(name), 1.0) for name, tokens in self.held_prefill.items()),
             default=0.0,
         )
-        return min(max(longest, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+        return min(max(longest, self.limits.min_retry_after_s), MAX_RETRY_AFTER_S)
 
     def _add(self, held: Held) -> None:
         self._held[held.seq] = held

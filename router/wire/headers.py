@@ -15,3 +15,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # A request's class in the router's queue: "batch" lowers it below interactive requests
 # (a client key listed in admission.batch_api_keys is batch whatever it asks).
 PRIORITY_HEADER = "X-Kvrouter-Priority"
+# When a refused request may be sent again: whole seconds (RFC 9110), and the same in
+# milliseconds, which OpenAI's and Anthropic's SDKs read first.
+RETRY_AFTER_HEADER = "Retry-After"
+RETRY_AFTER_MS_HEADER = "retry-after-ms"

@@ -92,6 +92,7 @@ def test_on_the_real_clock_the_queues_times_are_the_engines() -> None:
         "ttft_target_s": "0.5",
         "door_window_s": "3",
         "batch_queue_timeout_s": "6",
+        "min_retry_after_s": "0.1",
     }
 
 

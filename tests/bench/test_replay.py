@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from bench.loopback import serve_on_loopback
+from bench.replay.client import retry_after_s
 from bench.replay.compare import compare, run_labels
 from bench.replay.oracle import PrefixOracle
 from bench.replay.progress import ProgressDisplay
@@ -201,6 +202,15 @@ def test_goodput_counts_the_turns_within_the_ttft_objective() -> None:
     assert summary.session_slo_met_median == pytest.approx((2 / 3 + 0) / 2)
     without = summarize(records, 10.0)
     assert without.goodput_per_s is None and without.slo_met_share is None
+
+
+def test_the_wait_a_refusal_asks_for_is_read_as_the_sdks_read_it() -> None:
+    assert retry_after_s({"retry-after-ms": "250", "Retry-After": "1"}) == 0.25
+    assert retry_after_s({"retry-after-ms": "soon", "Retry-After": "3"}) == 3.0
+    assert retry_after_s({"Retry-After": "1.5"}) == 1.5
+    assert retry_after_s({"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}) is None
+    assert retry_after_s({"Retry-After": "-1"}) is None
+    assert retry_after_s({}) is None
 
 
 def test_result_round_trips_through_json(tmp_path: Path) -> None:
@@ -424,10 +434,10 @@ async def test_progress_prints_a_status_line_when_not_on_a_terminal() -> None:
 
 async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_up() -> None:
     """An endpoint that refuses the first two sends of every turn with 429 (its
-    Retry-After taken as it is), then answers: with two retries every turn gets through on
-    its third send, its TTFT counted from the first; with one, the first turn is refused
-    twice and its session gives up. Without retries each refusal is a failed turn and the
-    session goes on."""
+    retry-after-ms taken as it is, before its whole-second Retry-After, as the SDKs do),
+    then answers: with two retries every turn gets through on its third send, its TTFT
+    counted from the first; with one, the first turn is refused twice and its session
+    gives up. Without retries each refusal is a failed turn and the session goes on."""
     sends: dict[str, int] = {}
 
     async def refusing_twice(request: web.Request) -> web.StreamResponse:
@@ -436,7 +446,9 @@ async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_u
         sends[key] = sends.get(key, 0) + 1
         if sends[key] <= 2:
             return web.json_response(
-                {"error": {"message": "busy"}}, status=429, headers={"Retry-After": "0.05"}
+                {"error": {"message": "busy"}},
+                status=429,
+                headers={"Retry-After": "2", "retry-after-ms": "50"},
             )
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -457,7 +469,7 @@ async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_u
     through = results[2].records
     assert [(r.attempts, r.error, r.gave_up) for r in through] == [(3, None, False)] * 3
     assert all((r.ttft_s or 0) >= 0.1 for r in through)  # two Retry-After waits of 0.05 s
-    assert all(r.retry_wait_s >= 0.1 for r in through)
+    assert all(0.1 <= r.retry_wait_s < 2 for r in through)  # not the 2 s Retry-After
     # The attempt served is timed from its own send: the waits before it left out.
     served = [r.served_ttft_s for r in through]
     assert all(t is not None and t < 0.1 for t in served)

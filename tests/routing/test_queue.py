@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -128,7 +129,9 @@ async def test_a_cached_turn_goes_before_a_fresh_long_prompt_held_before_it(
 async def test_a_full_queue_sheds_with_429_and_anthropic_gets_529(
     engine_factory: EngineFactory,
 ) -> None:
-    limits = AdmissionConfig(enabled=True, max_outstanding_per_worker=1, queue_size=1)
+    limits = AdmissionConfig(
+        enabled=True, max_outstanding_per_worker=1, queue_size=1, min_retry_after_s=0.25
+    )
     messages_body = {
         "model": TEST_MODEL,
         "max_tokens": 2,
@@ -140,7 +143,11 @@ async def test_a_full_queue_sheds_with_429_and_anthropic_gets_529(
             await _held(http, router, 1)
             refused = await post(http, router.url, SHORT)
             assert refused.status == 429
-            assert int(refused.headers["Retry-After"]) >= 1
+            # Whole seconds for HTTP, and in milliseconds for the SDKs, which read that
+            # first: a quarter of a second at least (what is held could start sooner).
+            wait_ms = int(refused.headers["retry-after-ms"])
+            assert wait_ms >= 250
+            assert int(refused.headers["Retry-After"]) == max(1, math.ceil(wait_ms / 1000))
             error = orjson.loads(refused.raw)["error"]
             assert error["type"] == "rate_limit_error" and "queue is full" in error["message"]
             async with http.post(router.url + "/v1/messages", json=messages_body) as answer:
@@ -149,6 +156,7 @@ async def test_a_full_queue_sheds_with_429_and_anthropic_gets_529(
                 assert body["type"] == "error"
                 assert body["error"]["type"] == "overloaded_error"
                 assert "Retry-After" in answer.headers
+                assert int(answer.headers["retry-after-ms"]) >= 250
         assert (await queued).status == 200
         sheds = await metric(http, router, "kvrouter_queue_sheds_total", reason="queue_full")
         assert sheds == 2
