@@ -297,6 +297,7 @@ class DiscoveryConfig:
 
 
 PRIORITIES = ("interactive", "batch")  # the queue's classes, first served first
+MAX_RETRY_AFTER_S = 60.0  # the longest wait a shed request is told
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,8 +332,9 @@ class AdmissionConfig:
     door_pressure: float = 1.0
     door_window_s: float = 30.0
     batch_queue_timeout_s: float = 60.0
-    # The least Retry-After a shed request is given (the time until what is held could
-    # start, when longer): clients sent back sooner would find the queue as full.
+    # The least wait a shed request is told (retry-after-ms; Retry-After is whole seconds,
+    # at least 1), when what is held could start sooner: clients sent back sooner would
+    # find the queue as full.
     min_retry_after_s: float = 1.0
     # The first-token target of interactive requests (0: none). A held interactive request
     # is shed as soon as it could no longer start in time to meet it: once it has waited
@@ -360,7 +362,10 @@ class AdmissionConfig:
             (self.ttft_target_s >= 0, "ttft_target_s: must be >= 0 (0: none)"),
             (0 < self.door_pressure <= 1, "door_pressure: must be in (0, 1]"),
             (self.door_window_s > 0, "door_window_s: must be > 0"),
-            (self.min_retry_after_s > 0, "min_retry_after_s: must be > 0"),
+            (
+                0 < self.min_retry_after_s <= MAX_RETRY_AFTER_S,
+                f"min_retry_after_s: must be in (0, {MAX_RETRY_AFTER_S:g}]",
+            ),
             (
                 all(
                     math.isfinite(v)

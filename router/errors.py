@@ -13,7 +13,7 @@
     │   ├── ModelNotFound            404 (code model_not_found)
     │   └── ResponseNotFound         404 (a stored response nobody holds; vLLM's words)
     ├── Conflict                     409 invalid_request_error
-    ├── RetryLater                   (carries Retry-After)
+    ├── RetryLater                   (carries Retry-After and retry-after-ms)
     │   └── TooManyRequests          429 rate_limit_error
     │       └── Shed                 429 rate_limit_error (the router's queue let it go:
     │           │                        full, its deadline, displaced by a higher class)
@@ -147,11 +147,13 @@ class RetryLater(RouterError):
 
 
 def retry_after_headers(seconds: float) -> dict[str, str]:
-    """``Retry-After`` in whole seconds, at least 1 (RFC 9110 allows no fraction), and
-    ``retry-after-ms`` as it is, for the SDKs that wait no longer than asked."""
+    """``retry-after-ms`` (at least 1: the SDKs take 0 as no answer), for the SDKs that
+    wait no longer than asked, and ``Retry-After`` in whole seconds, at least 1 (RFC 9110
+    allows no fraction)."""
+    ms = max(1, math.ceil(seconds * 1000))
     return {
-        RETRY_AFTER_HEADER: str(max(1, math.ceil(seconds))),
-        RETRY_AFTER_MS_HEADER: str(max(0, round(seconds * 1000))),
+        RETRY_AFTER_HEADER: str(max(1, math.ceil(ms / 1000))),
+        RETRY_AFTER_MS_HEADER: str(ms),
     }
 
 

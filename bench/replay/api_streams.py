@@ -74,7 +74,7 @@ class StreamOutcome:
     worker: str | None = None
     error: str | None = None
     tool_call: ToolCall | None = None  # the reply's (first) tool call, chat only
-    retry_after_s: float | None = None  # a refusal's Retry-After, in seconds
+    retry_after_s: float | None = None  # the wait a refusal asks for, in seconds
 
 
 def _take_usage(outcome: StreamOutcome, usage: Usage) -> None:

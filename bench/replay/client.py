@@ -73,19 +73,18 @@ async def _read_stream(resp: aiohttp.ClientResponse, reader: StreamReader, t0: f
 
 
 def retry_after_s(headers: Mapping[str, str]) -> float | None:
-    """When a refusal says to send again, as the OpenAI and Anthropic SDKs read it:
-    ``retry-after-ms`` first, then ``Retry-After`` in seconds (an HTTP date is not
-    read: None)."""
+    """When a refusal says to send again, as the OpenAI and Anthropic SDKs read it: the
+    first of ``retry-after-ms`` and ``Retry-After`` (seconds) that is a number, whatever
+    its sign (the caller decides what it takes); an HTTP date is not read: None.
+    ``headers`` is looked up as named here: aiohttp's are case-insensitive."""
     for name, unit_s in ((RETRY_AFTER_MS_HEADER, 0.001), (RETRY_AFTER_HEADER, 1.0)):
         value = headers.get(name)
         if value is None:
             continue
         try:
-            seconds = float(value) * unit_s
+            return float(value) * unit_s
         except ValueError:
             continue
-        if seconds >= 0:
-            return seconds
     return None
 
 

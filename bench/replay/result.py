@@ -13,7 +13,7 @@ File layout (JSON)::
      "summary": {...},        # for people and jq; loaders recompute it from the records
      "records": [{session, turn, start, ttft_s, latency_s, prompt_tokens, cached_tokens,
                   oracle_cached_tokens, completion_tokens, worker, error, status,
-                  api, after}, ...]}
+                  api, after, attempts, gave_up, retry_wait_s}, ...]}
 
 ``meta.api`` is the run's default API; each record's ``api`` the one that carried it
 (records written before the field existed read as ``meta.api``). A run through more
@@ -66,14 +66,20 @@ class RequestRecord:
     attempts: int = 1  # sent this many times (retried after refusals)
     gave_up: bool = False  # refused after every retry: the session sent nothing more
     # From the first attempt to the one recorded: refusals and the waits after them.
-    # ``ttft_s`` and ``latency_s`` include it, as the client felt them.
-    retry_wait_s: float = 0.0
+    # ``ttft_s`` and ``latency_s`` include it, as the client felt them. None: not known
+    # (a result written before it was kept).
+    retry_wait_s: float | None = None
 
     @property
     def served_ttft_s(self) -> float | None:
         """The TTFT of the attempt that was served, from when it was sent: what the
-        router and engine took once they accepted the request."""
-        return None if self.ttft_s is None else self.ttft_s - self.retry_wait_s
+        router and engine took once they accepted the request. None also when the turn
+        was retried and its wait is not known."""
+        if self.ttft_s is None:
+            return None
+        if self.retry_wait_s is None:
+            return self.ttft_s if self.attempts == 1 else None
+        return self.ttft_s - self.retry_wait_s
 
     @property
     def ok(self) -> bool:

@@ -11,8 +11,9 @@ Failures. A failed request is recorded and the session goes on with its next tur
 failed turn is left out of the conversation (see ``Conversation``), so later turns still
 extend the prefix the engine may hold. With ``retries``, a turn refused before its first
 token (408, 409, 429, 5xx or no answer, as the OpenAI and Anthropic SDKs retry) is sent
-again up to that many times, after its ``Retry-After`` (up to 60 s) or else 0.5 s
-doubling to 8 s less up to a quarter at random (simulated seconds), without holding a
+again up to that many times, after the wait it asks for (``retry-after-ms``, else
+``Retry-After``; taken up to 60 s) or else 0.5 s doubling to 8 s less up to a quarter
+at random (simulated seconds), without holding a
 slot meanwhile; its record's times run from the first attempt. A session whose turn is
 still refused after them gives up: its later turns are not sent (``gave_up``).
 
@@ -56,8 +57,9 @@ DEFAULT_TIME_SCALE = 1.0
 RecordSink = Callable[[RequestRecord], None]
 
 
-# The OpenAI and Anthropic SDKs' retry timing: a Retry-After up to a minute is taken as
-# it is; otherwise half a second, doubling to at most 8 s.
+# The OpenAI and Anthropic SDKs' retry timing: the wait a refusal asks for is taken as it
+# is (here up to a minute, which is all kvrouter asks; the SDKs take longer ones too);
+# otherwise half a second, doubling to at most 8 s.
 MAX_RETRY_AFTER_S = 60.0
 INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 8.0

@@ -55,7 +55,7 @@ from typing import Any, Protocol, TypeVar
 
 from router.auth import bearers, tenant
 from router.clock import monotonic
-from router.config import AdmissionConfig
+from router.config import MAX_RETRY_AFTER_S, AdmissionConfig
 from router.errors import Shed, ShedOverloaded
 from router.fleet.workers import Fleet, Worker
 from router.observability.queue_metrics import HoldReason, ShedReason
@@ -66,7 +66,6 @@ MOVE_LOOKS = 8
 # While anything is held, room is looked for at least this often: an engine's reported
 # load and the learned speeds change without a request ending.
 RECHECK_S = 0.05
-MAX_RETRY_AFTER_S = 60.0
 
 
 class Waiter(Protocol):

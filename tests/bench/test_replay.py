@@ -3,6 +3,7 @@ the real simulated engine on loopback."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -209,8 +210,17 @@ def test_the_wait_a_refusal_asks_for_is_read_as_the_sdks_read_it() -> None:
     assert retry_after_s({"retry-after-ms": "soon", "Retry-After": "3"}) == 3.0
     assert retry_after_s({"Retry-After": "1.5"}) == 1.5
     assert retry_after_s({"Retry-After": "Wed, 21 Oct 2026 07:28:00 GMT"}) is None
-    assert retry_after_s({"Retry-After": "-1"}) is None
+    # A number is taken whatever it is, as the SDKs take it (and then fall back to their
+    # own backoff for one they do not wait for): not the next header.
+    assert retry_after_s({"retry-after-ms": "-5", "Retry-After": "3"}) == -0.005
     assert retry_after_s({}) is None
+
+
+def test_a_result_that_did_not_keep_retry_waits_times_only_turns_sent_once() -> None:
+    once, retried = _record(0, cached=0, oracle=0), _record(1, cached=0, oracle=0)
+    retried = dataclasses.replace(retried, attempts=2)
+    assert once.retry_wait_s is None and once.served_ttft_s == once.ttft_s
+    assert retried.served_ttft_s is None
 
 
 def test_result_round_trips_through_json(tmp_path: Path) -> None:
@@ -437,7 +447,8 @@ async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_u
     retry-after-ms taken as it is, before its whole-second Retry-After, as the SDKs do),
     then answers: with two retries every turn gets through on its third send, its TTFT
     counted from the first; with one, the first turn is refused twice and its session
-    gives up. Without retries each refusal is a failed turn and the session goes on."""
+    gives up. Without retries each refusal is a failed turn and the session goes on.
+    At time scale 2 every wait counts twice, in simulated seconds."""
     sends: dict[str, int] = {}
 
     async def refusing_twice(request: web.Request) -> web.StreamResponse:
@@ -463,23 +474,25 @@ async def test_a_refused_turn_is_sent_again_as_the_sdks_do_and_a_session_gives_u
         for retries in (2, 1, 0):
             sends.clear()
             config = ReplayConfig(
-                target=url, trace=Path("t"), model="m", time_scale=1.0, retries=retries
+                target=url, trace=Path("t"), model="m", time_scale=2.0, retries=retries
             )
             results[retries] = await replay(config, select_sessions(_tiny_trace(), max_sessions=1))
     through = results[2].records
     assert [(r.attempts, r.error, r.gave_up) for r in through] == [(3, None, False)] * 3
-    assert all((r.ttft_s or 0) >= 0.1 for r in through)  # two Retry-After waits of 0.05 s
-    assert all(0.1 <= r.retry_wait_s < 2 for r in through)  # not the 2 s Retry-After
+    # Two waits of 50 ms (retry-after-ms), not of 2 s (Retry-After), counted twice.
+    assert all((r.ttft_s or 0) >= 0.2 for r in through)
+    assert all(0.2 <= (r.retry_wait_s or 0) < 8 for r in through)
     # The attempt served is timed from its own send: the waits before it left out.
     served = [r.served_ttft_s for r in through]
-    assert all(t is not None and t < 0.1 for t in served)
     assert summarize(through).served_ttft_p99 == percentile([t for t in served if t], 99)
+    felt = summarize(through).ttft_p99
+    assert felt is not None and felt - (summarize(through).served_ttft_p99 or 0) >= 0.2
     assert summarize(through).retries == 6
     gave_up = results[1].records
     assert [(r.turn, r.attempts, r.status, r.gave_up) for r in gave_up] == [(0, 2, 429, True)]
     assert summarize(gave_up).sessions_given_up == 1
     plain = results[0].records
-    assert all(r.retry_wait_s == 0 for r in plain)
+    assert all(r.retry_wait_s == 0 and r.served_ttft_s == r.ttft_s for r in plain)
     assert [(r.turn, r.status, r.attempts) for r in plain] == [
         (0, 429, 1),
         (1, 429, 1),

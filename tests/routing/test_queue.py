@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from router.config import AdmissionConfig
+from router.errors import retry_after_headers
 from router.fleet.workers import Fleet, Worker
 from tests.conftest import (
     TEST_MODEL,
@@ -146,7 +147,7 @@ async def test_a_full_queue_sheds_with_429_and_anthropic_gets_529(
             # Whole seconds for HTTP, and in milliseconds for the SDKs, which read that
             # first: a quarter of a second at least (what is held could start sooner).
             wait_ms = int(refused.headers["retry-after-ms"])
-            assert wait_ms >= 250
+            assert 250 <= wait_ms < 1000  # the held prompt is short: the least wait
             assert int(refused.headers["Retry-After"]) == max(1, math.ceil(wait_ms / 1000))
             error = orjson.loads(refused.raw)["error"]
             assert error["type"] == "rate_limit_error" and "queue is full" in error["message"]
@@ -160,6 +161,14 @@ async def test_a_full_queue_sheds_with_429_and_anthropic_gets_529(
         assert (await queued).status == 200
         sheds = await metric(http, router, "kvrouter_queue_sheds_total", reason="queue_full")
         assert sheds == 2
+
+
+def test_the_wait_a_refusal_asks_for_is_rounded_up_in_both_headers() -> None:
+    """Never 0 ms (the SDKs would take it as no answer and back off on their own), and
+    the whole seconds never below the milliseconds."""
+    assert retry_after_headers(0.0001) == {"Retry-After": "1", "retry-after-ms": "1"}
+    assert retry_after_headers(0.25) == {"Retry-After": "1", "retry-after-ms": "250"}
+    assert retry_after_headers(1.2) == {"Retry-After": "2", "retry-after-ms": "1200"}
 
 
 async def test_a_request_that_cannot_start_within_its_deadline_is_shed(
