@@ -13,9 +13,9 @@ extend the prefix the engine may hold. With ``retries``, a turn refused before i
 token (408, 409, 429, 5xx or no answer, as the OpenAI and Anthropic SDKs retry) is sent
 again up to that many times, after the wait it asks for (``retry-after-ms``, else
 ``Retry-After``; taken up to 60 s) or else 0.5 s doubling to 8 s less up to a quarter
-at random (simulated seconds), without holding a
-slot meanwhile; its record's times run from the first attempt. A session whose turn is
-still refused after them gives up: its later turns are not sent (``gave_up``).
+at random (simulated seconds), without holding a slot meanwhile; its record's times run
+from the first attempt. A session whose turn is still refused after them gives up: its
+later turns are not sent (``gave_up``).
 
 APIs. A session whose trace names an API (``Turn.api`` on its turn 0) is replayed
 through it; the others through ``ReplayConfig.api``, the run's default. Each record
