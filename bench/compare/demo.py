@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import aiohttp
+import orjson
 from rich.console import Console
 
 from bench.compare.inprocess import (
@@ -299,6 +300,12 @@ async def router_for(config: DemoConfig, spec: RouterSpec) -> AsyncIterator[list
 Workload = Callable[[DemoConfig], Sequence[Turn]]
 
 
+def extras_path(run_path: Path) -> Path:
+    """Where a run's figures read from the routers after it are kept (``ttft.r1.json``:
+    ``ttft.r1.extras.json``), for ``bench rescore``: its records cannot rebuild them."""
+    return run_path.with_suffix(".extras.json")
+
+
 async def run_comparison(
     config: DemoConfig,
     console: Console,
@@ -381,7 +388,10 @@ async def run_comparison(
                     async with ProgressDisplay(total) as display:
                         result = await replay(replay_config, sessions, display.add)
                     extras = await after_each(spec, urls) if after_each is not None else None
-                save_result(result, config.out / f"{spec.label}.r{round_index + 1}.json")
+                run_path = config.out / f"{spec.label}.r{round_index + 1}.json"
+                save_result(result, run_path)
+                if extras:
+                    extras_path(run_path).write_bytes(orjson.dumps(dict(extras)))
                 ref = capacity_reference(turns, result.records, reference)
                 rounds.add(spec.label, ScoredRun.of(result, ref.hit_rate, extras))
                 last_round[spec.label] = result

@@ -54,6 +54,22 @@ def load_label(title: str, load: float) -> str:
     return f"{title} {load:g}x"
 
 
+def load_directory(row_out: Path, load: float) -> Path:
+    """Where a row's runs at one offered load are written (``agent/load-1.5x``)."""
+    return row_out / f"load-{load:g}x"
+
+
+def loads_written(row_out: Path) -> list[tuple[float, Path]]:
+    """The offered loads a row was run at, from its directories, lowest first."""
+    found = []
+    for path in row_out.glob("load-*x"):
+        try:
+            found.append((float(path.name.removeprefix("load-").removesuffix("x")), path))
+        except ValueError:
+            continue
+    return sorted(found)
+
+
 async def measure_capacity(
     config: DemoConfig,
     console: Console,
@@ -105,7 +121,7 @@ async def run_at_loads(
         label = load_label(title, load)
         console.rule(f"{label}: sessions bring {load:g} x {capacity:.3g} turns/s")
         at = dataclasses.replace(
-            config, out=config.out / f"load-{load:g}x", concurrency=OPEN_LOOP_CONCURRENCY
+            config, out=load_directory(config.out, load), concurrency=OPEN_LOOP_CONCURRENCY
         )
         results[label] = await run_comparison(
             at,

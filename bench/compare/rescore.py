@@ -5,20 +5,26 @@ computed from the trace and those records (``bench.replay.reference``). When the
 reference's definition changes, a finished matrix (hours of real-clock runs beside the
 peer routers) need not be run again: each row directory holds every round's trace
 (``trace.rN.jsonl``) and every router's records (``<router>.rN.json``), and this rebuilds
-``matrix.json``, ``matrix.md`` and the plots from them with the current code.
+``matrix.json``, ``matrix.md`` and the plots from them with the current code. Rows run at
+several offered loads (``--load``) are rescored load by load, and ``--slo-ttft`` scores
+goodput against another first-token objective than the one the runs were made with
+(the same turns, read against a looser or a tighter target).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from bench.compare.demo import DEFAULT_ENGINES, DEFAULT_KV_TOKENS
+from bench.compare.demo import DEFAULT_ENGINES, DEFAULT_KV_TOKENS, extras_path
 from bench.compare.matrix import rows, write_outputs
+from bench.compare.offered_load import load_label, loads_written
 from bench.replay.reference import ReferenceParams, capacity_reference
 from bench.replay.result import load_result
 from bench.replay.rounds import Rounds, ScoredRun
@@ -27,9 +33,12 @@ from bench.workloads.trace import read_trace
 RUN_FILE = re.compile(r"(?P<label>.+)\.r(?P<round>\d+)\.json")
 
 
-def rescore_row(directory: Path, params: ReferenceParams) -> Rounds:
-    """Every ``<router>.rN.json`` in ``directory``, scored against ``trace.rN.jsonl``;
-    routers in the order of the row's ``rounds.json`` (the order they ran in)."""
+def rescore_row(
+    directory: Path, params: ReferenceParams, slo_ttft_s: float | None = None
+) -> Rounds:
+    """Every ``<router>.rN.json`` in ``directory``, scored against ``trace.rN.jsonl``
+    (goodput against ``slo_ttft_s`` if given, else the runs' own); routers in the order
+    of the row's ``rounds.json`` (the order they ran in)."""
     found: dict[str, dict[int, Path]] = {}
     for path in directory.glob("*.r*.json"):
         match = RUN_FILE.fullmatch(path.name)
@@ -41,21 +50,39 @@ def rescore_row(directory: Path, params: ReferenceParams) -> Rounds:
         for round_number, path in sorted(found[label].items()):
             turns = read_trace(directory / f"trace.r{round_number}.jsonl")
             result = load_result(path)
+            if slo_ttft_s is not None:
+                result = replace(result, meta=replace(result.meta, slo_ttft_s=slo_ttft_s))
             reference = capacity_reference(turns, result.records, params)
-            rounds.add(label, ScoredRun.of(result, reference.hit_rate))
+            rounds.add(label, ScoredRun.of(result, reference.hit_rate, _extras(path)))
     return rounds
 
 
-def rescore(out: Path, engines: int, kv_tokens: int = DEFAULT_KV_TOKENS) -> dict[str, Rounds]:
-    """Every matrix row directory in ``out``; ``kv_tokens`` for the rows without their own
-    (the matrix's ``--kv-tokens``)."""
+def _extras(run_path: Path) -> dict[str, float]:
+    path = extras_path(run_path)
+    return orjson.loads(path.read_bytes()) if path.exists() else {}
+
+
+def rescore(
+    out: Path,
+    engines: int,
+    kv_tokens: int = DEFAULT_KV_TOKENS,
+    slo_ttft_s: float | None = None,
+    into: Path | None = None,
+) -> dict[str, Rounds]:
+    """Every matrix row directory in ``out`` (a row run at offered loads: each load's);
+    ``kv_tokens`` for the rows without their own (the matrix's ``--kv-tokens``). The
+    figures are written to ``into`` (default ``out``)."""
     present = {d.name for d in out.iterdir() if d.is_dir()}
     order = [row for row in rows() if row.name in present]
-    results = {
-        row.name: rescore_row(out / row.name, ReferenceParams(engines, row.kv_tokens or kv_tokens))
-        for row in order
-    }
-    write_outputs(out, results, order)
+    results: dict[str, Rounds] = {}
+    for row in order:
+        params = ReferenceParams(engines, row.kv_tokens or kv_tokens)
+        at_loads = loads_written(out / row.name)
+        if not at_loads:
+            results[row.name] = rescore_row(out / row.name, params, slo_ttft_s)
+        for load, directory in at_loads:
+            results[load_label(row.name, load)] = rescore_row(directory, params, slo_ttft_s)
+    write_outputs(into or out, results, order)
     return results
 
 
@@ -73,10 +100,29 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         default=DEFAULT_KV_TOKENS,
         help="KV tokens per engine the matrix ran with (rows without their own)",
     )
+    parser.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        dest="slo_ttft_s",
+        metavar="SECS",
+        help="score goodput against this TTFT objective (simulated seconds) instead of the "
+        "runs' own",
+    )
+    parser.add_argument(
+        "--into",
+        type=Path,
+        default=None,
+        help="write matrix.json, matrix.md and the plots here instead of the matrix's "
+        "directory (keeps its own figures)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    results = rescore(args.out, args.engines, args.kv_tokens)
-    print((args.out / "matrix.md").read_text(), end="")
+    if args.slo_ttft_s is not None and args.slo_ttft_s <= 0:
+        print("--slo-ttft must be > 0", file=sys.stderr)
+        return 2
+    results = rescore(args.out, args.engines, args.kv_tokens, args.slo_ttft_s, args.into)
+    print(((args.into or args.out) / "matrix.md").read_text(), end="")
     return 0 if results else 1

@@ -53,3 +53,45 @@ def test_rescore_rebuilds_the_reference_from_each_rounds_trace_and_records(
     saved = orjson.loads((tmp_path / "matrix.json").read_bytes())
     assert set(saved["chat"]) == {"slow", "fast"}
     assert "| chat | slow |" in (tmp_path / "matrix.md").read_text()
+
+
+def test_rescore_reads_each_offered_load_against_another_objective_keeping_the_extras(
+    tmp_path: Path,
+) -> None:
+    turns = _agent_trace()
+    # First tokens 0.1 s, 0.2 s, ... : how many are within an objective is known.
+    records = [replace(r, ttft_s=0.1 * (i + 1)) for i, r in enumerate(_records(turns))]
+    meta = RunMeta(
+        target="http://x",
+        trace="t",
+        model="m",
+        time_scale=1.0,
+        concurrency=0,
+        started_at="2026-12-01T00:00:00Z",
+        duration_s=10.0,
+        slo_ttft_s=0.25,
+    )
+    for load in ("0.5x", "2x"):
+        directory = tmp_path / "chat" / f"load-{load}"
+        directory.mkdir(parents=True)
+        write_trace(turns, directory / "trace.r1.jsonl")
+        save_result(RunResult(meta, tuple(records)), directory / "queue.r1.json")
+        (directory / "rounds.json").write_bytes(orjson.dumps({"queue": {}}))
+    extras = {"queue_sheds": 7.0, "queue_wait_p99": 2.5}
+    (tmp_path / "chat/load-2x/queue.r1.extras.json").write_bytes(orjson.dumps(extras))
+    into = tmp_path / "at-1s"
+
+    results = rescore(tmp_path, engines=1, kv_tokens=4000, slo_ttft_s=1.0, into=into)
+
+    assert list(results) == ["chat 0.5x", "chat 2x"]
+    for name in results:
+        (run,) = results[name].runs["queue"]
+        assert run.summary.goodput_per_s == pytest.approx(10 / 10.0)  # 0.1 s ... 1.0 s
+    assert results["chat 2x"].runs["queue"][0].extras == extras
+    assert results["chat 0.5x"].runs["queue"][0].extras == {}
+    assert "| chat 2x | queue |" in (into / "matrix.md").read_text()
+    assert not (tmp_path / "matrix.md").exists()  # the matrix's own figures kept
+
+    kept = rescore(tmp_path, engines=1, kv_tokens=4000)
+    (run,) = kept["chat 2x"].runs["queue"]
+    assert run.summary.goodput_per_s == pytest.approx(2 / 10.0)  # the runs' own 0.25 s
