@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
@@ -23,7 +24,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 import aiohttp
-import orjson
 from rich.console import Console
 
 from bench.compare.inprocess import (
@@ -390,8 +390,8 @@ async def run_comparison(
                     extras = await after_each(spec, urls) if after_each is not None else None
                 run_path = config.out / f"{spec.label}.r{round_index + 1}.json"
                 save_result(result, run_path)
-                if extras:
-                    extras_path(run_path).write_bytes(orjson.dumps(dict(extras)))
+                # The standard library's JSON: a wait past the last bucket is inf.
+                extras_path(run_path).write_text(json.dumps(dict(extras or {})))
                 ref = capacity_reference(turns, result.records, reference)
                 rounds.add(spec.label, ScoredRun.of(result, ref.hit_rate, extras))
                 last_round[spec.label] = result

@@ -85,7 +85,8 @@ def write_sweep_plot(
     return _save(figure, path)
 
 
-LOAD_FIGURES = ("goodput_per_s", "hit_rate", "ttft_p99")
+# The tail as clients felt it, and as the router took it for the requests it admitted.
+LOAD_FIGURES = ("goodput_per_s", "hit_rate", "ttft_p99", "served_ttft_p99")
 
 
 def load_of(name: str) -> tuple[str, float] | None:
@@ -137,7 +138,7 @@ def write_load_plots(results: Mapping[str, Rounds], out: Path) -> list[Path]:
                     label=label,
                 )
             axes.set_xlabel("offered load (x measured capacity)")
-            axes.set_ylabel(spec.title + (" (s)" if key.startswith("ttft") else ""))
+            axes.set_ylabel(spec.title + (" (s)" if "ttft" in key else ""))
             axes.set_title(f"{row}: {spec.title}", fontsize="medium")
             axes.legend(fontsize="small")
         written.append(_save(figure, out / f"load-{row}.png"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,9 +65,13 @@ def loads_written(row_out: Path) -> list[tuple[float, Path]]:
     found = []
     for path in row_out.glob("load-*x"):
         try:
-            found.append((float(path.name.removeprefix("load-").removesuffix("x")), path))
+            load = float(path.name.removeprefix("load-").removesuffix("x"))
         except ValueError:
             continue
+        # Only the names the matrix writes (not load-nanx, load-1_5x or load-1.0x).
+        written = math.isfinite(load) and load > 0 and path == load_directory(row_out, load)
+        if written and path.is_dir():
+            found.append((load, path))
     return sorted(found)
 
 

@@ -1,19 +1,23 @@
 """``kvrouter bench rescore DIR``: a matrix's figures again, from the runs it saved.
 
-Every figure but the capacity reference comes from a run's own records; the reference is
-computed from the trace and those records (``bench.replay.reference``). When the
-reference's definition changes, a finished matrix (hours of real-clock runs beside the
-peer routers) need not be run again: each row directory holds every round's trace
-(``trace.rN.jsonl``) and every router's records (``<router>.rN.json``), and this rebuilds
-``matrix.json``, ``matrix.md`` and the plots from them with the current code. Rows run at
-several offered loads (``--load``) are rescored load by load, and ``--slo-ttft`` scores
-goodput against another first-token objective than the one the runs were made with
-(the same turns, read against a looser or a tighter target).
+Every figure comes from a run's own records but the capacity reference, computed from
+the trace and those records (``bench.replay.reference``), and what was read from the
+routers after the run (the queue's sheds and waits: ``<router>.rN.extras.json``, kept as
+read). When the reference's definition changes, a finished matrix (hours of real-clock
+runs beside the peer routers) need not be run again: each row directory holds every
+round's trace (``trace.rN.jsonl``) and every router's records (``<router>.rN.json``), and
+this rebuilds ``matrix.json``, ``matrix.md`` and the plots from them with the current
+code. Rows run at several offered loads (``--load``) are rescored load by load, and
+``--slo-ttft`` scores goodput against another first-token objective than the one the
+runs were made with (the same turns, read against a looser or a tighter target), written
+``--into`` another directory so that the matrix's own figures stay.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import re
 import sys
 from dataclasses import replace
@@ -58,8 +62,13 @@ def rescore_row(
 
 
 def _extras(run_path: Path) -> dict[str, float]:
+    """What was read from the router after the run (none: a run saved without them)."""
     path = extras_path(run_path)
-    return orjson.loads(path.read_bytes()) if path.exists() else {}
+    if not path.exists():
+        print(f"{run_path}: no {path.name}; the routers' figures are left out", file=sys.stderr)
+        return {}
+    saved = json.loads(path.read_text())  # the standard library's: inf and nan as written
+    return {key: float(value) for key, value in saved.items()}
 
 
 def rescore(
@@ -81,6 +90,9 @@ def rescore(
         if not at_loads:
             results[row.name] = rescore_row(out / row.name, params, slo_ttft_s)
         for load, directory in at_loads:
+            if not (directory / "rounds.json").exists():
+                print(f"{directory}: no rounds.json (a run cut short?); left out", file=sys.stderr)
+                continue
             results[load_label(row.name, load)] = rescore_row(directory, params, slo_ttft_s)
     write_outputs(into or out, results, order)
     return results
@@ -102,12 +114,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     )
     parser.add_argument(
         "--slo-ttft",
-        type=float,
+        type=_objective,
         default=None,
         dest="slo_ttft_s",
         metavar="SECS",
         help="score goodput against this TTFT objective (simulated seconds) instead of the "
-        "runs' own",
+        "runs' own (needs --into); the figures read from the routers (the queue's sheds and "
+        "waits) are the runs' as they were",
     )
     parser.add_argument(
         "--into",
@@ -120,9 +133,22 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.slo_ttft_s is not None and args.slo_ttft_s <= 0:
-        print("--slo-ttft must be > 0", file=sys.stderr)
+    if args.slo_ttft_s is not None and args.into is None:
+        print(
+            "--slo-ttft needs --into: the matrix's own figures are for its own objective",
+            file=sys.stderr,
+        )
         return 2
     results = rescore(args.out, args.engines, args.kv_tokens, args.slo_ttft_s, args.into)
     print(((args.into or args.out) / "matrix.md").read_text(), end="")
     return 0 if results else 1
+
+
+def _objective(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError("must be a finite number of seconds > 0")
+    return value

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 from pathlib import Path
 
 import orjson
 import pytest
 
-from bench.compare.rescore import rescore
+from bench.compare.offered_load import loads_written
+from bench.compare.rescore import register, rescore
 from bench.replay.reference import ReferenceParams, capacity_reference
 from bench.replay.result import RunMeta, RunResult, save_result
 from bench.workloads.trace import write_trace
@@ -95,3 +97,34 @@ def test_rescore_reads_each_offered_load_against_another_objective_keeping_the_e
     kept = rescore(tmp_path, engines=1, kv_tokens=4000)
     (run,) = kept["chat 2x"].runs["queue"]
     assert run.summary.goodput_per_s == pytest.approx(2 / 10.0)  # the runs' own 0.25 s
+
+
+def test_only_the_load_directories_the_matrix_writes_are_read(tmp_path: Path) -> None:
+    for name in ("load-0.5x", "load-2x", "load-1.0x", "load-nanx", "load-1_5x", "load-0x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "load-3x").write_text("a file, not a run")
+    assert loads_written(tmp_path) == [(0.5, tmp_path / "load-0.5x"), (2.0, tmp_path / "load-2x")]
+
+
+@pytest.mark.parametrize(
+    ("argv", "complaint"),
+    [
+        (["--slo-ttft", "10"], "--slo-ttft needs --into"),
+        (["--slo-ttft", "nan", "--into", "x"], "finite number of seconds > 0"),
+        (["--slo-ttft", "0", "--into", "x"], "finite number of seconds > 0"),
+        (["--slo-ttft", "ten", "--into", "x"], "not a number of seconds"),
+    ],
+)
+def test_another_objective_is_a_positive_number_written_elsewhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], complaint: str
+) -> None:
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    try:
+        args = parser.parse_args(["rescore", str(tmp_path), *argv])
+        status = args.func(args)
+    except SystemExit as exc:
+        status = exc.code
+    assert status == 2
+    assert complaint in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written

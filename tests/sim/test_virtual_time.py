@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import orjson
 from rich.console import Console
 
 from bench.compare.demo import DemoConfig, RouterSpec, kvrouter_spec, run_comparison
 from bench.compare.inprocess import router_argv, run_virtual
+from bench.compare.rescore import rescore_row
 from bench.ports import free_port_run
+from bench.replay.reference import ReferenceParams
 from bench.replay.rounds import FIGURE_BY_KEY, Rounds
 
 
 async def _routers_read(spec: RouterSpec, urls: Sequence[str]) -> dict[str, float]:
-    """A figure read from the routers after each run, as the queue's are."""
-    return {"routers": float(len(urls))}
+    """Figures read from the routers after each run, as the queue's are (a wait past the
+    histogram's last bucket reads as inf)."""
+    return {"routers": float(len(urls)), "queue_wait_p99": math.inf}
 
 
 def _compare(out: Path) -> Rounds:
@@ -62,10 +65,11 @@ def test_virtual_time_runs_give_the_same_answer_twice(tmp_path: Path) -> None:
     assert ttft is not None and round_robin is not None
     assert ttft.median > round_robin.median  # the runs measured routing, not nothing
     assert (tmp_path / "a" / "rounds.json").exists()
-    assert first.runs["ttft"][1].extras == {"routers": 1.0}
-    # kept beside each run's records, which cannot rebuild them (bench rescore reads them)
-    extras = orjson.loads((tmp_path / "a" / "ttft.r2.extras.json").read_bytes())
-    assert extras == {"routers": 1.0}
+    read = {"routers": 1.0, "queue_wait_p99": math.inf}
+    assert first.runs["ttft"][1].extras == read
+    # kept beside each run's records, which cannot rebuild them, for bench rescore
+    rescored = rescore_row(tmp_path / "a", ReferenceParams(2, 40_000))
+    assert [run.extras for run in rescored.runs["round_robin"]] == [read, read]
 
 
 def test_only_kvrouter_commands_run_in_virtual_time() -> None:
