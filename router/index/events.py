@@ -10,6 +10,13 @@ or integers (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, SGLang).
 
 Whatever a worker sends, ``decode_batch`` returns events or raises ``MalformedEvents``;
 nothing else escapes it, and no event can claim more tokens than its blocks hold.
+
+Only the device tier's blocks are residency here. An engine that offloads evicted blocks
+(vLLM's offloading connector, LMCache) also announces blocks stored to and removed from
+its CPU memory or storage (``medium`` ``"CPU"``, ``"STORAGE"``; some connectors
+lowercase), some as placeholders without tokens: those are left out of the batch, so a
+block that fell to CPU is not counted as cached on the GPU, and its removal from CPU
+does not drop a copy still on the GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +33,13 @@ END_OF_REPLAY = -1
 SEQ_BYTES = 8
 # Beyond any real block size (vLLM allows up to 256 tokens a block).
 MAX_BLOCK_SIZE = 4096
+# vLLM's medium for blocks in the engine's own KV cache (SGLang and older vLLM send none).
+DEVICE_MEDIUM = "GPU"
+
+
+def on_device(medium: str | None) -> bool:
+    """A block announced with this medium is in the engine's KV cache (not offloaded)."""
+    return medium is None or medium.upper() == DEVICE_MEDIUM
 
 
 class MalformedEvents(ValueError):
@@ -122,7 +136,12 @@ def decode_batch(payload: bytes) -> EventBatch:
         tagged = _TAGGED.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return _decode_generic(payload)
-    return EventBatch(tagged.ts, tuple(map(_from_tagged, tagged.events)), tagged.rank)
+    events = tuple(_from_tagged(e) for e in tagged.events if _on_device(e))
+    return EventBatch(tagged.ts, events, tagged.rank)
+
+
+def _on_device(event: _Stored | BlockRemoved | AllBlocksCleared) -> bool:
+    return isinstance(event, AllBlocksCleared) or on_device(event.medium)
 
 
 def _from_tagged(event: _Stored | BlockRemoved | AllBlocksCleared) -> Event:
@@ -158,7 +177,8 @@ def _decode_generic(payload: bytes) -> EventBatch:
         raise MalformedEvents("a batch is [ts, events, rank]")
     if rank is not None and not _is_int(rank):
         raise MalformedEvents("a batch's rank is an integer")
-    return EventBatch(float(ts), tuple(_event(e) for e in events), rank)
+    decoded = (_event(e) for e in events)
+    return EventBatch(float(ts), tuple(e for e in decoded if e is not None), rank)
 
 
 _STORED_POSITIONS = (
@@ -172,7 +192,9 @@ _STORED_POSITIONS = (
 _REMOVED_POSITIONS = ("block_hashes", "medium")
 
 
-def _event(raw: Any) -> Event:
+def _event(raw: Any) -> Event | None:
+    """The event; None for a block on an offload tier (checked before the rest: some
+    are placeholders, without tokens or a block size)."""
     if isinstance(raw, dict):
         kind, fields = raw.get("type"), raw
     elif isinstance(raw, list) and raw:
@@ -185,6 +207,9 @@ def _event(raw: Any) -> Event:
         fields = dict(zip(names, raw[1:], strict=False))
     else:
         raise MalformedEvents("an event is a tagged map or array")
+    offloaded = not on_device(_optional_str(fields.get("medium"), "medium"))
+    if kind in ("BlockStored", "BlockRemoved") and offloaded:
+        return None
     if kind == "BlockStored":
         return _stored(fields)
     if kind == "BlockRemoved":

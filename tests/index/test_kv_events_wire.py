@@ -109,6 +109,51 @@ def test_vllm_010_positional_arrays_decode() -> None:
     )
 
 
+def test_blocks_announced_on_an_offload_tier_are_not_residency() -> None:
+    """vLLM's offloading connector announces blocks stored to and removed from CPU memory
+    (some as placeholders without tokens or a block size): before, a placeholder made
+    the whole batch malformed (the worker's residency was reset), and a block offloaded
+    to CPU would have been counted as cached on the GPU."""
+    offloaded = stored_v033([sha(1)], None, list(range(4)))
+    placeholder = engine.BlockStored(
+        block_hashes=[sha(5)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )
+    payload = engine.encode(
+        engine.EventBatch(
+            ts=1.0,
+            events=[
+                stored_v033([sha(2)], None, list(range(4))),
+                msgspec.structs.replace(offloaded, medium="CPU"),
+                placeholder,
+                engine.BlockRemoved(block_hashes=[sha(2)], medium="cpu"),
+                engine.BlockRemoved(block_hashes=[sha(3)], medium="STORAGE"),
+                engine.BlockRemoved(block_hashes=[sha(4)], medium="GPU"),
+            ],
+        )
+    )
+    assert decode_batch(payload).events == (
+        BlockStored((sha(2),), None, tuple(range(4)), BLOCK, None, "GPU", None, None),
+        BlockRemoved((sha(4),), "GPU"),
+    )
+    old = engine.encode(
+        engine.EventBatch(
+            ts=2.0,
+            events=[
+                engine.OldBlockStored([11], None, [], 0, None, "CPU"),
+                engine.OldBlockRemoved([11], "CPU"),
+                engine.OldBlockRemoved([12], None),
+            ],
+        )
+    )
+    assert decode_batch(old).events == (BlockRemoved((12,)),)
+
+
 def test_sglang_batches_carry_the_salt_and_the_attention_dp_rank() -> None:
     payload = engine.encode(
         engine.SglangEventBatch(
