@@ -207,8 +207,9 @@ def _event(raw: Any) -> Event | None:
         fields = dict(zip(names, raw[1:], strict=False))
     else:
         raise MalformedEvents("an event is a tagged map or array")
-    offloaded = not on_device(_optional_str(fields.get("medium"), "medium"))
-    if kind in ("BlockStored", "BlockRemoved") and offloaded:
+    if kind in ("BlockStored", "BlockRemoved") and not on_device(
+        _optional_str(fields.get("medium"), "medium")
+    ):
         return None
     if kind == "BlockStored":
         return _stored(fields)

@@ -17,6 +17,19 @@ from bench.workloads.trace import write_trace
 from tests.bench.test_reference import _agent_trace, _records
 
 
+def _meta(duration_s: float, slo_ttft_s: float | None = None) -> RunMeta:
+    return RunMeta(
+        target="http://x",
+        trace="t",
+        model="m",
+        time_scale=1.0,
+        concurrency=0,
+        started_at="2026-12-01T00:00:00Z",
+        duration_s=duration_s,
+        slo_ttft_s=slo_ttft_s,
+    )
+
+
 def test_rescore_rebuilds_the_reference_from_each_rounds_trace_and_records(
     tmp_path: Path,
 ) -> None:
@@ -25,15 +38,7 @@ def test_rescore_rebuilds_the_reference_from_each_rounds_trace_and_records(
     row = tmp_path / "chat"  # a row whose workload is a lambda: rows are found by name
     row.mkdir()
     write_trace(turns, row / "trace.r1.jsonl")
-    meta = RunMeta(
-        target="http://x",
-        trace="t",
-        model="m",
-        time_scale=1.0,
-        concurrency=0,
-        started_at="2026-12-01T00:00:00Z",
-        duration_s=100.0,
-    )
+    meta = _meta(duration_s=100.0)
     # A slower router's run: the same requests, each session's turns bunched together.
     in_session_order = sorted(records, key=lambda r: (r.session, r.turn))
     bunched = [replace(r, start=float(i)) for i, r in enumerate(in_session_order)]
@@ -63,16 +68,7 @@ def test_rescore_reads_each_offered_load_against_another_objective_keeping_the_e
     turns = _agent_trace()
     # First tokens 0.1 s, 0.2 s, ... : how many are within an objective is known.
     records = [replace(r, ttft_s=0.1 * (i + 1)) for i, r in enumerate(_records(turns))]
-    meta = RunMeta(
-        target="http://x",
-        trace="t",
-        model="m",
-        time_scale=1.0,
-        concurrency=0,
-        started_at="2026-12-01T00:00:00Z",
-        duration_s=10.0,
-        slo_ttft_s=0.25,
-    )
+    meta = _meta(duration_s=10.0, slo_ttft_s=0.25)
     for load in ("0.5x", "2x"):
         directory = tmp_path / "chat" / f"load-{load}"
         directory.mkdir(parents=True)
