@@ -8,11 +8,14 @@ import contextlib
 import logging
 from typing import Any
 
+import orjson
+
 from bench.sim.config import (
     DEFAULT_BLOCK_TOKENS,
     DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_OFFLOAD_GBPS,
     DEFAULT_RESPONSES_STORE_MAX,
     DEFAULT_STREAM_FLUSH_WALL_S,
     DEFAULT_TIME_SCALE,
@@ -146,6 +149,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_RESPONSES_STORE_MAX,
         help="stored responses kept, the oldest forgotten first (vLLM keeps all)",
     )
+    parser.add_argument(
+        "--kv-offloading-size",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="as vLLM's: a CPU tier of this many GiB behind the GPU's KV cache; every "
+        "cached block is written there, and a prompt continuing its GPU hit there is "
+        "loaded back over the host link",
+    )
+    parser.add_argument(
+        "--kv-offloading-backend",
+        choices=("native",),
+        default="native",
+        help="as vLLM's (its native offloading connector)",
+    )
+    parser.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help="as vLLM's, JSON; only "
+        '\'{"kv_connector_extra_config": {"self_describing_kv_events": true}}\' is read: '
+        "the CPU tier's KV events carry tokens and parents (vLLM's default: placeholders)",
+    )
+    parser.add_argument(
+        "--kv-offloading-gbps",
+        type=float,
+        default=DEFAULT_OFFLOAD_GBPS,
+        help="GB/s per GPU a load from the CPU tier crosses the host link at",
+    )
 
 
 def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfig:
@@ -183,7 +214,38 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         responses_store_max=args.responses_store_max,
         tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
         restore=getattr(args, "restore", None),
+        kv_offloading_bytes=(
+            int(args.kv_offloading_size * GIB) if args.kv_offloading_size is not None else None
+        ),
+        kv_offloading_gbps=args.kv_offloading_gbps,
+        kv_offloading_self_describing_events=self_describing_offload_events(
+            args.kv_transfer_config
+        ),
     )
+
+
+GIB = 1 << 30
+SELF_DESCRIBING = "self_describing_kv_events"
+
+
+def self_describing_offload_events(kv_transfer_config: str | None) -> bool:
+    """The one field of vLLM's --kv-transfer-config the simulator reads (ValueError for
+    anything else in it)."""
+    if kv_transfer_config is None:
+        return False
+    try:
+        raw = orjson.loads(kv_transfer_config)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from None
+    extra = raw.get("kv_connector_extra_config") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or set(raw) != {"kv_connector_extra_config"}:
+        raise ValueError("--kv-transfer-config: only kv_connector_extra_config is simulated")
+    if not isinstance(extra, dict) or set(extra) - {SELF_DESCRIBING}:
+        raise ValueError(f"--kv-transfer-config: only {SELF_DESCRIBING} is simulated")
+    value = extra.get(SELF_DESCRIBING, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{SELF_DESCRIBING} is true or false")
+    return value
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -219,6 +281,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         str(args.responses_store_max),
         "--tool-call-parser",
         args.tool_call_parser,
+        "--kv-offloading-gbps",
+        str(args.kv_offloading_gbps),
     ]
     if args.enable_responses_store:
         flags.append("--enable-responses-store")
@@ -229,6 +293,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         "--max-model-len": args.max_model_len,
         "--api-key": args.api_key,
         "--tokenizer": args.tokenizer,
+        "--kv-offloading-size": args.kv_offloading_size,
+        "--kv-transfer-config": args.kv_transfer_config,
     }
     for flag, value in optional.items():
         if value is not None:

@@ -9,7 +9,7 @@ from bench.sim.kv_events import KVEventsConfig
 from bench.sim.sglang_kv_events import SglangKVEventsConfig
 from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.planning.capacity import GpuSpec, ModelShape
-from router.planning.interruption import DEFAULT_PREFILL_MFU
+from router.planning.interruption import DEFAULT_PREFILL_MFU, DEFAULT_RESTORE_GBPS
 
 Flavor = Literal["vllm", "sglang"]
 
@@ -37,6 +37,8 @@ DEFAULT_STREAM_FLUSH_WALL_S = 0.1
 DEFAULT_RESPONSES_STORE_MAX = 10_000
 # Qwen3's tool calls are written in the Hermes format, which vLLM's parser of that name reads.
 DEFAULT_TOOL_CALL_PARSER = "hermes"
+# A load from the CPU tier crosses PCIe as a checkpoint's restore does.
+DEFAULT_OFFLOAD_GBPS = DEFAULT_RESTORE_GBPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,15 @@ class EngineConfig:
     # A checkpoint file (``bench/sim/checkpoint.py``) the engine starts from, as a
     # process restored from a GPU checkpoint; None: an empty cache.
     restore: str | None = None
+    # As vLLM's --kv-offloading-backend native --kv-offloading-size (in bytes here): a
+    # CPU tier of this size behind the GPU's cache (``bench/sim/offload.py``); None: none.
+    kv_offloading_bytes: int | None = None
+    # The host link a load from that tier crosses, per GPU (GB/s, decimal).
+    kv_offloading_gbps: float = DEFAULT_OFFLOAD_GBPS
+    # As the offloading connector's kv_connector_extra_config "self_describing_kv_events":
+    # the tier's BlockStored events carry tokens and parents; off (vLLM's default) they
+    # are placeholders (the block's hash alone).
+    kv_offloading_self_describing_events: bool = False
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -116,6 +127,15 @@ class EngineConfig:
             (self.stream_interval >= 1, "stream_interval must be >= 1"),
             (self.stream_flush_wall_s >= 0, "stream_flush_wall_s must be >= 0"),
             (self.responses_store_max >= 1, "responses_store_max must be >= 1"),
+            (
+                self.kv_offloading_bytes is None or self.kv_offloading_bytes > 0,
+                "kv_offloading_bytes must be > 0",
+            ),
+            (self.kv_offloading_gbps > 0, "kv_offloading_gbps must be > 0"),
+            (
+                self.kv_offloading_bytes is None or self.flavor == "vllm",
+                "an offload tier is vLLM's (--kv-offloading-size)",
+            ),
         ]
         for ok, message in checks:
             if not ok:

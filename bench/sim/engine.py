@@ -25,6 +25,7 @@ from bench.sim.kv_event_log import EngineEvents, EventLog
 from bench.sim.kv_stream import KVEventStream
 from bench.sim.metrics import EngineMetrics
 from bench.sim.model_prompts import ModelPrompts
+from bench.sim.offload import OffloadTier
 from bench.sim.prefix_hashes import PrefixHashes
 from bench.sim.prompts import STAND_IN, Prompts
 from bench.sim.request import SimRequest
@@ -83,6 +84,17 @@ def kv_capacity_tokens(config: EngineConfig) -> int:
     return plan.resident_tokens
 
 
+def offload_tier(config: EngineConfig) -> OffloadTier | None:
+    """The CPU tier ``config.kv_offloading_bytes`` buys, in the GPU's blocks."""
+    if config.kv_offloading_bytes is None:
+        return None
+    block_bytes = config.block_tokens * config.model.kv_bytes_per_token(config.kv_cache_dtype_bytes)
+    blocks = config.kv_offloading_bytes // block_bytes
+    if blocks < 1:
+        raise ValueError("kv_offloading_bytes holds less than one block")
+    return OffloadTier(blocks)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -109,7 +121,14 @@ class Engine:
         )
         self.pool = BlockPool(self.num_blocks, config.block_tokens)
         self.prefix_hashes = PrefixHashes(config.block_tokens)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.offload = offload_tier(config)
+        self.scheduler = Scheduler(
+            self.pool,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.offload,
+            self.roofline.load_seconds(config.block_tokens, config.kv_offloading_gbps),
+        )
         # How prompts become tokens: the stand-in's, or the model's (``running_engine``).
         self.prompts: Prompts = STAND_IN
         self.kv_stream: KVEventStream | None = None
@@ -276,7 +295,13 @@ class Engine:
         else:
             hasher = BlockHasher(config.prefix_caching_hash_algo)
             int_hashes = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") != "0"
-            log = EngineEvents(stream, hasher, config.block_tokens, int_hashes)
+            log = EngineEvents(
+                stream,
+                hasher,
+                config.block_tokens,
+                int_hashes,
+                config.kv_offloading_self_describing_events,
+            )
         self.scheduler.publish_kv_events(log)
 
     # -- the loop ---------------------------------------------------------------------
@@ -301,20 +326,27 @@ class Engine:
                 self._cursor = self.clock.now()
                 continue
             self._changed_at = math.inf
-            plan = scheduler.schedule()
+            now = self.clock.now()
+            start = max(self._cursor, now - MAX_CATCH_UP_WALL_S * self.clock.scale)
+            plan = scheduler.schedule(start)
             for queried, hit in plan.prefix_queries:
                 self.metrics.record_prefix_query(queried, hit)
                 self.prefix_queries += queried
                 self.prefix_hits += hit
+            for queried, hit in plan.offload_queries:
+                self.metrics.record_offload_query(queried, hit)
             for _ in plan.preempted:
                 self.metrics.record_preemption()
-            now = self.clock.now()
+            load_end = scheduler.next_load_end()
+            if load_end is not None:  # a span ends at the step where it does
+                self._changed_at = min(self._changed_at, load_end)
             if not plan.work:
-                # Nothing fits this instant (every block pinned); wait for a change.
-                await self._wait_for_change(0.01)
+                # Nothing fits this instant (every block pinned, or the prompts are
+                # loading from the offload tier); wait for a change or a load's end.
+                timeout = 0.01 if load_end is None else (load_end - now) / self.clock.scale
+                await self._wait_for_change(max(timeout, CLOCK_RESOLUTION_S))
                 self._cursor = self.clock.now()
                 continue
-            start = max(self._cursor, now - MAX_CATCH_UP_WALL_S * self.clock.scale)
             self._mark_scheduled(plan, start)
             span = scheduler.decode_span(plan, MAX_DECODE_SPAN)
             if span == 1:

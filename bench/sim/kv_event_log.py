@@ -29,6 +29,7 @@ from bench.sim.vllm_hash import BlockHasher, block_extra_keys, event_extra_keys,
 from router.wire.blocks import TOKEN_BYTES
 
 MEDIUM = "GPU"
+OFFLOAD_MEDIUM = "CPU"  # vLLM's native offloading connector's tier
 GROUP = 0  # one full-attention KV cache group
 SPEC_KIND = "full_attention"  # vLLM 0.32 names the group's kind
 
@@ -68,6 +69,8 @@ class EventLog(Protocol):
 
     def stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None: ...
     def removed(self, pool_hash: int) -> None: ...
+    def offload_stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None: ...
+    def offload_removed(self, pool_hash: int) -> None: ...
     def cleared(self) -> None: ...
     def flush(self) -> None: ...
     def described(self, pool_hash: int) -> StoredBlock | None: ...
@@ -75,15 +78,27 @@ class EventLog(Protocol):
 
 
 class EngineEvents:
+    """vLLM's events for the GPU's cache and, with an offload tier, the CPU's: with
+    ``self_describing`` (the offloading connector's ``self_describing_kv_events``) a
+    block stored to CPU is announced as a GPU one is, with ``medium`` "CPU"; without,
+    as the connector's placeholder: its hash alone, no tokens, ``block_size`` 0."""
+
     def __init__(
-        self, sink: BatchSink, hasher: BlockHasher, block_tokens: int, int_hashes: bool = False
+        self,
+        sink: BatchSink,
+        hasher: BlockHasher,
+        block_tokens: int,
+        int_hashes: bool = False,
+        self_describing: bool = True,
     ) -> None:
         self.sink = sink
         self.hasher = hasher
         self.block_tokens = block_tokens
         self.int_hashes = int_hashes
+        self.self_describing = self_describing
         self._names: dict[int, bytes] = {}  # a cached block's pool hash -> its vLLM hash
         self._stored: dict[int, StoredBlock] = {}  # and what its BlockStored told
+        self._offload_names: dict[int, bytes] = {}  # the same for the offload tier
         self._pending: list[Any] = []
 
     def stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None:
@@ -101,6 +116,56 @@ class EngineEvents:
             self._pending.append(
                 BlockRemoved(block_hashes=[self._external(name)], medium=MEDIUM, group_idx=GROUP)
             )
+
+    def offload_stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None:
+        """Blocks ``first ..`` of ``request``, cached on the GPU (``stored`` named them),
+        were written to the offload tier; ``fresh[i]``: block ``first + i`` was not there."""
+        names = request.engine_hashes
+        for start, end in fresh_runs(first, fresh):
+            for i in range(start, end):
+                self._offload_names[request.hashes[i]] = names[i]
+            if self.self_describing:
+                self._pending.append(self._offloaded_run(request, names, start, end))
+            else:
+                self._pending += (self._placeholder(names[i]) for i in range(start, end))
+
+    def offload_removed(self, pool_hash: int) -> None:
+        name = self._offload_names.pop(pool_hash, None)
+        if name is not None:
+            self._pending.append(
+                BlockRemoved(
+                    block_hashes=[self._external(name)], medium=OFFLOAD_MEDIUM, group_idx=GROUP
+                )
+            )
+
+    def _offloaded_run(
+        self, request: SimRequest, names: list[bytes], start: int, end: int
+    ) -> BlockStored:
+        """As the connector's ``OffloadingEventsTracker`` describes a stored chunk."""
+        return BlockStored(
+            block_hashes=[self._external(names[i]) for i in range(start, end)],
+            parent_block_hash=self._external(names[start - 1]) if start else None,
+            token_ids=self._token_ids(request, start, end),
+            block_size=self.block_tokens,
+            lora_id=None,
+            medium=OFFLOAD_MEDIUM,
+            lora_name=None,
+            extra_keys=None,
+            group_idx=GROUP,
+            kv_cache_spec_kind=SPEC_KIND,
+        )
+
+    def _placeholder(self, name: bytes) -> BlockStored:
+        return BlockStored(
+            block_hashes=[self._external(name)],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium=OFFLOAD_MEDIUM,
+            lora_name=None,
+            group_idx=GROUP,
+        )
 
     def cleared(self) -> None:
         self._names.clear()

@@ -153,6 +153,8 @@ class _FlavorMetrics(Protocol):
 
     def record_prefix_query(self, queries: int, hits: int) -> None: ...
 
+    def record_offload_query(self, queries: int, hits: int) -> None: ...
+
     def record_iteration(self, tokens: int, steps: int) -> None: ...
 
     def record_preemption(self) -> None: ...
@@ -300,8 +302,8 @@ class _VllmMetrics:
         self.prompt_cached = series.counter(
             "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external)."
         )
-        # The simulator's one cache tier is the GPU's: every hit is a "device" hit.
-        self.cached_on_device = series.counters_by(
+        # The GPU's hits are "device" hits; the offload tier's (CPU memory) "host" ones.
+        cached_by_source = series.counters_by(
             "vllm:prompt_tokens_cached_by_source",
             "Prefix-cache hit tokens by the cache tier that supplied them: device (local "
             "HBM), host (offloaded to DRAM), disk, p2p (transferred from another vLLM "
@@ -309,7 +311,17 @@ class _VllmMetrics:
             "vllm:prefix_cache_hits + vllm:external_prefix_cache_hits.",
             "source",
             VLLM_CACHE_HIT_SOURCES,
-        )["device"]
+        )
+        self.cached_on_device = cached_by_source["device"]
+        self.cached_on_host = cached_by_source["host"]
+        self.external_queries, self.external_hits = (
+            series.counter(
+                f"vllm:external_prefix_cache_{kind}",
+                f"External prefix cache {kind} from KV connector cross-instance cache "
+                f"sharing, in terms of number of {unit}.",
+            )
+            for kind, unit in (("queries", "queried tokens"), ("hits", "cached tokens"))
+        )
         self.generation_tokens = series.counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
         )
@@ -417,6 +429,11 @@ class _VllmMetrics:
         self.prefix_hits.inc(hits)
         self.cached_on_device.inc(hits)
 
+    def record_offload_query(self, queries: int, hits: int) -> None:
+        self.external_queries.inc(queries)
+        self.external_hits.inc(hits)
+        self.cached_on_host.inc(hits)
+
     def record_iteration(self, tokens: int, steps: int) -> None:
         observe(self.iteration_tokens, tokens, steps)
 
@@ -479,12 +496,6 @@ def _add_fixed_vllm_series(
         fixed.counter(
             f"vllm:estimated_{what}_per_gpu_total",
             f"{doc} (for Model Flops Utilization calculations).",
-        )
-    for kind, unit in (("queries", "queried tokens"), ("hits", "cached tokens")):
-        fixed.counter(
-            f"vllm:external_prefix_cache_{kind}",
-            f"External prefix cache {kind} from KV connector cross-instance cache "
-            f"sharing, in terms of number of {unit}.",
         )
     for kind, unit in (("queries", "queried items"), ("hits", "cached items")):
         fixed.counter(
@@ -652,6 +663,9 @@ class _SglangMetrics:
         self._batch_hits += hits
         self.cached_tokens.inc(hits)
 
+    def record_offload_query(self, queries: int, hits: int) -> None:
+        pass  # an SGLang-flavoured engine has no offload tier (EngineConfig)
+
     def record_iteration(self, tokens: int, steps: int) -> None:
         pass  # not exported in this flavor
 
@@ -768,6 +782,11 @@ class EngineMetrics:
         if not 0 <= hits <= queries:
             raise ValueError(f"need 0 <= hits <= queries, got hits={hits} queries={queries}")
         self._metrics.record_prefix_query(queries, hits)
+
+    def record_offload_query(self, queries: int, hits: int) -> None:
+        """Once per request that looked in the offload tier: the prompt tokens beyond
+        the GPU's hit looked up there, and those found (loaded back)."""
+        self._metrics.record_offload_query(queries, hits)
 
     def record_iteration(self, tokens: int, steps: int = 1) -> None:
         """After a step (or ``steps`` alike) that produced tokens: ``tokens`` each, as vLLM

@@ -50,6 +50,8 @@ class SimRequest:
         "hashes",
         "id",
         "listener",
+        "loaded_from",
+        "loading_until",
         "max_output",
         "max_tokens",
         "num_computed",
@@ -106,6 +108,10 @@ class SimRequest:
         self.output_tokens = 0
         self.published_tokens = 0  # output tokens the handler was last woken for
         self.cached_tokens = 0
+        # While its prefix is read back from the offload tier: when that ends, and the
+        # first block it loads (the blocks from there to ``num_computed`` are the load's).
+        self.loading_until: float | None = None
+        self.loaded_from = 0
         self.num_preemptions = 0
         self.status = WAITING
         self.scheduled_at: float | None = None

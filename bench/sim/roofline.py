@@ -38,6 +38,7 @@ class Roofline:
     flops_per_second: float
     bytes_per_second: float
     step_overhead_s: float
+    gpus: int = 1
 
     @classmethod
     def for_engine(cls, config: EngineConfig) -> Roofline:
@@ -50,7 +51,13 @@ class Roofline:
             flops_per_second=gpu.dense_bf16_flops * tp * config.prefill_efficiency,
             bytes_per_second=gpu.hbm_bandwidth * tp * config.decode_efficiency,
             step_overhead_s=config.step_overhead_s,
+            gpus=tp,
         )
+
+    def load_seconds(self, tokens: int, link_gbps: float) -> float:
+        """Seconds to read ``tokens`` of KV back over a host link of ``link_gbps`` GB/s
+        per GPU (each GPU reads its shard)."""
+        return tokens * self.kv_bytes_per_token / (link_gbps * 1e9 * self.gpus)
 
     def step_seconds(self, work: Iterable[tuple[int, int]]) -> float:
         """Seconds for one step; ``work`` holds (new_tokens, context_tokens) per request."""

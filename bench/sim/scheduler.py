@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from bench.sim.kv_cache import BlockPool
 from bench.sim.kv_event_log import EventLog
+from bench.sim.offload import OffloadTier
 from bench.sim.request import FINISHED, RUNNING, WAITING, SimRequest
 
 
@@ -35,6 +36,8 @@ class StepPlan:
     preempted: list[SimRequest] = field(default_factory=list)
     # Prefix-cache lookups made while admitting: (prompt tokens queried, tokens hit).
     prefix_queries: list[tuple[int, int]] = field(default_factory=list)
+    # Offload-tier lookups: (prompt tokens queried beyond the GPU's hit, tokens loaded).
+    offload_queries: list[tuple[int, int]] = field(default_factory=list)
 
     def shape(self) -> list[tuple[int, int]]:
         return [(new, context) for _, new, context in self.work]
@@ -54,10 +57,19 @@ def _blocks_for(tokens: int, block_tokens: int) -> int:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        offload: OffloadTier | None = None,
+        load_seconds_per_block: float = 0.0,
+    ) -> None:
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.offload = offload
+        self.load_seconds_per_block = load_seconds_per_block
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.events: EventLog | None = None
@@ -65,19 +77,31 @@ class Scheduler:
     def publish_kv_events(self, events: EventLog) -> None:
         self.events = events
         self.pool.on_evict = events.removed
+        if self.offload is not None:
+            self.offload.on_evict = events.offload_removed
 
     def _cache(self, request: SimRequest, first: int, full: int) -> None:
-        """Register the blocks ``first .. full`` of ``request`` just filled."""
+        """Register the blocks ``first .. full`` of ``request`` just filled (and, with
+        an offload tier, store them there)."""
         pool, events = self.pool, self.events
         hashes = request.hashes[first:full]
         fresh = [not pool.is_cached(h) for h in hashes] if events is not None else []
         pool.register_blocks(request.blocks[first:full], hashes)
         if events is not None:
             events.stored(request, first, fresh)
+        if self.offload is not None:
+            offloaded = self.offload.store(hashes)
+            if events is not None:
+                events.offload_stored(request, first, offloaded)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def next_load_end(self) -> float | None:
+        """When the first load from the offload tier in flight ends (None: none is)."""
+        ends = [r.loading_until for r in self.waiting if r.loading_until is not None]
+        return min(ends, default=None)
 
     def add(self, request: SimRequest) -> None:
         self.waiting.append(request)
@@ -90,14 +114,17 @@ class Scheduler:
         elif request.status is WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(request)
+            self._free(request)  # a load in flight holds its blocks
         request.status = FINISHED
         request.finish_reason = request.finish_reason or "abort"
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, now: float = 0.0) -> StepPlan:
+        """The step starting at ``now`` (simulated seconds: loads from the offload tier
+        end in time)."""
         plan = StepPlan()
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         if not plan.preempted:
-            self._schedule_waiting(plan, budget)
+            self._schedule_waiting(plan, budget, now)
         return plan
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
@@ -134,27 +161,79 @@ class Scheduler:
         """The tokens of ``request`` a hit would cover now (``prefix_hit``)."""
         return len(self.prefix_hit(request)[0]) * self.pool.block_tokens
 
-    def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, budget: int, now: float) -> None:
+        """Admit waiting requests first come, first served. A request whose prefix
+        continues in the offload tier first waits for it to load (its blocks held, out
+        of the queue's way, as vLLM's WAITING_FOR_REMOTE_KVS), then is admitted from
+        there."""
         pool, block_tokens = self.pool, self.pool.block_tokens
+        loading: list[SimRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit, hit_free = self.prefix_hit(request)
-            computed = len(hit) * block_tokens
+            if request.loading_until is not None:
+                if request.loading_until > now:
+                    loading.append(self.waiting.popleft())
+                    continue
+                self._loaded(request)
+                hit, hit_free = request.blocks, 0
+                computed = request.num_computed
+            else:
+                hit, hit_free = self.prefix_hit(request)
+                computed = len(hit) * block_tokens
+                if self._start_load(request, hit, hit_free, plan, now):
+                    loading.append(self.waiting.popleft())
+                    continue
             new = min(request.num_tokens - computed, budget)
             need = _blocks_for(computed + new, block_tokens) - len(hit)
             if need + hit_free > pool.num_free:
                 break
             self.waiting.popleft()
-            pool.touch(hit)
+            if request.loading_until is None:  # a loaded request's blocks are its own
+                pool.touch(hit)
             request.blocks = hit + pool.allocate(need)
             request.num_computed = computed
-            if request.num_preemptions == 0:
+            if request.num_preemptions == 0 and request.loading_until is None:
                 request.cached_tokens = computed
                 plan.prefix_queries.append((request.num_tokens, computed))
+            request.loading_until = None
             request.status = RUNNING
             self.running.append(request)
             plan.work.append((request, new, computed))
             budget -= new
+        self.waiting.extendleft(reversed(loading))
+
+    def _start_load(
+        self, request: SimRequest, hit: list[int], hit_free: int, plan: StepPlan, now: float
+    ) -> bool:
+        """Start loading what continues ``request``'s GPU hit from the offload tier, if
+        anything does and the blocks for it are free; whether it started."""
+        offload, pool = self.offload, self.pool
+        if offload is None:
+            return False
+        block_tokens = pool.block_tokens
+        limit = (request.num_tokens - 1) // block_tokens
+        found = offload.continuation(request.hashes, len(hit), limit)
+        first_try = request.num_preemptions == 0
+        if first_try:
+            plan.offload_queries.append(
+                (request.num_tokens - len(hit) * block_tokens, found * block_tokens)
+            )
+        if not found or found + hit_free > pool.num_free:
+            return False
+        offload.touch(request.hashes[len(hit) : len(hit) + found])
+        pool.touch(hit)
+        request.blocks = hit + pool.allocate(found)
+        request.loaded_from = len(hit)
+        request.num_computed = (len(hit) + found) * block_tokens
+        if first_try:
+            request.cached_tokens = request.num_computed
+            plan.prefix_queries.append((request.num_tokens, len(hit) * block_tokens))
+        request.loading_until = now + found * self.load_seconds_per_block
+        return True
+
+    def _loaded(self, request: SimRequest) -> None:
+        """``request``'s load from the offload tier ended: the GPU caches what it read."""
+        self._cache(request, request.loaded_from, request.num_computed // self.pool.block_tokens)
 
     def decode_span(self, plan: StepPlan, limit: int) -> int:
         """Steps (at most ``limit``) that ``plan``'s batch runs unchanged if nothing
@@ -272,6 +351,8 @@ class Scheduler:
         self.running.clear()
         self.waiting.clear()
         self.pool.reset()
+        if self.offload is not None:
+            self.offload.reset()
         return dropped
 
     def reset_prefix_cache(self, reset_running: bool = False) -> tuple[bool, list[SimRequest]]:

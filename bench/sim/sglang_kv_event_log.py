@@ -70,6 +70,12 @@ class SglangEngineEvents:
         if name is not None:
             self._enqueue(BlockRemoved(block_hashes=[name[1]], medium=MEDIUM))
 
+    def offload_stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None:
+        """Never called: an SGLang-flavoured engine has no offload tier (``EngineConfig``)."""
+
+    def offload_removed(self, pool_hash: int) -> None:
+        """Never called, as ``offload_stored``."""
+
     def cleared(self) -> None:
         self._names.clear()
         self._pending.append(AllBlocksCleared())
