@@ -63,6 +63,12 @@ class WorkerView(NamedTuple):
     # come back for, learned from when sessions return (router.routing.returns); 0
     # unless the policy ``counts_returns``.
     returning_evicted_tokens: float = 0.0
+    # Of the prompt beyond ``matched_tokens``, the tokens the worker's engine holds in its
+    # CPU tier (offloaded), unbroken from where the match ends: it would read them back
+    # over the host link, at ``reload_tokens_per_s`` (0: not known), before prefilling
+    # the rest.
+    offloaded_tokens: int = 0
+    reload_tokens_per_s: float = 0.0
 
 
 class Decision(NamedTuple):

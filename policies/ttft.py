@@ -13,6 +13,17 @@ For each candidate worker ``w``::
 ``matched(w)`` is how much of this prompt the worker is modelled to hold, ``resident(w)``
 how much it holds in all and ``capacity(w)`` its KV capacity.
 
+A worker whose engine offloads to CPU memory may hold more of the prompt there, beyond
+its GPU match (``offloaded(w)``): reading it back costs its bytes over the host link, not
+its prefill, so it counts as cached and adds its reload to the estimate::
+
+    new(w)     = prompt_tokens - cache_weight x (matched(w) + offloaded(w))
+    ttft(w)    = ... + offloaded(w) / reload_rate(w)
+
+``reload_rate(w)`` is tokens a second over the worker's host link (its KV bytes per token
+and link speed, ``router.planning.reload``); where it is not known, or with
+``count_offloaded`` off, a CPU-tier hit is not credited.
+
 Two knobs trade affinity for load in plain terms: ``cache_weight`` is how much a cached
 token is worth against a token of queued work (1.0 takes the estimate at face value; 0
 ignores caches). ``eviction_weight`` is what a cached token of someone else's costs when
@@ -112,6 +123,7 @@ class TtftParams:
     subagents_with_parent: bool = False
     return_weight: float = DEFAULT_RETURN_WEIGHT
     ties_spare_returns: bool = False
+    count_offloaded: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.tie_tolerance < 1:
@@ -128,10 +140,20 @@ class TtftParams:
 
 def estimate_ttft(view: WorkerView, prompt_tokens: int, params: TtftParams) -> float:
     rate = max(view.prefill_tokens_per_s, MIN_RATE)
-    new = max(0.0, prompt_tokens - params.cache_weight * view.matched_tokens)
+    reloaded = credited_offload(view, params)
+    cached = view.matched_tokens + reloaded
+    new = max(0.0, prompt_tokens - params.cache_weight * cached)
     evicted = max(0.0, view.resident_tokens + new - view.capacity_tokens)
     lost = params.eviction_weight * evicted + params.return_weight * view.returning_evicted_tokens
-    return (view.queued_prefill_tokens + new + lost) / rate
+    reload_s = reloaded / view.reload_tokens_per_s if reloaded else 0.0
+    return (view.queued_prefill_tokens + new + lost) / rate + reload_s
+
+
+def credited_offload(view: WorkerView, params: TtftParams) -> int:
+    """The CPU-tier tokens the estimate counts as cached (their reload priced)."""
+    if params.count_offloaded and view.reload_tokens_per_s > 0:
+        return view.offloaded_tokens
+    return 0
 
 
 class TtftPolicy(Policy):
@@ -172,9 +194,10 @@ class TtftPolicy(Policy):
             spread = params.spread_first_turns and _opens_a_session(request, candidates)
             parent = request.parent_worker if params.subagents_with_parent else None
             chosen = self._best(scored, spread, parent if request.first_turn else None)
-        best_match = max(v.matched_tokens for v in candidates)
-        followed_cache = best_match > 0 and chosen.matched_tokens == best_match
-        return Decision(chosen.name, "prefix" if followed_cache else "load", chosen.matched_tokens)
+        best_match = max(v.matched_tokens + credited_offload(v, params) for v in candidates)
+        held = chosen.matched_tokens + credited_offload(chosen, params)
+        followed_cache = best_match > 0 and held == best_match
+        return Decision(chosen.name, "prefix" if followed_cache else "load", held)
 
     def _best(
         self, scored: Sequence[_Scored], shared_prefix_ties: bool, parent: str | None = None

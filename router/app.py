@@ -29,7 +29,9 @@ from router.index.residency import LocalPrefixIndex, PrefixIndex
 from router.kv_events.metrics import KvEventMetrics
 from router.kv_events.subscriptions import KvEventSubscriptions
 from router.observability.metrics import RouterMetrics
+from router.observability.offload_metrics import OffloadCollector
 from router.observability.queue_metrics import QueueMetrics
+from router.planning.reload import reload_tokens_per_s
 from router.replication.connect import connect
 from router.replication.index import SharedPrefixIndex
 from router.replication.metrics import PathMetrics, RedisMetrics
@@ -62,6 +64,8 @@ def build_state(
     fleet, local = Fleet(), LocalPrefixIndex()
     index: PrefixIndex = SharedPrefixIndex(local) if config.state.url else local
     metrics = RouterMetrics(fleet, index, block_tokens)
+    reload_rate = reload_tokens_per_s(config.offload, config.capacity)
+    metrics.registry.register(OffloadCollector(fleet, local, block_tokens, reload_rate))
     policies = PolicySlot(config.policy, config.policy_knobs, config.seed, metrics)
     router = Router(
         fleet,
@@ -71,6 +75,7 @@ def build_state(
         metrics,
         config.health.stale_after_s,
         config.log_requests,
+        reload_rate,
     )
     queue_metrics = QueueMetrics(metrics.registry)
     queue = RequestQueue(

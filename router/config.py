@@ -531,6 +531,28 @@ class KvEventsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    """What reading a prefix back from an engine's CPU tier costs, so that a hit there
+    is priced by its reload: tokens x KV bytes per token / the host link's speed.
+
+    ``kv_bytes_per_token``: the engines' (0: from ``capacity.model`` and
+    ``capacity.kv_dtype`` with the capacity math; with neither, a CPU-tier hit is not
+    credited at all). ``link_gbps``: GB/s one GPU reads host memory at (None: PCIe Gen5
+    x16's effective rate, the capacity planner's); a worker of
+    ``capacity.gpus_per_worker`` GPUs reads its tier that many times as fast.
+    """
+
+    kv_bytes_per_token: int = 0
+    link_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 0:
+            raise ConfigError("kv_bytes_per_token: must be >= 0")
+        if self.link_gbps is not None and not self.link_gbps > 0:
+            raise ConfigError("link_gbps: must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class RouterConfig:
     workers: tuple[WorkerConfig, ...] = ()
     host: str = "0.0.0.0"
@@ -549,6 +571,7 @@ class RouterConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     limits: RequestLimits = field(default_factory=RequestLimits)
     clients: ClientConfig = field(default_factory=ClientConfig)

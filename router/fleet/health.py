@@ -68,6 +68,14 @@ _LOAD_NAMES = {
 }
 
 
+# vLLM's counters of prompt tokens found in an offload tier (with their "_total" suffix,
+# as exposed); by source where the engine splits them, else all its connector's hits.
+_CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+_CONNECTOR_HITS = "vllm:external_prefix_cache_hits_total"
+_OFFLOAD_HIT_NAMES = (_CACHED_BY_SOURCE, _CONNECTOR_HITS)
+_OFFLOAD_SOURCES = frozenset({"host", "disk"})
+
+
 @dataclass(frozen=True, slots=True)
 class EngineFacts:
     """What an engine's /metrics says about it."""
@@ -78,6 +86,9 @@ class EngineFacts:
     waiting: int | None = None
     kv_usage: float | None = None  # 0..1
     block_tokens: int | None = None  # tokens per KV block (vLLM's cache_config_info)
+    # Prompt tokens read from an offload tier (vLLM's prompt_tokens_cached_by_source
+    # host and disk; else its external_prefix_cache_hits), since the engine started.
+    offload_hits: float | None = None
 
 
 _WANTED = frozenset(
@@ -86,6 +97,7 @@ _WANTED = frozenset(
         "vllm:cache_config_info",
         "sglang:max_total_num_tokens",
         "process_start_time_seconds",
+        *_OFFLOAD_HIT_NAMES,
     }
 )
 _ESCAPE = re.compile(r"\\(.)")
@@ -138,8 +150,13 @@ def read_engine_metrics(text: str) -> EngineFacts:
     block: int | None = None
     started: float | None = None
     load: dict[str, float] = {}
+    offload: dict[str, float] = {}
     for name, labels, value in wanted_samples(text, _WANTED):
         if not math.isfinite(value):  # NaN and Inf are valid Prometheus, not a count
+            continue
+        if name in _OFFLOAD_HIT_NAMES:
+            if name == _CONNECTOR_HITS or labels.get("source") in _OFFLOAD_SOURCES:
+                offload[name] = offload.get(name, 0.0) + max(0.0, value)
             continue
         key = _LOAD_NAMES.get(name)
         if key is not None:
@@ -165,6 +182,7 @@ def read_engine_metrics(text: str) -> EngineFacts:
         None if waiting is None else int(waiting),
         load.get("kv_usage"),
         block,
+        offload.get(_CACHED_BY_SOURCE, offload.get(_CONNECTOR_HITS)),
     )
 
 
@@ -320,6 +338,8 @@ class HealthProber:
             worker.engine_waiting = facts.waiting or 0
             worker.engine_kv_usage = facts.kv_usage or 0.0
             worker.metrics_at = monotonic()
+        if facts.offload_hits is not None:
+            worker.engine_offload_hits = facts.offload_hits
         if facts.block_tokens is not None:
             worker.engine_block_tokens = facts.block_tokens
             self._check_block_size(worker, facts.block_tokens)

@@ -47,6 +47,9 @@ class Worker:
     engine_waiting: int = 0
     engine_kv_usage: float = 0.0
     metrics_at: float | None = None
+    # Prompt tokens the engine says it read from an offload tier (host memory or disk)
+    # since it started: a tier is there whether or not it announces its blocks.
+    engine_offload_hits: float = 0.0
     # The engine's KV block size in tokens (its cache_config_info or KV events); None:
     # not reported. The engine caches whole blocks of it (router.index.engine_blocks).
     engine_block_tokens: int | None = None

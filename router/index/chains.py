@@ -21,7 +21,7 @@ of them is.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from router.index.events import BlockHash, BlockStored
 from router.index.prefix import chain_seed
@@ -72,28 +72,53 @@ class EngineChains:
         """The router blocks the announced engine blocks stand for."""
         return self._named
 
-    def stored(self, event: BlockStored) -> tuple[list[int], list[int]]:
-        """The router hashes the event adds, and those that the bound pushed out."""
+    def stored(
+        self, event: BlockStored, elsewhere: EngineChains | None = None
+    ) -> tuple[list[int], list[int]]:
+        """The router hashes the event adds, and those that the bound pushed out.
+        ``elsewhere``: the same engine's chains for another tier, where a parent not
+        announced here may have been (one engine names a block alike in every tier)."""
         ours_per_block = self._router_blocks_per_engine_block(event.block_size)
         if event.parent_block_hash is None:
             parent = chain_seed(event.lora_name or self.model, event.cache_salt)
         else:
             known = self._names.get(event.parent_block_hash)
+            if known is None and elsewhere is not None:
+                known = elsewhere._names.get(event.parent_block_hash)
             if known is None:
                 self.orphans += len(event.block_hashes)
                 return [], []
             parent = known.router_hashes[-1]
         block_bytes = event.block_size // ours_per_block * TOKEN_BYTES
         ours = chain_hashes(token_bytes(event.token_ids), block_bytes, parent)
+        return self._name(
+            (engine_hash, ours[i * ours_per_block : (i + 1) * ours_per_block])
+            for i, engine_hash in enumerate(event.block_hashes)
+        )
+
+    def named_as_in(
+        self, engine_hashes: Sequence[BlockHash], elsewhere: EngineChains
+    ) -> tuple[list[int], list[int], int]:
+        """Blocks announced by hash alone (a CPU tier's placeholders), named as
+        ``elsewhere`` (the GPU's chains) names them: the router hashes added, those the
+        bound pushed out, and how many blocks ``elsewhere`` could not name (skipped)."""
+        known = [(h, elsewhere._names.get(h)) for h in engine_hashes]
+        added, dropped = self._name((h, n.router_hashes) for h, n in known if n is not None)
+        unnamed = sum(1 for _, n in known if n is None)
+        self.orphans += unnamed
+        return added, dropped, unnamed
+
+    def _name(
+        self, blocks: Iterable[tuple[BlockHash, Sequence[int]]]
+    ) -> tuple[list[int], list[int]]:
         added: list[int] = []
         names, held = self._names, self._held  # a loop over thousands of blocks a second
-        for i, engine_hash in enumerate(event.block_hashes):
+        for engine_hash, router_hashes in blocks:
             name = names.get(engine_hash)
             if name is not None:
                 name.copies += 1
                 names.move_to_end(engine_hash)
                 continue
-            router_hashes = ours[i * ours_per_block : (i + 1) * ours_per_block]
             names[engine_hash] = _Name(router_hashes)
             self._named += len(router_hashes)
             for router_hash in router_hashes:

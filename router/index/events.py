@@ -11,12 +11,14 @@ or integers (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, SGLang).
 Whatever a worker sends, ``decode_batch`` returns events or raises ``MalformedEvents``;
 nothing else escapes it, and no event can claim more tokens than its blocks hold.
 
-Only the device tier's blocks are residency here. An engine that offloads evicted blocks
-(vLLM's offloading connector, LMCache) also announces blocks stored to and removed from
-its CPU memory or storage (``medium`` ``"CPU"``, ``"STORAGE"``; some connectors
-lowercase), some as placeholders without tokens: those are left out of the batch, so a
-block that fell to CPU is not counted as cached on the GPU, and its removal from CPU
-does not drop a copy still on the GPU.
+An engine that offloads blocks (vLLM's offloading connector, LMCache) also announces
+blocks stored to and removed from its CPU memory or storage (``medium`` ``"CPU"``,
+``"STORAGE"``; some connectors lowercase). The CPU tier's events are kept, their medium
+spelled ``"CPU"``, and told apart by ``offloaded``: a block there is not cached on the
+GPU, and its removal from CPU does not drop a copy still on the GPU. Without the
+connector's ``self_describing_kv_events`` a CPU store is a *placeholder*: the block's
+hash alone, no tokens, ``block_size`` 0 (allowed on the CPU tier only). Other tiers'
+events (storage) are left out of the batch.
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ SEQ_BYTES = 8
 MAX_BLOCK_SIZE = 4096
 # vLLM's medium for blocks in the engine's own KV cache (SGLang and older vLLM send none).
 DEVICE_MEDIUM = "GPU"
+# vLLM's medium for the offloading connector's tier in host memory.
+OFFLOAD_MEDIUM = "CPU"
 
 
-def on_device(medium: str | None) -> bool:
-    """A block announced with this medium is in the engine's KV cache (not offloaded)."""
-    return medium is None or medium.upper() == DEVICE_MEDIUM
+def kept(medium: str | None) -> bool:
+    """An event on this medium is read: the GPU's (or none named) and the CPU tier's."""
+    return medium is None or medium.upper() in (DEVICE_MEDIUM, OFFLOAD_MEDIUM)
+
+
+def _spelled(medium: str | None) -> str | None:
+    return None if medium is None else medium.upper()
 
 
 class MalformedEvents(ValueError):
@@ -58,6 +66,16 @@ class BlockStored:
     cache_salt: str | None = None
     group_idx: int | None = None
 
+    @property
+    def offloaded(self) -> bool:
+        """Stored to the CPU tier, not the GPU's cache."""
+        return self.medium == OFFLOAD_MEDIUM
+
+    @property
+    def placeholder(self) -> bool:
+        """A CPU store naming its block by hash alone (no tokens to chain)."""
+        return self.block_size == 0
+
 
 # Removals and clears are decoded straight into these (msgspec, in C): vLLM sends one
 # BlockRemoved per evicted block, thousands a second from a busy engine.
@@ -65,6 +83,11 @@ class BlockRemoved(msgspec.Struct, frozen=True, tag="BlockRemoved", tag_field="t
     block_hashes: tuple[BlockHash, ...]
     medium: str | None = None
     group_idx: int | None = None
+
+    @property
+    def offloaded(self) -> bool:
+        """Removed from the CPU tier (any copy on the GPU stays)."""
+        return self.medium == OFFLOAD_MEDIUM
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, tag="AllBlocksCleared", tag_field="type"):
@@ -112,7 +135,7 @@ class _Stored(msgspec.Struct, frozen=True, tag="BlockStored", tag_field="type"):
     block_hashes: tuple[BlockHash, ...]
     parent_block_hash: BlockHash | None
     token_ids: tuple[TokenId, ...]
-    block_size: Annotated[int, msgspec.Meta(gt=0, le=MAX_BLOCK_SIZE)]
+    block_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_SIZE)]
     lora_name: str | None = None
     medium: str | None = None
     cache_salt: str | None = None
@@ -136,19 +159,20 @@ def decode_batch(payload: bytes) -> EventBatch:
         tagged = _TAGGED.decode(payload)
     except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
         return _decode_generic(payload)
-    events = tuple(_from_tagged(e) for e in tagged.events if _on_device(e))
-    return EventBatch(tagged.ts, events, tagged.rank)
+    decoded = (_from_tagged(e) for e in tagged.events)
+    return EventBatch(tagged.ts, tuple(e for e in decoded if e is not None), tagged.rank)
 
 
-def _on_device(event: _Stored | BlockRemoved | AllBlocksCleared) -> bool:
-    return isinstance(event, AllBlocksCleared) or on_device(event.medium)
-
-
-def _from_tagged(event: _Stored | BlockRemoved | AllBlocksCleared) -> Event:
-    if not isinstance(event, _Stored):
+def _from_tagged(event: _Stored | BlockRemoved | AllBlocksCleared) -> Event | None:
+    """The event; None for a tier left out (checked first: its fields may be anything)."""
+    if isinstance(event, AllBlocksCleared):
         return event
-    if len(event.token_ids) != event.block_size * len(event.block_hashes):
-        raise MalformedEvents("token_ids are block_size tokens for each block hash")
+    if not kept(event.medium):
+        return None
+    medium = _spelled(event.medium)
+    if isinstance(event, BlockRemoved):
+        return event if medium == event.medium else msgspec.structs.replace(event, medium=medium)
+    _check_size(event.block_size, len(event.token_ids), len(event.block_hashes), medium)
     salt = event.cache_salt
     if salt is None:
         salt = _salt_of_first_block(event.extra_keys, event.lora_name)
@@ -158,10 +182,17 @@ def _from_tagged(event: _Stored | BlockRemoved | AllBlocksCleared) -> Event:
         event.token_ids,
         event.block_size,
         event.lora_name,
-        event.medium,
+        medium,
         salt,
         event.group_idx,
     )
+
+
+def _check_size(block_size: int, tokens: int, blocks: int, medium: str | None) -> None:
+    if block_size == 0 and not (medium == OFFLOAD_MEDIUM and tokens == 0):
+        raise MalformedEvents("block_size 0 is a CPU-tier placeholder's alone")
+    if tokens != block_size * blocks:
+        raise MalformedEvents("token_ids are block_size tokens for each block hash")
 
 
 def _decode_generic(payload: bytes) -> EventBatch:
@@ -193,8 +224,8 @@ _REMOVED_POSITIONS = ("block_hashes", "medium")
 
 
 def _event(raw: Any) -> Event | None:
-    """The event; None for a block on an offload tier (checked before the rest: some
-    are placeholders, without tokens or a block size)."""
+    """The event; None for a tier left out (checked before the rest: its fields may be
+    anything)."""
     if isinstance(raw, dict):
         kind, fields = raw.get("type"), raw
     elif isinstance(raw, list) and raw:
@@ -207,16 +238,16 @@ def _event(raw: Any) -> Event | None:
         fields = dict(zip(names, raw[1:], strict=False))
     else:
         raise MalformedEvents("an event is a tagged map or array")
-    if kind in ("BlockStored", "BlockRemoved") and not on_device(
-        _optional_str(fields.get("medium"), "medium")
-    ):
+    medium = _optional_str(fields.get("medium"), "medium")
+    if kind in ("BlockStored", "BlockRemoved") and not kept(medium):
         return None
+    medium = _spelled(medium)
     if kind == "BlockStored":
-        return _stored(fields)
+        return _stored(fields, medium)
     if kind == "BlockRemoved":
         return BlockRemoved(
             _hashes(fields.get("block_hashes")),
-            _optional_str(fields.get("medium"), "medium"),
+            medium,
             _optional_int(fields.get("group_idx"), "group_idx"),
         )
     if kind == "AllBlocksCleared":
@@ -224,17 +255,18 @@ def _event(raw: Any) -> Event | None:
     raise MalformedEvents(f"unknown event type {kind!r}")
 
 
-def _stored(fields: dict[str, Any]) -> BlockStored:
+def _stored(fields: dict[str, Any], medium: str | None) -> BlockStored:
     hashes = _hashes(fields.get("block_hashes"))
     parent = fields.get("parent_block_hash")
     if parent is not None and not _is_hash(parent):
         raise MalformedEvents("parent_block_hash is bytes, an integer or nil")
     size = fields.get("block_size")
-    if not _is_int(size) or not 0 < size <= MAX_BLOCK_SIZE:
+    if not _is_int(size) or not 0 <= size <= MAX_BLOCK_SIZE:
         raise MalformedEvents(f"block_size {size!r} is not a block size")
     tokens = fields.get("token_ids")
-    if not isinstance(tokens, list) or len(tokens) != size * len(hashes):
+    if not isinstance(tokens, list):
         raise MalformedEvents("token_ids are block_size tokens for each block hash")
+    _check_size(size, len(tokens), len(hashes), medium)
     # At C speed: one prefill's event carries tens of thousands of ids. ``type`` (not
     # isinstance) keeps booleans out, as _is_int does.
     if tokens and (set(map(type, tokens)) != {int} or min(tokens) < 0):
@@ -249,7 +281,7 @@ def _stored(fields: dict[str, Any]) -> BlockStored:
         tuple(tokens),
         size,
         lora_name,
-        _optional_str(fields.get("medium"), "medium"),
+        medium,
         salt,
         _optional_int(fields.get("group_idx"), "group_idx"),
     )

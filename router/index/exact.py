@@ -43,12 +43,16 @@ from itertools import count
 
 from router.clock import monotonic
 from router.index.chains import EngineChains
-from router.index.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event
+from router.index.events import BlockHash, BlockRemoved, BlockStored, Event
+from router.index.offloaded import OffloadedBlocks
 from router.index.prefix import leading_held
 
 # Engine names kept per rank, beyond the worker's capacity: room for removals missed.
 NAMES_PER_CAPACITY_BLOCK = 2
 MIN_NAMES = 1024
+# The same for the CPU tier, whose size the router is not told: a tier over four times
+# the GPU's capacity is under-counted (its oldest names dropped), never over-counted.
+OFFLOADED_NAMES_PER_CAPACITY_BLOCK = 8
 
 
 class ExactResidency:
@@ -67,6 +71,7 @@ class ExactResidency:
         "evictions",
         "forecast_queue_evictions",
         "model",
+        "offloaded",
         "ttl_s",
     )
 
@@ -90,6 +95,11 @@ class ExactResidency:
         self.evictions = 0  # blocks the engine announced removed
         self._clock = clock
         self._chains: dict[int, EngineChains] = {}
+        self.offloaded = OffloadedBlocks(
+            model,
+            max(MIN_NAMES, OFFLOADED_NAMES_PER_CAPACITY_BLOCK * capacity_blocks),
+            block_tokens,
+        )
         self._held: Counter[int] = Counter()  # router hash -> ranks holding it
         self._inherited: OrderedDict[int, None] = OrderedDict.fromkeys(inherited)
         # (expiry, tick), oldest first: every entry gets the same ttl from its touch, and
@@ -108,20 +118,24 @@ class ExactResidency:
     # -- what the engine announces ----------------------------------------------------
 
     def apply(self, rank: int, events: Iterable[Event]) -> None:
-        removed: list[BlockHash] = []  # consecutive removals, applied together
+        removed: list[BlockHash] = []  # consecutive GPU removals, applied together
         for event in events:
-            if isinstance(event, BlockRemoved):
+            if isinstance(event, BlockRemoved) and not event.offloaded:
                 removed += event.block_hashes
                 continue
             if removed:
                 self._removed(rank, removed)
                 removed = []
-            if isinstance(event, BlockStored):
-                added, dropped = self._chain(rank).stored(event)
+            if isinstance(event, BlockRemoved):
+                self.offloaded.removed(rank, event.block_hashes)
+            elif isinstance(event, BlockStored) and event.offloaded:
+                self.offloaded.stored(rank, event, self._chain(rank))
+            elif isinstance(event, BlockStored):
+                added, dropped = self._chain(rank).stored(event, self.offloaded.chains(rank))
                 self._hold(added)
                 self._release(dropped)
-            elif isinstance(event, AllBlocksCleared):
-                self.clear_rank(rank)
+            else:  # the GPU's cache reset; the CPU tier keeps its blocks, as vLLM's does
+                self._clear_device(rank)
         if removed:
             self._removed(rank, removed)
         self._trim_inherited()
@@ -132,8 +146,13 @@ class ExactResidency:
         self._release(gone)
 
     def clear_rank(self, rank: int) -> None:
-        """The rank's cache is empty (cleared, restarted, or its stream broke): what it
-        alone held goes, and with it whatever the router had not heard announced."""
+        """What the rank holds is not known any more (it restarted, or its stream
+        broke): what it alone held goes, in both tiers, and with it whatever the router
+        had not heard announced."""
+        self._clear_device(rank)
+        self.offloaded.clear_rank(rank)
+
+    def _clear_device(self, rank: int) -> None:
         chains = self._chains.pop(rank, None)
         if chains is not None:
             self._release(chains.clear())

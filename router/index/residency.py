@@ -32,6 +32,7 @@ from typing import Literal, Protocol
 
 from router.index.events import Event
 from router.index.exact import ExactResidency
+from router.index.offloaded import OffloadedBlocks
 from router.index.prefix import leading_held
 
 PrefixMode = Literal["exact", "approximate"]
@@ -80,6 +81,16 @@ class PrefixIndex(Protocol):
         ...
 
     def resident_blocks(self, worker: str) -> int: ...
+
+    def offloaded_continuation(self, worker: str, hashes: Sequence[int], start: int) -> int:
+        """How many of ``hashes`` from ``start`` on (where the worker's ``match`` ends)
+        its engine holds in its CPU tier, unbroken: what it would load back rather than
+        compute."""
+        ...
+
+    def offloaded_blocks(self, worker: str) -> int:
+        """Blocks the worker's CPU tier is known to hold."""
+        ...
 
     def prefix_mode(self, worker: str) -> PrefixMode:
         """``exact`` while the worker's residency is what its engine announces."""
@@ -221,6 +232,7 @@ class LocalPrefixIndex:
                 residency.model,
                 residency.ttl_s,
                 forecast_queue_evictions=residency.forecast_queue_evictions,
+                block_tokens=residency.block_tokens,
             )
         elif residency is not None:
             self._workers[worker] = Residency(residency.capacity_blocks)
@@ -335,6 +347,21 @@ class LocalPrefixIndex:
     def resident_blocks(self, worker: str) -> int:
         residency = self._workers.get(worker)
         return len(residency) if residency is not None else 0
+
+    def offloaded_continuation(self, worker: str, hashes: Sequence[int], start: int) -> int:
+        residency = self._workers.get(worker)
+        if not isinstance(residency, ExactResidency) or not residency.offloaded:
+            return 0
+        return residency.offloaded.continuation(hashes, start)
+
+    def offloaded_blocks(self, worker: str) -> int:
+        residency = self._workers.get(worker)
+        return len(residency.offloaded) if isinstance(residency, ExactResidency) else 0
+
+    def offloaded_tier(self, worker: str) -> OffloadedBlocks | None:
+        """The worker's CPU tier as its engine announces it (None: not in exact mode)."""
+        residency = self._workers.get(worker)
+        return residency.offloaded if isinstance(residency, ExactResidency) else None
 
     def capacity_blocks(self, worker: str) -> int:
         residency = self._workers.get(worker)

@@ -12,7 +12,8 @@ REPLAY_RESULTS: tuple[ReplayResult, ...] = ("complete", "incomplete", "failed")
 # again), a gap could not be replayed, or a batch could not be read.
 ResetReason = Literal["restart", "gap", "malformed"]
 RESET_REASONS: tuple[ResetReason, ...] = ("restart", "gap", "malformed")
-EVENT_TYPES = ("stored", "removed", "cleared")
+# The CPU tier's stores and removals (its engine's offloading connector) apart.
+EVENT_TYPES = ("stored", "removed", "cleared", "offload_stored", "offload_removed")
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -26,7 +27,8 @@ class KvEventMetrics:
         )
         self.events = Counter(
             "kvrouter_kv_events",
-            "KV events applied, by type: stored, removed, cleared.",
+            "KV events applied, by type: stored, removed, cleared (the GPU's cache), "
+            "offload_stored, offload_removed (its CPU tier).",
             ["worker", "type"],
             registry=registry,
         )

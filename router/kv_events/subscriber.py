@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import zmq
@@ -34,8 +35,8 @@ from router.index.engine_blocks import block_size_advice
 from router.index.events import (
     SEQ_BYTES,
     AllBlocksCleared,
-    BlockRemoved,
     BlockStored,
+    Event,
     MalformedEvents,
     Message,
     decode_batch,
@@ -79,6 +80,14 @@ class Exactness:
     speculative_ttl_s: float
     replay_timeout_s: float
     forecast_queue_evictions: bool = False
+
+
+def _event_type(event: Event) -> str:
+    """The event's ``type`` label (``router.kv_events.metrics.EVENT_TYPES``)."""
+    if isinstance(event, AllBlocksCleared):
+        return "cleared"
+    kind = "stored" if isinstance(event, BlockStored) else "removed"
+    return f"offload_{kind}" if event.offloaded else kind
 
 
 class RankSubscriber:
@@ -252,7 +261,8 @@ class RankSubscriber:
         except MalformedEvents as exc:
             self._reset("malformed", str(exc))
             return
-        stored = [e for e in batch.events if isinstance(e, BlockStored)]
+        # A CPU-tier placeholder has no block size: the blocks sized are the others.
+        stored = [e for e in batch.events if isinstance(e, BlockStored) and not e.placeholder]
         ours = self._exactness.block_tokens
         wrong = [e for e in stored if e.block_size % ours]
         if stored:
@@ -273,11 +283,9 @@ class RankSubscriber:
         # The engine stamps a batch with its wall clock (vLLM: time.time()); a clock
         # that disagrees with ours shows as lag, never as a negative.
         metrics.lag.labels(self._name).observe(max(0.0, time.time() - batch.ts))
-        removed = sum(isinstance(e, BlockRemoved) for e in batch.events)
-        cleared = sum(isinstance(e, AllBlocksCleared) for e in batch.events)
-        for kind, count in (("stored", len(stored)), ("removed", removed), ("cleared", cleared)):
-            if count:
-                metrics.events.labels(self._name, kind).inc(count)
+        counts: Counter[str] = Counter(_event_type(e) for e in batch.events)
+        for kind, count in counts.items():
+            metrics.events.labels(self._name, kind).inc(count)
 
     def _become_exact(self) -> None:
         if self.rejected is None and self._index.prefix_mode(self._name) != "exact":

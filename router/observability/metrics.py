@@ -52,6 +52,7 @@ class WorkerGauges(Protocol):
     healthy: bool
     engine_running: int
     engine_waiting: int
+    engine_offload_hits: float
 
     @property
     def breaker(self) -> _Breaker: ...
@@ -199,6 +200,13 @@ class RouterMetrics:
         self.predicted_cached_tokens = LoopCounter(
             "kvrouter_predicted_cached_tokens",
             "Prompt tokens the chosen worker was modelled to hold.",
+            ["worker"],
+            registry=r,
+        )
+        self.predicted_offloaded_tokens = LoopCounter(
+            "kvrouter_predicted_offloaded_tokens",
+            "Prompt tokens beyond its GPU match the chosen worker's CPU tier was known to "
+            "hold (its engine reads them back rather than computing them).",
             ["worker"],
             registry=r,
         )
@@ -361,6 +369,7 @@ class RouterMetrics:
             self.prompt_tokens,
             self.best_cached_tokens,
             self.predicted_cached_tokens,
+            self.predicted_offloaded_tokens,
             self.engine_cached_tokens,
             self.usage_prompt_tokens,
             self.ttft,
@@ -448,6 +457,7 @@ class WorkerSeries:
         "engine_cached_tokens",
         "latency",
         "predicted_cached_tokens",
+        "predicted_offloaded_tokens",
         "prompt_tokens",
         "residency_share",
         "retries",
@@ -464,6 +474,7 @@ class WorkerSeries:
         self.prompt_tokens = metrics.prompt_tokens.labels(name)
         self.best_cached_tokens = metrics.best_cached_tokens.labels(name)
         self.predicted_cached_tokens = metrics.predicted_cached_tokens.labels(name)
+        self.predicted_offloaded_tokens = metrics.predicted_offloaded_tokens.labels(name)
         self.engine_cached_tokens = metrics.engine_cached_tokens.labels(name)
         self.usage_prompt_tokens = metrics.usage_prompt_tokens.labels(name)
         self.ttft = metrics.ttft.labels(name)

@@ -1,7 +1,9 @@
 """What happened to each turn's prefix, and why it was lost when it was.
 
 Outcomes: ``first_turn`` (a session this router has not seen), ``hit`` (the engine had at
-least 90% of the history the turn carries), ``partial`` (some), ``miss`` (under 10%).
+least 90% of the history the turn carries), ``reloaded`` (a hit, part of it read back
+from the engine's CPU tier: the worker's GPU held less than the engine found cached, and
+its CPU tier held the rest), ``partial`` (some), ``miss`` (under 10%).
 A turn that lost part of its history is given one cause:
 
 * ``worker_failed`` — the worker that held the session restarted or was removed since;
@@ -29,7 +31,7 @@ from typing import Literal, get_args
 from router.wire.kinds import TurnEnd
 
 # What happened to a turn's prefix (a request's own end is policies.base.Outcome).
-TurnOutcome = Literal["first_turn", "hit", "partial", "miss"]
+TurnOutcome = Literal["first_turn", "hit", "reloaded", "partial", "miss"]
 Cause = Literal["worker_failed", "routed_elsewhere", "evicted", "router_state_lost", "unknown"]
 # What a session does after a turn: the reply's end (router.wire.kinds.TurnEnd), or
 # nothing more where the client said so.
@@ -68,8 +70,12 @@ def classify(
     cached_tokens: int,
     best_match_tokens: int,
     predicted_tokens: int,
+    on_device_tokens: int = 0,
+    offloaded_tokens: int = 0,
 ) -> TurnReport:
-    """One turn's outcome; pure, so every rule is testable with plain values."""
+    """One turn's outcome; pure, so every rule is testable with plain values.
+    ``on_device_tokens``: of the prompt, what the worker's GPU was modelled to hold;
+    ``offloaded_tokens``: what its CPU tier held beyond that."""
     if previous is None:
         expected = best_match_tokens
         if expected <= 0:
@@ -77,6 +83,8 @@ def classify(
     else:
         expected = min(prompt_tokens, previous.history_tokens)
     if expected <= 0 or cached_tokens >= HIT_SHARE * expected:
+        if offloaded_tokens > 0 and cached_tokens > on_device_tokens:
+            return TurnReport("reloaded", None, 0)
         return TurnReport("hit", None, 0)
     outcome: TurnOutcome = "partial" if cached_tokens >= MISS_SHARE * expected else "miss"
     lost = max(0, expected - cached_tokens)

@@ -28,6 +28,13 @@ class SharedPrefixIndex:
     def match(self, worker: str, hashes: Sequence[int]) -> int:
         return self.local.match(worker, hashes)
 
+    def offloaded_continuation(self, worker: str, hashes: Sequence[int], start: int) -> int:
+        # Local: every replica hears the engines' CPU tiers itself, as their GPUs.
+        return self.local.offloaded_continuation(worker, hashes, start)
+
+    def offloaded_blocks(self, worker: str) -> int:
+        return self.local.offloaded_blocks(worker)
+
     def resident_blocks(self, worker: str) -> int:
         return self.local.resident_blocks(worker)
 

@@ -60,6 +60,9 @@ class Dispatch:
     best_match: int  # the most of this prompt any eligible worker was modelled to hold
     arrived: float  # when the client's request arrived (monotonic)
     attempt: int  # 1 for the first worker tried, 2 for the retry after it, ...
+    matched: int = 0  # tokens of the prompt the worker's GPU was modelled to hold
+    # Of the prompt beyond that, the tokens its CPU tier held.
+    offloaded: int = 0
     sent_at: float = field(default_factory=monotonic)
     ttft: float | None = None
     done: bool = False
@@ -144,11 +147,12 @@ class Choice:
     matched: int  # tokens of the prompt the worker is modelled to hold
     best_match: int  # the most any candidate was modelled to hold
     started: float  # perf_counter when the choice began (the decision's time)
+    offloaded: int = 0  # tokens beyond ``matched`` the worker holds in its CPU tier
 
     @property
     def prefill_tokens(self) -> int:
-        """The prompt's tokens the worker would compute."""
-        return max(0, self.route.prompt_tokens - self.matched)
+        """The prompt's tokens the worker would compute (not what it would read back)."""
+        return max(0, self.route.prompt_tokens - self.matched - self.offloaded)
 
 
 class Router:
@@ -161,9 +165,12 @@ class Router:
         metrics: RouterMetrics,
         stale_after_s: float | None = None,
         log_requests: bool = False,
+        reload_tokens_per_s: float = 0.0,
     ) -> None:
         self.fleet = fleet
         self.stale_after_s = stale_after_s
+        # How fast a worker reads its CPU tier back (router.planning.reload; 0: unknown).
+        self.reload_tokens_per_s = reload_tokens_per_s
         self.index = index
         self.policies = policies
         self.block_tokens = block_tokens
@@ -231,10 +238,17 @@ class Router:
                 for v in views
             ]
         decision = active.policy.choose(route, views)
-        matched = next(v.matched_tokens for v in views if v.name == decision.worker)
+        chosen = next(v for v in views if v.name == decision.worker)
         best = max(v.matched_tokens for v in views)
         return Choice(
-            active, route, self.fleet.workers[decision.worker], decision, matched, best, started
+            active,
+            route,
+            self.fleet.workers[decision.worker],
+            decision,
+            chosen.matched_tokens,
+            best,
+            started,
+            chosen.offloaded_tokens,
         )
 
     def take(
@@ -254,6 +268,7 @@ class Router:
         series = metrics.worker(worker.name)
         series.best_cached_tokens.inc(choice.best_match)
         series.predicted_cached_tokens.inc(choice.matched)
+        series.predicted_offloaded_tokens.inc(choice.offloaded)
         return Dispatch(
             self.index,
             self.recorder,
@@ -267,6 +282,8 @@ class Router:
             choice.best_match,
             now if arrived is None else arrived,
             attempt,
+            choice.matched,
+            choice.offloaded,
         )
 
     @staticmethod
@@ -289,6 +306,11 @@ class Router:
             min(route.prompt_tokens, matched_blocks * self.block_tokens),
             worker.engine_block_tokens,
         )
+        offloaded = 0
+        beyond = self.index.offloaded_continuation(worker.name, route.block_hashes, matched_blocks)
+        if beyond:
+            held = min(route.prompt_tokens, (matched_blocks + beyond) * self.block_tokens)
+            offloaded = whole_engine_blocks(held, worker.engine_block_tokens) - matched
         resident = self.index.resident_blocks(worker.name) * self.block_tokens
         returning = 0.0
         if counts_returns:
@@ -307,4 +329,6 @@ class Router:
             recent_prompt_tokens=worker.demand.value(now) + worker.remote_demand.value(now),
             cache_block_tokens=worker.engine_block_tokens or 0,
             returning_evicted_tokens=returning,
+            offloaded_tokens=offloaded,
+            reload_tokens_per_s=self.reload_tokens_per_s,
         )

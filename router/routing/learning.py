@@ -151,6 +151,12 @@ class ResidencyCalibrator:
         self._share.pop(worker, None)
 
 
+def reloaded(dispatch: Dispatch, usage: EngineUsage) -> bool:
+    """The engine found more of the prompt cached than its GPU was modelled to hold, and
+    its CPU tier held more: it read some back."""
+    return dispatch.offloaded > 0 and usage.cached_tokens > dispatch.matched
+
+
 class Learner:
     """What the router learns from each finished request: the fleet's prefill rate, each
     worker's speed, the residency calibration, and what happened to each session's
@@ -190,7 +196,9 @@ class Learner:
 
     def learn(self, dispatch: Dispatch, usage: EngineUsage) -> None:
         uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
-        if dispatch.ttft is not None:
+        # A turn that read its prefix back from a CPU tier teaches nothing of prefill
+        # speed: its TTFT holds the reload.
+        if dispatch.ttft is not None and not reloaded(dispatch, usage):
             prefilled = dispatch.queued_before + uncached
             self.prefill_rate.observe(prefilled, dispatch.ttft)
             if dispatch.queued_before <= uncached and self.prefill_rate.settled:
@@ -221,6 +229,8 @@ class Learner:
             usage.cached_tokens,
             dispatch.best_match,
             predicted,
+            dispatch.matched,
+            dispatch.offloaded,
         )
         metrics = self._metrics
         metrics.counter(metrics.turns, report.outcome).inc()

@@ -109,11 +109,11 @@ def test_vllm_010_positional_arrays_decode() -> None:
     )
 
 
-def test_blocks_announced_on_an_offload_tier_are_not_residency() -> None:
+def test_the_cpu_tier_s_events_are_kept_apart_and_storage_s_left_out() -> None:
     """vLLM's offloading connector announces blocks stored to and removed from CPU memory
-    (some as placeholders without tokens or a block size): before, a placeholder made
-    the whole batch malformed (the worker's residency was reset), and a block offloaded
-    to CPU would have been counted as cached on the GPU."""
+    (by default as placeholders: the hash alone, no tokens, block size 0) and storage:
+    the CPU tier's are kept, spelled "CPU" whatever the connector's case, placeholders
+    allowed there alone; storage's are left out."""
     offloaded = stored_v033([sha(1)], None, list(range(4)))
     placeholder = engine.BlockStored(
         block_hashes=[sha(5)],
@@ -129,29 +129,59 @@ def test_blocks_announced_on_an_offload_tier_are_not_residency() -> None:
             ts=1.0,
             events=[
                 stored_v033([sha(2)], None, list(range(4))),
-                msgspec.structs.replace(offloaded, medium="CPU"),
+                msgspec.structs.replace(offloaded, medium="cpu"),
                 placeholder,
+                msgspec.structs.replace(placeholder, medium="STORAGE"),
                 engine.BlockRemoved(block_hashes=[sha(2)], medium="cpu"),
                 engine.BlockRemoved(block_hashes=[sha(3)], medium="STORAGE"),
                 engine.BlockRemoved(block_hashes=[sha(4)], medium="GPU"),
             ],
         )
     )
-    assert decode_batch(payload).events == (
+    events = decode_batch(payload).events
+    assert events == (
         BlockStored((sha(2),), None, tuple(range(4)), BLOCK, None, "GPU", None, None),
+        BlockStored((sha(1),), None, tuple(range(4)), BLOCK, None, "CPU", None, None),
+        BlockStored((sha(5),), None, (), 0, None, "CPU", None, None),
+        BlockRemoved((sha(2),), "CPU"),
         BlockRemoved((sha(4),), "GPU"),
     )
+    assert [e.offloaded for e in events if not isinstance(e, AllBlocksCleared)] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
     old = engine.encode(
         engine.EventBatch(
             ts=2.0,
             events=[
                 engine.OldBlockStored([11], None, [], 0, None, "CPU"),
-                engine.OldBlockRemoved([11], "CPU"),
+                engine.OldBlockRemoved([11], "Storage"),
                 engine.OldBlockRemoved([12], None),
             ],
         )
     )
-    assert decode_batch(old).events == (BlockRemoved((12,)),)
+    assert decode_batch(old).events == (
+        BlockStored((11,), None, (), 0, None, "CPU"),
+        BlockRemoved((12,)),
+    )
+
+
+@pytest.mark.parametrize("medium", ["GPU", None])
+def test_a_placeholder_on_the_gpu_is_malformed(medium: str | None) -> None:
+    placeholder = engine.BlockStored(
+        block_hashes=[sha(5)],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+    with pytest.raises(MalformedEvents, match="placeholder"):
+        decode_batch(engine.encode(engine.EventBatch(ts=1.0, events=[placeholder])))
 
 
 def test_sglang_batches_carry_the_salt_and_the_attention_dp_rank() -> None:

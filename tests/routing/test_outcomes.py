@@ -25,6 +25,16 @@ def test_first_turn_hit_partial_miss() -> None:
     assert classify(memory(), "a", EPOCHS, 1200, 0, 1000, 1000).outcome == "miss"
 
 
+def test_a_hit_read_back_from_the_cpu_tier_is_reloaded() -> None:
+    # The GPU was modelled to hold 400 of the 1,000-token history, the CPU tier 600 more.
+    reloaded = classify(memory(), "a", EPOCHS, 1200, 1000, 1000, 1000, 400, 600)
+    assert (reloaded.outcome, reloaded.cause) == ("reloaded", None)
+    # Nothing found beyond the GPU's part: a plain hit, or a loss as before.
+    assert classify(memory(), "a", EPOCHS, 1200, 950, 1000, 1000, 1000, 0).outcome == "hit"
+    assert classify(memory(), "a", EPOCHS, 1200, 950, 1000, 1000, 960, 40).outcome == "hit"
+    assert classify(memory(), "a", EPOCHS, 1200, 400, 1000, 1000, 400, 600).outcome == "partial"
+
+
 def test_causes() -> None:
     def cause(
         previous: SessionMemory, worker: str, epochs: dict[str, int], best: int, predicted: int

@@ -27,6 +27,7 @@ from policies.registry import (
 )
 from policies.round_robin import RoundRobinPolicy
 from policies.session import SessionPolicy
+from policies.ttft import TtftParams, TtftPolicy, estimate_ttft
 from router.apis.request import parse_request
 
 # Assigning the classes to the registry's protocol makes mypy check they fit it.
@@ -659,3 +660,52 @@ def test_a_switch_knob_takes_true_or_false_only() -> None:
         with pytest.raises(PolicyConfigError, match="true or false"):
             build_policy("ttft", {"spread_first_turns": value})
     assert build_policy("ttft", {"spread_first_turns": False}).params.spread_first_turns is False  # type: ignore[attr-defined]
+
+
+# --- ttft: the CPU tier ------------------------------------------------------------------
+
+
+def offloading(
+    name: str, matched: int, offloaded: int, reload_rate: float, queued: int = 0
+) -> WorkerView:
+    return worker(name, matched=matched)._replace(
+        offloaded_tokens=offloaded, reload_tokens_per_s=reload_rate, queued_prefill_tokens=queued
+    )
+
+
+def test_ttft_prices_a_cpu_tier_hit_by_its_reload() -> None:
+    """20,000 tokens of history: the worker that held them on its GPU is busy (40,000
+    tokens queued, 4 s); another holds them in its CPU tier (0.4 s to read back at
+    50,000 tokens/s); a third holds nothing (2 s of prefill)."""
+    policy = TtftPolicy()
+    busy = offloading("gpu", 20_000, 0, 50_000.0, queued=40_000)
+    cpu = offloading("cpu", 0, 20_000, 50_000.0)
+    cold = offloading("cold", 0, 0, 50_000.0)
+    decision = policy.choose(request(prompt_tokens=20_500), [busy, cpu, cold])
+    assert (decision.worker, decision.reason, decision.predicted_cached_tokens) == (
+        "cpu",
+        "prefix",
+        20_000,
+    )
+    estimates = [estimate_ttft(v, 20_500, TtftParams()) for v in (busy, cpu, cold)]
+    assert estimates == [pytest.approx(4.05), pytest.approx(0.05 + 0.4), pytest.approx(2.05)]
+
+
+@pytest.mark.parametrize(
+    ("params", "reload_rate"),
+    [(TtftParams(count_offloaded=False), 50_000.0), (TtftParams(), 0.0)],
+)
+def test_a_cpu_tier_hit_is_not_credited_when_told_not_to_or_its_price_is_unknown(
+    params: TtftParams, reload_rate: float
+) -> None:
+    cpu = offloading("cpu", 0, 20_000, reload_rate)
+    cold = offloading("cold", 0, 0, reload_rate)._replace(resident_tokens=0)
+    decision = TtftPolicy(params, seed=1).choose(request(prompt_tokens=20_500), [cpu, cold])
+    assert decision.predicted_cached_tokens == 0
+    assert estimate_ttft(cpu, 20_500, params) == estimate_ttft(cold, 20_500, params)
+
+
+def test_a_reload_slower_than_prefill_loses_to_a_cold_worker() -> None:
+    slow_link = offloading("cpu", 0, 20_000, 5_000.0)  # 4 s to read back, 2 s to compute
+    cold = offloading("cold", 0, 0, 5_000.0)
+    assert TtftPolicy().choose(request(prompt_tokens=20_500), [slow_link, cold]).worker == "cold"
