@@ -10,6 +10,8 @@ from router.planning.capacity import (
     GB,
     GPUS,
     CapacityError,
+    CapacityPlan,
+    ModelShape,
     dtype_bytes,
     gpu,
     load_model,
@@ -110,16 +112,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}")
         return 2
     kv_desc = args.kv_dtype or f"{model.dtype_bytes:g} bytes"
-    if model.attention == "mla":
-        shape = (
-            f"MLA, {model.num_layers} layers, kv_lora_rank {model.kv_lora_rank} + "
-            f"qk_rope_head_dim {model.qk_rope_head_dim}"
+    context = args.context
+    print(f"model            {model.name} ({_shape(model)}), KV dtype {kv_desc}")
+    if model.is_hybrid:
+        windowed, fixed = ceiling.overhead_bytes(context)
+        print(f"bytes per token  {ceiling.bytes_per_token:,} as a session grows")
+        print(
+            f"per session      + {windowed:,} bytes in windows + {fixed:,} bytes of fixed "
+            f"state (at {context:,} tokens)"
         )
     else:
-        shape = f"GQA, {model.num_layers} layers, {model.num_kv_heads} KV heads x {model.head_dim}"
-    context = args.context
-    print(f"model            {model.name} ({shape}), KV dtype {kv_desc}")
-    print(f"bytes per token  {ceiling.bytes_per_token:,}")
+        print(f"bytes per token  {ceiling.bytes_per_token:,}")
     print(f"weights          {_gb(ceiling.weight_bytes)}")
     print(
         f"GPU memory       {args.gpus} x {spec.name} ({_gb(spec.memory_bytes)}) = "
@@ -131,16 +134,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{args.sessions} sessions      {_gb(needed)}")
     print()
     print(f"{'':28}{'all of HBM':>16}{f'at {args.utilization:.2f}':>16}")
-    rows = [
-        ("KV memory after weights", _gb(ceiling.kv_bytes), _gb(usable.kv_bytes)),
-        ("resident tokens", f"{ceiling.resident_tokens:,}", f"{usable.resident_tokens:,}"),
-        (
-            f"sessions of {context:,} tokens",
-            f"{ceiling.sessions_that_fit(context):,}",
-            f"{usable.sessions_that_fit(context):,}",
-        ),
-    ]
-    for label, a, b in rows:
+    for label, a, b in _rows(ceiling, usable, context, model.is_hybrid):
         print(f"{label:28}{a:>16}{b:>16}")
     if ceiling.resident_tokens == 0:
         print("\nthe weights alone do not fit: add GPUs or quantize")
@@ -148,6 +142,40 @@ def run(args: argparse.Namespace) -> int:
     print()
     _print_interruption(cost, args)
     return 0
+
+
+def _shape(model: ModelShape) -> str:
+    if model.attention == "mla":
+        heads = f"kv_lora_rank {model.kv_lora_rank} + qk_rope_head_dim {model.qk_rope_head_dim}"
+    else:
+        heads = f"{model.num_kv_heads} KV heads x {model.head_dim}"
+    if model.is_hybrid:
+        return f"hybrid: {model.kv_layout.describe()}; {heads}"
+    shape = f"{model.attention.upper()}, {model.num_layers} layers, {heads}"
+    extra = model.kv_layout.groups[1:]
+    return "; ".join([shape, *(g.describe() for g in extra)])
+
+
+def _rows(
+    ceiling: CapacityPlan, usable: CapacityPlan, context: int, hybrid: bool
+) -> list[tuple[str, str, str]]:
+    """A hybrid model's resident tokens depend on the session length: at ``context``, and
+    the bound they approach as sessions grow."""
+    sessions = (
+        f"sessions of {context:,} tokens",
+        f"{ceiling.sessions_that_fit(context):,}",
+        f"{usable.sessions_that_fit(context):,}",
+    )
+    kv = ("KV memory after weights", _gb(ceiling.kv_bytes), _gb(usable.kv_bytes))
+    unbounded = f"{ceiling.resident_tokens:,}", f"{usable.resident_tokens:,}"
+    if not hybrid:
+        return [kv, ("resident tokens", *unbounded), sessions]
+    at_context = (
+        f"resident tokens at {context:,}",
+        f"{ceiling.resident_tokens_at(context):,}",
+        f"{usable.resident_tokens_at(context):,}",
+    )
+    return [kv, at_context, sessions, ("resident tokens, C -> inf", *unbounded)]
 
 
 def _seconds(s: float) -> str:

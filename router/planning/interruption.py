@@ -18,6 +18,11 @@ a failure loses all of it, ``resident_tokens`` of the capacity plan. Two ways ba
 * **Restore a checkpoint** that captured the KV cache: nothing is re-prefilled, but the
   cache's bytes (``resident_tokens x bytes_per_token``) are read back, each GPU its own
   shard over its own host link. This is the KV part only; the weights reload too.
+
+A hybrid model's cache holds fewer tokens of C-token sessions than ``resident_tokens``
+(their windows and states take room too): its tokens at risk are ``resident_tokens_at(C)``
+and its checkpoint their bytes. The FLOPs count every layer as attending to the whole
+context, so a hybrid model's rebuild times are upper bounds.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ class InterruptionCost:
 
     workers: int
     tokens_at_risk: int  # one worker's resident tokens
-    bytes_per_token: int
+    checkpoint_bytes: int  # what those tokens take in the cache
     weight_bytes: int
     prefill_tokens_per_s: float  # one worker
     attention_share: float  # of the prefill FLOPs, at the plan's context
@@ -81,10 +86,6 @@ class InterruptionCost:
         """The same work spread evenly over the survivors; None when there are none."""
         survivors = self.workers - 1
         return self.rebuild_seconds / survivors if survivors else None
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        return self.tokens_at_risk * self.bytes_per_token
 
     @property
     def restore_seconds(self) -> float:
@@ -117,8 +118,8 @@ def interruption(
     flops = prefill_flops_per_token(model, context_tokens)
     return InterruptionCost(
         workers=workers,
-        tokens_at_risk=capacity.resident_tokens,
-        bytes_per_token=capacity.bytes_per_token,
+        tokens_at_risk=capacity.resident_tokens_at(context_tokens),
+        checkpoint_bytes=capacity.resident_bytes_at(context_tokens),
         weight_bytes=capacity.weight_bytes,
         prefill_tokens_per_s=prefill_tokens_per_second(
             model, gpu_spec, num_gpus, context_tokens, mfu
