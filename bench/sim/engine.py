@@ -320,6 +320,8 @@ class Engine:
         while True:
             await self.faults.wait_unstalled()
             if not scheduler.has_work:
+                if scheduler.events is not None:
+                    scheduler.events.idle()
                 self._wake.clear()
                 self._changed_at = math.inf
                 await self._wake.wait()
@@ -365,7 +367,7 @@ class Engine:
             if request.scheduled_at is None:
                 request.scheduled_at = at = max(start, request.arrival)
                 if request.record is not None:
-                    request.record.scheduled(request.cached_tokens, at)
+                    request.record.scheduled(request.cached_tokens, at, request.loaded_tokens)
 
     async def _run_span(self, plan: StepPlan, start: float, span: int) -> float:
         """Run up to ``span`` decode steps of ``plan``, publishing tokens at least every
@@ -444,6 +446,8 @@ class Engine:
             self.metrics.record_iteration(prefilled + len(outcome.advanced), steps)
         for request in outcome.first_tokens:
             self.metrics.record_first_token(now - request.arrival)
+            if request.record is not None:
+                request.record.first_token_at = now
         for request in outcome.finished:
             self._record_finished(request, now)
         for request in outcome.advanced:

@@ -12,9 +12,10 @@
 A restart with an empty cache is ``Engine.restart``; it is exposed beside these at
 ``POST /sim/restart``. ``GET /sim/requests`` lists the engine's last requests with the
 cached prefix each had when it arrived and when it was scheduled (``X-Request-Id``,
-``prompt_tokens``, ``cached_at_arrival``, ``cached_at_schedule``, ``arrived``,
-``scheduled``; ``bench/sim/request_log.py``), so a benchmark can tell a router's wrong
-guess from blocks evicted while the request queued; a restart empties it.
+``prompt_tokens``, ``cached_at_arrival``, ``cached_at_schedule``, ``loaded``,
+``arrived``, ``scheduled``, ``first_token``; ``bench/sim/request_log.py``), so a
+benchmark can tell a router's wrong guess from blocks evicted while the request queued;
+a restart empties it.
 """
 
 from __future__ import annotations

@@ -71,6 +71,7 @@ class EventLog(Protocol):
     def removed(self, pool_hash: int) -> None: ...
     def offload_stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None: ...
     def offload_removed(self, pool_hash: int) -> None: ...
+    def idle(self) -> None: ...
     def cleared(self) -> None: ...
     def flush(self) -> None: ...
     def described(self, pool_hash: int) -> StoredBlock | None: ...
@@ -78,10 +79,15 @@ class EventLog(Protocol):
 
 
 class EngineEvents:
-    """vLLM's events for the GPU's cache and, with an offload tier, the CPU's: with
-    ``self_describing`` (the offloading connector's ``self_describing_kv_events``) a
-    block stored to CPU is announced as a GPU one is, with ``medium`` "CPU"; without,
-    as the connector's placeholder: its hash alone, no tokens, ``block_size`` 0."""
+    """vLLM's events for the GPU's cache and, with an offload tier, the CPU's, as vLLM
+    0.32 orders them: a step's batch holds the block pool's events, then the offloading
+    connector's: the CPU tier's evictions made to store that step's blocks (one
+    ``BlockRemoved`` with all of them), then the stores the previous step started, now
+    complete (one ``BlockStored`` a block). With ``self_describing`` (the connector's
+    ``self_describing_kv_events``) a CPU store is announced as a GPU one is, with
+    ``medium`` "CPU"; without, as its placeholder: the hash alone, no tokens,
+    ``block_size`` 0. Stores still in flight when the engine falls idle go out then, as
+    vLLM steps once more to complete them."""
 
     def __init__(
         self,
@@ -100,6 +106,9 @@ class EngineEvents:
         self._stored: dict[int, StoredBlock] = {}  # and what its BlockStored told
         self._offload_names: dict[int, bytes] = {}  # the same for the offload tier
         self._pending: list[Any] = []
+        self._offload_evicted: list[bytes | int] = []  # this step's CPU evictions
+        self._offload_storing: list[BlockStored] = []  # this step's CPU stores
+        self._offload_stored: list[BlockStored] = []  # the last step's, now complete
 
     def stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None:
         """Blocks ``first ..`` of ``request`` were just cached; ``fresh[i]`` says whether
@@ -121,31 +130,27 @@ class EngineEvents:
         """Blocks ``first ..`` of ``request``, cached on the GPU (``stored`` named them),
         were written to the offload tier; ``fresh[i]``: block ``first + i`` was not there."""
         names = request.engine_hashes
-        for start, end in fresh_runs(first, fresh):
-            for i in range(start, end):
-                self._offload_names[request.hashes[i]] = names[i]
+        for i, is_fresh in enumerate(fresh, start=first):
+            if not is_fresh:
+                continue
+            self._offload_names[request.hashes[i]] = names[i]
             if self.self_describing:
-                self._pending.append(self._offloaded_run(request, names, start, end))
+                self._offload_storing.append(self._offloaded_block(request, names, i))
             else:
-                self._pending += (self._placeholder(names[i]) for i in range(start, end))
+                self._offload_storing.append(self._placeholder(names[i]))
 
     def offload_removed(self, pool_hash: int) -> None:
         name = self._offload_names.pop(pool_hash, None)
         if name is not None:
-            self._pending.append(
-                BlockRemoved(
-                    block_hashes=[self._external(name)], medium=OFFLOAD_MEDIUM, group_idx=GROUP
-                )
-            )
+            self._offload_evicted.append(self._external(name))
 
-    def _offloaded_run(
-        self, request: SimRequest, names: list[bytes], start: int, end: int
-    ) -> BlockStored:
-        """As the connector's ``OffloadingEventsTracker`` describes a stored chunk."""
+    def _offloaded_block(self, request: SimRequest, names: list[bytes], i: int) -> BlockStored:
+        """As the connector's ``OffloadingEventsTracker`` describes a stored chunk of one
+        block."""
         return BlockStored(
-            block_hashes=[self._external(names[i]) for i in range(start, end)],
-            parent_block_hash=self._external(names[start - 1]) if start else None,
-            token_ids=self._token_ids(request, start, end),
+            block_hashes=[self._external(names[i])],
+            parent_block_hash=self._external(names[i - 1]) if i else None,
+            token_ids=self._token_ids(request, i, i + 1),
             block_size=self.block_tokens,
             lora_id=None,
             medium=OFFLOAD_MEDIUM,
@@ -205,10 +210,25 @@ class EngineEvents:
         self.flush()
 
     def flush(self) -> None:
-        """Publish what the step produced (vLLM: ``Scheduler.update_from_output``)."""
+        """Publish what the step produced (vLLM: ``Scheduler.update_from_output``): the
+        pool's events, then the connector's."""
+        if self._offload_evicted:
+            self._pending.append(
+                BlockRemoved(
+                    block_hashes=self._offload_evicted, medium=OFFLOAD_MEDIUM, group_idx=GROUP
+                )
+            )
+            self._offload_evicted = []
+        self._pending += self._offload_stored
+        self._offload_stored, self._offload_storing = self._offload_storing, []
         if self._pending:
             self.sink.publish(KVEventBatch(ts=time.time(), events=self._pending))
             self._pending = []
+
+    def idle(self) -> None:
+        """Nothing left to run: the stores in flight complete and go out."""
+        if self._offload_stored:
+            self.flush()
 
     def _store_run(self, request: SimRequest, names: list[bytes], start: int, end: int) -> None:
         step = self.block_tokens * TOKEN_BYTES

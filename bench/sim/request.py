@@ -51,6 +51,7 @@ class SimRequest:
         "id",
         "listener",
         "loaded_from",
+        "loaded_tokens",
         "loading_until",
         "max_output",
         "max_tokens",
@@ -112,6 +113,7 @@ class SimRequest:
         # first block it loads (the blocks from there to ``num_computed`` are the load's).
         self.loading_until: float | None = None
         self.loaded_from = 0
+        self.loaded_tokens = 0  # of ``cached_tokens``, read back from the offload tier
         self.num_preemptions = 0
         self.status = WAITING
         self.scheduled_at: float | None = None

@@ -16,8 +16,10 @@ one record per request:
   (``Scheduler.prefix_hit``).
 * ``cached_at_schedule``: what it was admitted with when first scheduled, the usage's
   ``cached_tokens``; null while it has not been.
-* ``arrived``, ``scheduled``: those two moments on the engine's simulated clock
-  (seconds; ``scheduled`` null while it waits).
+* ``loaded``: of ``cached_at_schedule``, the tokens read back from the offload tier
+  (``bench/sim/offload.py``; 0 without one).
+* ``arrived``, ``scheduled``, ``first_token``: those moments on the engine's simulated
+  clock (seconds; null until they happen).
 
 ``GET /sim/requests`` answers ``{"requests": [...]}``, the last ``MAX_REQUEST_RECORDS``
 in the order they arrived; ``POST /sim/restart`` empties it, as a new process would.
@@ -39,6 +41,8 @@ class RequestRecord:
         "arrived",
         "cached_at_arrival",
         "cached_at_schedule",
+        "first_token_at",
+        "loaded",
         "prompt_tokens",
         "request_id",
         "scheduled_at",
@@ -53,10 +57,13 @@ class RequestRecord:
         self.arrived = arrived
         self.cached_at_schedule: int | None = None
         self.scheduled_at: float | None = None
+        self.loaded = 0
+        self.first_token_at: float | None = None
 
-    def scheduled(self, cached_tokens: int, at: float) -> None:
+    def scheduled(self, cached_tokens: int, at: float, loaded: int = 0) -> None:
         self.cached_at_schedule = cached_tokens
         self.scheduled_at = at
+        self.loaded = loaded
 
     def as_dict(self) -> dict[str, Any]:
         request_id = self.request_id
@@ -68,8 +75,10 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "cached_at_arrival": self.cached_at_arrival,
             "cached_at_schedule": self.cached_at_schedule,
+            "loaded": self.loaded,
             "arrived": self.arrived,
             "scheduled": self.scheduled_at,
+            "first_token": self.first_token_at,
         }
 
 

@@ -227,6 +227,7 @@ class Scheduler:
         request.num_computed = (len(hit) + found) * block_tokens
         if first_try:
             request.cached_tokens = request.num_computed
+            request.loaded_tokens = found * block_tokens
             plan.prefix_queries.append((request.num_tokens, len(hit) * block_tokens))
         request.loading_until = now + found * self.load_seconds_per_block
         return True

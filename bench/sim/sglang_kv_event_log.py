@@ -76,6 +76,9 @@ class SglangEngineEvents:
     def offload_removed(self, pool_hash: int) -> None:
         """Never called, as ``offload_stored``."""
 
+    def idle(self) -> None:
+        """Nothing is ever in flight here."""
+
     def cleared(self) -> None:
         self._names.clear()
         self._pending.append(AllBlocksCleared())

@@ -106,6 +106,12 @@ async def test_a_session_pushed_off_the_gpu_is_read_back_from_its_engines_cpu_ti
         assert first.usage is not None and second.usage is not None
         cached = int(second.usage["prompt_tokens_details"]["cached_tokens"])
         assert cached >= first.usage["prompt_tokens"] - ENGINE_BLOCK
+        async with http.get(engine.url + "/sim/requests") as response:
+            last = (await response.json())["requests"][-1]
+        # The engine read the whole history back from its CPU tier: nothing of it was
+        # left on the GPU.
+        assert last["cached_at_schedule"] == last["loaded"] == cached
+        assert last["first_token"] > last["scheduled"] >= last["arrived"]
 
         reloaded = await metric(http, router, "kvrouter_turns_total", outcome="reloaded")
         offloaded_predicted = await metric(

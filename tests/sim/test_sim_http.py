@@ -83,7 +83,7 @@ def normalized(raw: bytes) -> bytes:
     raw = re.sub(rb"(chatcmpl|cmpl)-[0-9a-f]{32}", rb"\1-id", raw)
     raw = re.sub(rb'"created":\d+', b'"created":0', raw)
     # Floats of varying length (so the length varies too): a start time, simulated times.
-    times = rb'"(process_start_time_seconds|arrived|scheduled)":[0-9.e+-]+'
+    times = rb'"(process_start_time_seconds|arrived|scheduled|first_token)":[0-9.e+-]+'
     if re.search(times, raw):
         raw = re.sub(rb"Content-Length: \d+", b"Content-Length: -", re.sub(times, rb'"\1":0', raw))
     return raw

@@ -41,8 +41,8 @@ class Fleet:
         self.scheduler = Scheduler(self.pool, 4, 64, self.tier, LOAD_S_PER_BLOCK)
         self.sink = Payloads()
         hasher = BlockHasher("sha256", "0")
-        events = EngineEvents(self.sink, hasher, BLOCK, self_describing=self_describing)
-        self.scheduler.publish_kv_events(events)
+        self.log = EngineEvents(self.sink, hasher, BLOCK, self_describing=self_describing)
+        self.scheduler.publish_kv_events(self.log)
         self.now = 0.0
         self.started: dict[str, float] = {}
 
@@ -56,14 +56,14 @@ class Fleet:
                 self.started.setdefault(r.id, self.now)
             self.now += STEP_S
             self.scheduler.complete(plan, self.now)
+        self.log.idle()
 
     def events(self) -> list[dict[str, Any]]:
         """Every event sent, as maps, in order."""
-        out: list[dict[str, Any]] = []
-        for payload in self.sink.sent:
-            _, events, _ = msgspec.msgpack.decode(payload)
-            out += events
-        return out
+        return [event for batch in self.batches() for event in batch]
+
+    def batches(self) -> list[list[dict[str, Any]]]:
+        return [msgspec.msgpack.decode(payload)[1] for payload in self.sink.sent]
 
 
 def hashes_on(events: list[dict[str, Any]], kind: str, medium: str) -> list[Any]:
@@ -100,6 +100,30 @@ def test_an_evicted_prefix_is_loaded_back_from_cpu_and_counts_as_cached() -> Non
     # Loaded back, the blocks are the GPU's again (announced); the CPU keeps its copies.
     assert hashes_on(later, "BlockStored", "GPU")[:8] == stored_gpu
     assert not set(hashes_on(later, "BlockStored", "CPU")) & set(stored_gpu)
+
+
+def test_the_tiers_events_come_as_vllms_do() -> None:
+    """A step's batch: the pool's events, then the tier's evictions for the blocks it
+    stores (one event), then the stores the step before started (one event a block,
+    complete now; the last ones when the engine falls idle)."""
+    rng = random.Random(7)
+    fleet = Fleet(gpu_blocks=40, cpu_blocks=5)
+    fleet.run(request("a", tokens(rng, 3 * BLOCK)))
+    first = fleet.batches()
+    assert [[(e["type"], e["medium"]) for e in batch] for batch in first] == [
+        [("BlockStored", "GPU")],
+        [("BlockStored", "CPU")] * 3,
+    ]
+    assert [e["block_hashes"] for e in first[1]] == [[h] for h in first[0][0]["block_hashes"]]
+    assert [e["parent_block_hash"] for e in first[1]] == [None, *first[0][0]["block_hashes"][:2]]
+    fleet.run(request("b", tokens(rng, 3 * BLOCK)))  # 6 blocks for a 5-block tier
+    stored, completed = fleet.batches()[2:]
+    assert [(e["type"], e["medium"]) for e in stored] == [
+        ("BlockStored", "GPU"),
+        ("BlockRemoved", "CPU"),
+    ]
+    assert stored[1]["block_hashes"] == first[0][0]["block_hashes"][:1]
+    assert [e["type"] for e in completed] == ["BlockStored"] * 3
 
 
 def test_a_prefix_still_on_the_gpu_is_not_loaded() -> None:

@@ -142,8 +142,10 @@ def test_the_log_keeps_the_last_records_oldest_first() -> None:
         "prompt_tokens": 2,
         "cached_at_arrival": 0,
         "cached_at_schedule": None,
+        "loaded": 0,
         "arrived": 2.0,
         "scheduled": None,
+        "first_token": None,
     }
 
 
