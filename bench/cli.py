@@ -9,7 +9,7 @@ from typing import Any
 def register(commands: argparse._SubParsersAction[Any]) -> None:
     from bench import dashboards
     from bench.aiperf import run as aiperf_client
-    from bench.compare import agreement, apis, matrix, peers, replicas, rescore, sweep
+    from bench.compare import agreement, apis, matrix, peers, replicas, rescore, sweep, tiers
     from bench.cost import engine_cpu, perf, request_walk
     from bench.cost import tokenize as tokenize_cost
     from bench.failure import kill
@@ -39,6 +39,7 @@ def register(commands: argparse._SubParsersAction[Any]) -> None:
     soak.register(sub)
     tokenize_cost.register(sub)
     agreement.register(sub)
+    tiers.register(sub)
     apis.register(sub)
     failure.register(sub)
     real.register(sub)

@@ -90,6 +90,9 @@ class WorkerConfig:
     name: str = ""  # default: host:port of the url
     kv_tokens: int | None = None  # default: capacity.kv_tokens or computed
     kv_events: KvEventsEndpoints | None = None  # default: kv_events' templates
+    # Its engine's CPU tier in tokens, modelled while it is approximate (default:
+    # offload.tier_tokens); an exact worker's engine announces its own.
+    offload_tokens: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -113,6 +116,8 @@ class WorkerConfig:
             )
         if self.kv_tokens is not None and self.kv_tokens < 1:
             raise ConfigError("kv_tokens: must be >= 1")
+        if self.offload_tokens is not None and self.offload_tokens < 0:
+            raise ConfigError("offload_tokens: must be >= 0")
 
 
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -540,14 +545,21 @@ class OffloadConfig:
     credited at all). ``link_gbps``: GB/s one GPU reads host memory at (None: PCIe Gen5
     x16's effective rate, the capacity planner's); a worker of
     ``capacity.gpus_per_worker`` GPUs reads its tier that many times as fast.
+    ``tier_tokens``: each engine's CPU tier in tokens (its ``--kv-offloading-size`` over
+    the KV bytes per token), modelled for a worker whose engine does not announce it
+    (approximate mode): every block it computes written through to an LRU of that size;
+    0: none modelled.
     """
 
     kv_bytes_per_token: int = 0
     link_gbps: float | None = None
+    tier_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 0:
             raise ConfigError("kv_bytes_per_token: must be >= 0")
+        if self.tier_tokens < 0:
+            raise ConfigError("tier_tokens: must be >= 0")
         if self.link_gbps is not None and not self.link_gbps > 0:
             raise ConfigError("link_gbps: must be > 0")
 

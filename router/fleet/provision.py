@@ -42,5 +42,8 @@ def new_worker(config: RouterConfig, wc: WorkerConfig) -> tuple[Worker, bool]:
         capacity or DEFAULT_KV_TOKENS,
         breaker=breaker,
         kv_events=wc.kv_events,
+        offload_tokens=wc.offload_tokens
+        if wc.offload_tokens is not None
+        else config.offload.tier_tokens,
     )
     return worker, capacity is not None

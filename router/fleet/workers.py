@@ -50,6 +50,8 @@ class Worker:
     # Prompt tokens the engine says it read from an offload tier (host memory or disk)
     # since it started: a tier is there whether or not it announces its blocks.
     engine_offload_hits: float = 0.0
+    # Its engine's CPU tier in tokens, modelled while approximate (0: none).
+    offload_tokens: int = 0
     # The engine's KV block size in tokens (its cache_config_info or KV events); None:
     # not reported. The engine caches whole blocks of it (router.index.engine_blocks).
     engine_block_tokens: int | None = None

@@ -17,7 +17,7 @@ cannot be named and is skipped (``unnamed``).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 from router.index.chains import EngineChains
@@ -108,3 +108,43 @@ class OffloadedBlocks:
                 held[h] = left
             else:
                 held.pop(h, None)
+
+
+class ModelledTier:
+    """An approximate worker's CPU tier, modelled as its engine keeps it: every block the
+    worker computes written through to an LRU of the tier's size, touched tail first as
+    the GPU's model is (so a prefix's tail goes before its head)."""
+
+    __slots__ = ("_lru", "capacity_blocks")
+
+    def __init__(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, router_hash: object) -> bool:
+        return router_hash in self._lru
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        lru = self._lru
+        for h in reversed(hashes[: self.capacity_blocks]):
+            lru[h] = None
+            lru.move_to_end(h)
+        while len(lru) > self.capacity_blocks:
+            lru.popitem(last=False)
+
+    def forget(self, hashes: Iterable[int]) -> None:
+        for h in hashes:
+            self._lru.pop(h, None)
+
+    def continuation(self, hashes: Sequence[int], start: int) -> int:
+        lru, found = self._lru, 0
+        for h in hashes[start:]:
+            if h not in lru:
+                break
+            found += 1
+        return found

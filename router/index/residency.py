@@ -32,7 +32,7 @@ from typing import Literal, Protocol
 
 from router.index.events import Event
 from router.index.exact import ExactResidency
-from router.index.offloaded import OffloadedBlocks
+from router.index.offloaded import ModelledTier, OffloadedBlocks
 from router.index.prefix import leading_held
 
 PrefixMode = Literal["exact", "approximate"]
@@ -41,7 +41,9 @@ NOTHING: Mapping[int, int] = MappingProxyType({})
 
 
 class PrefixIndex(Protocol):
-    def add_worker(self, worker: str, capacity_blocks: int) -> None: ...
+    def add_worker(self, worker: str, capacity_blocks: int, offload_blocks: int = 0) -> None:
+        """``offload_blocks``: its engine's CPU tier, modelled while it is approximate."""
+        ...
 
     def remove_worker(self, worker: str) -> None: ...
 
@@ -106,14 +108,16 @@ wall_clock = time.time
 
 
 class Residency:
-    """One worker's modelled KV cache: an LRU of block hashes with a fixed capacity."""
+    """One worker's modelled KV cache: an LRU of block hashes with a fixed capacity; and,
+    with ``offload_blocks``, its engine's CPU tier (``offloaded``)."""
 
-    __slots__ = ("_lru", "capacity_blocks", "evictions")
+    __slots__ = ("_lru", "capacity_blocks", "evictions", "offloaded")
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, offload_blocks: int = 0) -> None:
         if capacity_blocks < 1:
             raise ValueError("capacity_blocks must be >= 1")
         self.capacity_blocks = capacity_blocks
+        self.offloaded = ModelledTier(offload_blocks) if offload_blocks > 0 else None
         # Each entry's value: when it was added (wall clock, as a checkpoint's time is).
         # Held since, it was held at any time after: a migration from a checkpoint moves
         # only what was added by the checkpoint's time.
@@ -131,6 +135,8 @@ class Residency:
         return leading_held(hashes, self._lru, reserved)
 
     def touch(self, hashes: Sequence[int]) -> list[int]:
+        if self.offloaded is not None:
+            self.offloaded.touch(hashes)  # written through, as the engine does
         lru = self._lru
         added: list[int] = []
         now = wall_clock()
@@ -148,8 +154,11 @@ class Residency:
         return added
 
     def forget(self, hashes: Iterable[int]) -> None:
+        hashes = list(hashes)
         for h in hashes:
             self._lru.pop(h, None)
+        if self.offloaded is not None:
+            self.offloaded.forget(hashes)
 
     def oldest_first(self) -> list[int]:
         return list(self._lru)
@@ -186,6 +195,9 @@ class WorkerResidency(Protocol):
 
     capacity_blocks: int
 
+    @property
+    def offloaded(self) -> OffloadedBlocks | ModelledTier | None: ...
+
     def __len__(self) -> int: ...
 
     def longest_prefix(self, hashes: Sequence[int], reserved: Mapping[int, int]) -> int: ...
@@ -210,14 +222,18 @@ class LocalPrefixIndex:
         self._workers: dict[str, WorkerResidency] = {}
         # Per worker, how many dispatched requests reserved each hash.
         self._reserved: dict[str, Counter[int]] = {}
+        # Per worker, the CPU tier its modelled residency keeps (blocks; 0: none).
+        self._offload_blocks: dict[str, int] = {}
 
-    def add_worker(self, worker: str, capacity_blocks: int) -> None:
+    def add_worker(self, worker: str, capacity_blocks: int, offload_blocks: int = 0) -> None:
         if worker not in self._workers:
-            self._workers[worker] = Residency(capacity_blocks)
+            self._workers[worker] = Residency(capacity_blocks, offload_blocks)
+            self._offload_blocks[worker] = offload_blocks
 
     def remove_worker(self, worker: str) -> None:
         self._workers.pop(worker, None)
         self._reserved.pop(worker, None)
+        self._offload_blocks.pop(worker, None)
 
     def resize_worker(self, worker: str, capacity_blocks: int) -> None:
         residency = self._workers.get(worker)
@@ -235,7 +251,9 @@ class LocalPrefixIndex:
                 block_tokens=residency.block_tokens,
             )
         elif residency is not None:
-            self._workers[worker] = Residency(residency.capacity_blocks)
+            self._workers[worker] = Residency(
+                residency.capacity_blocks, self._offload_blocks.get(worker, 0)
+            )
         self._reserved.pop(worker, None)
 
     # -- exact mode ----------------------------------------------------------------------
@@ -269,7 +287,7 @@ class LocalPrefixIndex:
         what was last known."""
         residency = self._workers.get(worker)
         if isinstance(residency, ExactResidency):
-            modelled = Residency(residency.capacity_blocks)
+            modelled = Residency(residency.capacity_blocks, self._offload_blocks.get(worker, 0))
             modelled.restore(residency.oldest_first())
             self._workers[worker] = modelled
 
@@ -350,13 +368,19 @@ class LocalPrefixIndex:
 
     def offloaded_continuation(self, worker: str, hashes: Sequence[int], start: int) -> int:
         residency = self._workers.get(worker)
-        if not isinstance(residency, ExactResidency) or not residency.offloaded:
+        if residency is None or not residency.offloaded:
             return 0
         return residency.offloaded.continuation(hashes, start)
 
     def offloaded_blocks(self, worker: str) -> int:
         residency = self._workers.get(worker)
-        return len(residency.offloaded) if isinstance(residency, ExactResidency) else 0
+        tier = residency.offloaded if residency is not None else None
+        return len(tier) if tier is not None else 0
+
+    def offloaded_modelled(self, worker: str) -> bool:
+        """The worker is approximate and its CPU tier modelled."""
+        residency = self._workers.get(worker)
+        return isinstance(residency, Residency) and residency.offloaded is not None
 
     def offloaded_tier(self, worker: str) -> OffloadedBlocks | None:
         """The worker's CPU tier as its engine announces it (None: not in exact mode)."""

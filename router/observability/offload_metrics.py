@@ -1,7 +1,7 @@
 """The CPU tiers behind the workers' caches, read at scrape time: what each holds, how
 fast it is read back, and whether the router can see it at all.
 
-A worker's tier is in one of four states (``kvrouter_offload_tier``):
+A worker's tier is in one of five states (``kvrouter_offload_tier``):
 
 * ``announced`` — its engine announces the CPU tier's blocks with their tokens (vLLM's
   offloading connector with ``self_describing_kv_events``): the router knows what is
@@ -9,6 +9,9 @@ A worker's tier is in one of four states (``kvrouter_offload_tier``):
 * ``by_hash`` — it announces them by hash alone (the connector's default): the router
   names them as the GPU named them, which fails for a block the GPU had already dropped
   (``kvrouter_offload_unnamed_blocks_total``);
+* ``modelled`` — the worker is approximate and a tier is configured for it
+  (``offload.tier_tokens``, ``workers[].offload_tokens``): the router models it as it
+  models the GPU's cache;
 * ``unannounced`` — the engine reports prompt tokens read from an offload tier (its
   /metrics) but announces none of it (a connector without CPU events, or a worker not in
   exact mode): the router cannot see the tier and credits nothing there, so turns it
@@ -27,7 +30,7 @@ from prometheus_client.registry import Collector
 from router.index.residency import LocalPrefixIndex
 from router.observability.metrics import WorkerGauges, Workers
 
-TierState = Literal["announced", "by_hash", "unannounced", "none"]
+TierState = Literal["announced", "by_hash", "modelled", "unannounced", "none"]
 TIER_STATES: tuple[TierState, ...] = get_args(TierState)
 
 
@@ -35,6 +38,8 @@ def tier_state(worker: WorkerGauges, index: LocalPrefixIndex) -> TierState:
     tier = index.offloaded_tier(worker.name)
     if tier is not None and tier.stores:
         return "announced" if tier.described else "by_hash"
+    if tier is None and index.offloaded_modelled(worker.name):
+        return "modelled"
     return "unannounced" if worker.engine_offload_hits > 0 else "none"
 
 
@@ -54,14 +59,16 @@ class OffloadCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         held = GaugeMetricFamily(
             "kvrouter_worker_offloaded_tokens",
-            "Tokens the worker's engine is known to hold in its CPU tier (announced).",
+            "Tokens the worker's engine holds in its CPU tier, as announced (exact mode) "
+            "or modelled (approximate, with a tier configured).",
             labels=["worker"],
         )
         states = GaugeMetricFamily(
             "kvrouter_offload_tier",
             "1 for the state of the worker's CPU tier: announced (its blocks with their "
-            "tokens), by_hash (by hash alone), unannounced (the engine reads from a tier "
-            "it does not announce: the router credits nothing there), none.",
+            "tokens), by_hash (by hash alone), modelled (approximate, a tier configured), "
+            "unannounced (the engine reads from a tier the router neither hears of nor "
+            "models: it credits nothing there), none.",
             labels=["worker", "state"],
         )
         unnamed = CounterMetricFamily(
@@ -77,7 +84,7 @@ class OffloadCollector(Collector):
         )
         for w in self._fleet.all():
             tier = self._index.offloaded_tier(w.name)
-            held.add_metric([w.name], len(tier) * self._block_tokens if tier else 0)
+            held.add_metric([w.name], self._index.offloaded_blocks(w.name) * self._block_tokens)
             unnamed.add_metric([w.name], tier.unnamed if tier else 0)
             engine_hits.add_metric([w.name], w.engine_offload_hits)
             state = tier_state(w, self._index)

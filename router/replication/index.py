@@ -47,8 +47,8 @@ class SharedPrefixIndex:
 
     # -- writes: local, then shared -----------------------------------------------------
 
-    def add_worker(self, worker: str, capacity_blocks: int) -> None:
-        self.local.add_worker(worker, capacity_blocks)
+    def add_worker(self, worker: str, capacity_blocks: int, offload_blocks: int = 0) -> None:
+        self.local.add_worker(worker, capacity_blocks, offload_blocks)
 
     def remove_worker(self, worker: str) -> None:
         self.local.remove_worker(worker)

@@ -34,7 +34,11 @@ class Membership:
     def add(self, worker: Worker) -> None:
         self.fleet.add(worker)
         self._metrics.worker_added(worker.name)
-        self._index.add_worker(worker.name, max(1, worker.capacity_tokens // self._block_tokens))
+        self._index.add_worker(
+            worker.name,
+            max(1, worker.capacity_tokens // self._block_tokens),
+            worker.offload_tokens // self._block_tokens,
+        )
 
     def remove(self, name: str) -> None:
         self.fleet.remove(name)

@@ -44,6 +44,8 @@ def request_line(
         "prompt_tokens": usage.prompt_tokens if usage else route.prompt_tokens,
         "matched_blocks": decision.predicted_cached_tokens // max(1, route.block_tokens),
         "predicted_cached_tokens": decision.predicted_cached_tokens,
+        # Of the prompt beyond the chosen worker's GPU match, what its CPU tier held.
+        "offloaded_tokens": dispatch.offloaded,
         "best_cached_tokens": dispatch.best_match,
         "engine_cached_tokens": usage.cached_tokens if usage else None,
         "ttft_s": None if dispatch.ttft is None else round(dispatch.ttft, 4),

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from bench.textgen import text_for
-from router.config import CapacityConfig, PrefixConfig, WorkerConfig
+from router.config import CapacityConfig, OffloadConfig, PrefixConfig, WorkerConfig
 from router.config import KvEventsConfig as RouterKvEvents
 from tests.conftest import EngineFactory, router_config, serve_router
 from tests.index.test_exact_mode import _is_exact, eventually
@@ -38,14 +38,20 @@ def offloading(self_describing: bool) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("announced", "self_describing", "state"),
-    [(True, True, "announced"), (True, False, "by_hash"), (False, True, "unannounced")],
+    ("announced", "self_describing", "modelled", "state"),
+    [
+        (True, True, 0, "announced"),
+        (True, False, 0, "by_hash"),
+        (False, True, 0, "unannounced"),
+        (False, True, 30_000, "modelled"),
+    ],
 )
 async def test_a_session_pushed_off_the_gpu_is_read_back_from_its_engines_cpu_tier(
     engine_factory: EngineFactory,
     model_dir: Path,
     announced: bool,
     self_describing: bool,
+    modelled: int,
     state: str,
 ) -> None:
     async with contextlib.AsyncExitStack() as stack:
@@ -68,6 +74,7 @@ async def test_a_session_pushed_off_the_gpu_is_read_back_from_its_engines_cpu_ti
             prefix=PrefixConfig(block_bytes=4 * ENGINE_BLOCK, tokenizer=str(model_dir)),
             capacity=CapacityConfig(kv_tokens=3000, model="llama-3.1-8b", gpu="h100"),
             kv_events=RouterKvEvents(speculative_ttl_s=0.1),
+            offload=OffloadConfig(tier_tokens=modelled),
             policy="ttft",
         )
         router = await stack.enter_async_context(serve_router(config))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored
 from router.index.exact import ExactResidency
-from router.index.residency import LocalPrefixIndex
+from router.index.residency import LocalPrefixIndex, Residency
 from tests.kv_publisher import BLOCK, router_hashes, tokens
 
 CAPACITY = 1000
@@ -118,3 +118,34 @@ def test_a_purged_exact_worker_keeps_the_routers_block_size() -> None:
 def _two_block(ids: list[int]) -> BlockStored:
     """``ids`` as an engine of twice the router's block size announces them."""
     return BlockStored((10, 11), None, tuple(ids), 2 * BLOCK, None, "GPU")
+
+
+def test_an_approximate_workers_tier_is_modelled_written_through_and_lru() -> None:
+    residency = Residency(4, offload_blocks=10)
+    a, b, c = router_hashes(tokens(1, 4)), router_hashes(tokens(2, 4)), router_hashes(tokens(3, 4))
+    residency.touch(a)
+    residency.touch(b)  # a leaves the modelled GPU, not the tier
+    assert residency.longest_prefix(a) == 0
+    assert residency.offloaded is not None
+    assert residency.offloaded.continuation(a, 0) == 4
+    residency.touch(c)  # 12 blocks for a tier of 10: a's tail goes first
+    assert residency.offloaded.continuation(a, 0) == 2
+    residency.forget(c)
+    assert residency.offloaded.continuation(c, 0) == 0
+    assert Residency(4).offloaded is None
+
+
+def test_the_index_keeps_a_workers_modelled_tier_through_a_purge_and_exact_mode() -> None:
+    index = LocalPrefixIndex()
+    index.add_worker("w", 4, offload_blocks=10)
+    a, b = router_hashes(tokens(1, 4)), router_hashes(tokens(2, 4))
+    index.touch("w", a)
+    index.touch("w", b)
+    assert (index.match("w", a), index.offloaded_continuation("w", a, 0)) == (0, 4)
+    assert index.offloaded_modelled("w") and index.offloaded_blocks("w") == 8
+    index.purge("w")
+    assert index.offloaded_blocks("w") == 0 and index.offloaded_modelled("w")
+    index.make_exact("w", "m", 5.0)
+    assert not index.offloaded_modelled("w")  # the engine announces its own now
+    index.make_approximate("w")
+    assert index.offloaded_modelled("w")
