@@ -11,8 +11,8 @@ runs in exact mode. Routers, in front of the same fleet:
 * ``tier-aware``: ``ttft`` over every engine's GPU and CPU residency, a CPU-tier hit
   priced by its reload (``offload`` settings: the engines' KV bytes per token, the link);
 * ``tier-blind``: the same router with ``count_offloaded=false``: it sees the GPU alone;
-* with ``--peer-bin``, SMG 1.13's ``cache_aware`` and sticky sessions (they see neither
-  tier; run inside a loopback-only network namespace).
+* with ``--peer-bin``, SMG 1.13's ``cache_aware`` (it sees neither tier; run inside a
+  loopback-only network namespace).
 
 Figures, beside the replay's: from the engines' own records (``GET /sim/requests``,
 whatever router sent the turns), the share of prompt tokens found on the GPU and read
@@ -65,6 +65,8 @@ DEFAULT_OUT = Path("results/tiers")
 # The CPU tier behind each engine, in multiples of its GPU cache: a host's memory is
 # several times its GPUs'.
 DEFAULT_TIER_FACTOR = 4.0
+# SMG's prefix-aware policy (its sticky sessions measured below it on these sessions).
+PEERS = ("smg",)
 SELF_DESCRIBING = '{"kv_connector_extra_config": {"self_describing_kv_events": true}}'
 
 
@@ -112,7 +114,7 @@ def router_specs(
         )
         specs.append(RouterSpec(label, (command,), (port,), stdout=run_dir / f"{label}.requests"))
     if peer_bin is not None:
-        specs += [s for s in peer_specs(config, peer_bin, urls) if s.label.startswith("smg")]
+        specs += [s for s in peer_specs(config, peer_bin, urls) if s.label in PEERS]
     return specs
 
 
