@@ -96,6 +96,11 @@ class EngineChains:
             for i, engine_hash in enumerate(event.block_hashes)
         )
 
+    def router_hashes_of(self, engine_hash: BlockHash) -> Sequence[int] | None:
+        """The router's hashes for an announced engine block (None: not announced)."""
+        name = self._names.get(engine_hash)
+        return None if name is None else name.router_hashes
+
     def named_as_in(
         self, engine_hashes: Sequence[BlockHash], elsewhere: EngineChains
     ) -> tuple[list[int], list[int], int]:

@@ -19,6 +19,15 @@ GPU, and its removal from CPU does not drop a copy still on the GPU. Without the
 connector's ``self_describing_kv_events`` a CPU store is a *placeholder*: the block's
 hash alone, no tokens, ``block_size`` 0 (allowed on the CPU tier only). Other tiers'
 events (storage) are left out of the batch.
+
+A hybrid model's engine keeps several KV cache groups and announces each
+(``group_idx``, ``kv_cache_spec_kind``; vLLM 0.32): full attention (and MLA) keeps every
+block of a prefix; a sliding-window group keeps only the blocks of the last window
+before the points a later request can hit (a prompt's end, a shared-prefix junction),
+and its ``BlockStored`` names those blocks alone while its ``token_ids`` still span every
+block from its parent on (``windowed``: the token count is not checked). Groups of
+other kinds (Mamba state, encoder or cross attention) hold no reusable prefix and are
+left out.
 """
 
 from __future__ import annotations
@@ -35,10 +44,23 @@ END_OF_REPLAY = -1
 SEQ_BYTES = 8
 # Beyond any real block size (vLLM allows up to 256 tokens a block).
 MAX_BLOCK_SIZE = 4096
+# Beyond any real sliding window (tokens).
+MAX_WINDOW = 1 << 24
 # vLLM's medium for blocks in the engine's own KV cache (SGLang and older vLLM send none).
 DEVICE_MEDIUM = "GPU"
 # vLLM's medium for the offloading connector's tier in host memory.
 OFFLOAD_MEDIUM = "CPU"
+
+
+# vLLM's KVCacheSpecKind values (v1/kv_cache_interface.py): groups whose blocks a prefix
+# hit needs, every one of them, or the last window's.
+FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+WINDOWED_KINDS = frozenset({"sliding_window", "sliding_window_mla", "chunked_local_attention"})
+
+
+def kind_kept(kind: str | None) -> bool:
+    """A group of this kind holds prefix blocks (None: a single-group engine's)."""
+    return kind is None or kind in FULL_KINDS or kind in WINDOWED_KINDS
 
 
 def kept(medium: str | None) -> bool:
@@ -65,11 +87,18 @@ class BlockStored:
     # The request's cache_salt, from SGLang's field or vLLM's first block's extra keys.
     cache_salt: str | None = None
     group_idx: int | None = None
+    # A sliding-window group's (hybrid models): its window in tokens; None: a group
+    # that keeps every block (full attention, MLA, a single-group engine).
+    sliding_window: int | None = None
 
     @property
     def offloaded(self) -> bool:
         """Stored to the CPU tier, not the GPU's cache."""
         return self.medium == OFFLOAD_MEDIUM
+
+    @property
+    def windowed(self) -> bool:
+        return self.sliding_window is not None
 
     @property
     def placeholder(self) -> bool:
@@ -141,6 +170,8 @@ class _Stored(msgspec.Struct, frozen=True, tag="BlockStored", tag_field="type"):
     cache_salt: str | None = None
     extra_keys: Any = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _TaggedBatch(msgspec.Struct, frozen=True, array_like=True):
@@ -172,7 +203,10 @@ def _from_tagged(event: _Stored | BlockRemoved | AllBlocksCleared) -> Event | No
     medium = _spelled(event.medium)
     if isinstance(event, BlockRemoved):
         return event if medium == event.medium else msgspec.structs.replace(event, medium=medium)
-    _check_size(event.block_size, len(event.token_ids), len(event.block_hashes), medium)
+    if not kind_kept(event.kv_cache_spec_kind):
+        return None
+    window = _window(event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window)
+    _check_size(event.block_size, len(event.token_ids), len(event.block_hashes), medium, window)
     salt = event.cache_salt
     if salt is None:
         salt = _salt_of_first_block(event.extra_keys, event.lora_name)
@@ -185,13 +219,27 @@ def _from_tagged(event: _Stored | BlockRemoved | AllBlocksCleared) -> Event | No
         medium,
         salt,
         event.group_idx,
+        window,
     )
 
 
-def _check_size(block_size: int, tokens: int, blocks: int, medium: str | None) -> None:
-    if block_size == 0 and not (medium == OFFLOAD_MEDIUM and tokens == 0):
+def _window(kind: str | None, window: int | None) -> int | None:
+    """A windowed group's window in tokens (None: it keeps every block)."""
+    if kind not in WINDOWED_KINDS:
+        return None
+    if window is None or not 0 < window <= MAX_WINDOW:
+        raise MalformedEvents(f"a {kind} group's window {window!r} is not a window")
+    return window
+
+
+def _check_size(
+    block_size: int, tokens: int, blocks: int, medium: str | None, window: int | None
+) -> None:
+    """A sliding-window group's tokens span more blocks than it names (not checked)."""
+    placeholder = medium == OFFLOAD_MEDIUM and tokens == 0 and window is None
+    if block_size == 0 and not placeholder:
         raise MalformedEvents("block_size 0 is a CPU-tier placeholder's alone")
-    if tokens != block_size * blocks:
+    if window is None and tokens != block_size * blocks:
         raise MalformedEvents("token_ids are block_size tokens for each block hash")
 
 
@@ -242,8 +290,14 @@ def _event(raw: Any) -> Event | None:
     if kind in ("BlockStored", "BlockRemoved") and not kept(medium):
         return None
     medium = _spelled(medium)
+    spec_kind = _optional_str(fields.get("kv_cache_spec_kind"), "kv_cache_spec_kind")
+    if kind == "BlockStored" and not kind_kept(spec_kind):
+        return None
     if kind == "BlockStored":
-        return _stored(fields, medium)
+        window = _optional_int(
+            fields.get("kv_cache_spec_sliding_window"), "kv_cache_spec_sliding_window"
+        )
+        return _stored(fields, medium, _window(spec_kind, window))
     if kind == "BlockRemoved":
         return BlockRemoved(
             _hashes(fields.get("block_hashes")),
@@ -255,7 +309,7 @@ def _event(raw: Any) -> Event | None:
     raise MalformedEvents(f"unknown event type {kind!r}")
 
 
-def _stored(fields: dict[str, Any], medium: str | None) -> BlockStored:
+def _stored(fields: dict[str, Any], medium: str | None, window: int | None) -> BlockStored:
     hashes = _hashes(fields.get("block_hashes"))
     parent = fields.get("parent_block_hash")
     if parent is not None and not _is_hash(parent):
@@ -266,7 +320,7 @@ def _stored(fields: dict[str, Any], medium: str | None) -> BlockStored:
     tokens = fields.get("token_ids")
     if not isinstance(tokens, list):
         raise MalformedEvents("token_ids are block_size tokens for each block hash")
-    _check_size(size, len(tokens), len(hashes), medium)
+    _check_size(size, len(tokens), len(hashes), medium, window)
     # At C speed: one prefill's event carries tens of thousands of ids. ``type`` (not
     # isinstance) keeps booleans out, as _is_int does.
     if tokens and (set(map(type, tokens)) != {int} or min(tokens) < 0):
@@ -284,6 +338,7 @@ def _stored(fields: dict[str, Any], medium: str | None) -> BlockStored:
         medium,
         salt,
         _optional_int(fields.get("group_idx"), "group_idx"),
+        window,
     )
 
 

@@ -46,6 +46,7 @@ from router.index.chains import EngineChains
 from router.index.events import BlockHash, BlockRemoved, BlockStored, Event
 from router.index.offloaded import OffloadedBlocks
 from router.index.prefix import leading_held
+from router.index.windows import WindowGroups
 
 # Engine names kept per rank, beyond the worker's capacity: room for removals missed.
 NAMES_PER_CAPACITY_BLOCK = 2
@@ -73,6 +74,7 @@ class ExactResidency:
         "model",
         "offloaded",
         "ttl_s",
+        "windows",
     )
 
     def __init__(
@@ -100,6 +102,10 @@ class ExactResidency:
             max(MIN_NAMES, OFFLOADED_NAMES_PER_CAPACITY_BLOCK * capacity_blocks),
             block_tokens,
         )
+        # A hybrid model's sliding-window groups (empty for any other).
+        self.windows = WindowGroups(
+            max(MIN_NAMES, NAMES_PER_CAPACITY_BLOCK * capacity_blocks), block_tokens
+        )
         self._held: Counter[int] = Counter()  # router hash -> ranks holding it
         self._inherited: OrderedDict[int, None] = OrderedDict.fromkeys(inherited)
         # (expiry, tick), oldest first: every entry gets the same ttl from its touch, and
@@ -119,17 +125,30 @@ class ExactResidency:
 
     def apply(self, rank: int, events: Iterable[Event]) -> None:
         removed: list[BlockHash] = []  # consecutive GPU removals, applied together
+        windows = self.windows
+        # A step's window groups are announced before its full-attention group, whose
+        # names theirs are read by: they go last.
+        windowed: list[BlockStored] = []
         for event in events:
-            if isinstance(event, BlockRemoved) and not event.offloaded:
+            if (
+                isinstance(event, BlockRemoved)
+                and not event.offloaded
+                and not (windows and windows.is_windowed(rank, event.group_idx))
+            ):
                 removed += event.block_hashes
                 continue
             if removed:
                 self._removed(rank, removed)
                 removed = []
-            if isinstance(event, BlockRemoved):
+            if isinstance(event, BlockRemoved) and event.offloaded:
                 self.offloaded.removed(rank, event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                windows.removed(rank, event.group_idx, event.block_hashes)
             elif isinstance(event, BlockStored) and event.offloaded:
-                self.offloaded.stored(rank, event, self._chain(rank))
+                if not event.windowed:  # the tier's window groups: not read yet
+                    self.offloaded.stored(rank, event, self._chain(rank))
+            elif isinstance(event, BlockStored) and event.windowed:
+                windowed.append(event)
             elif isinstance(event, BlockStored):
                 added, dropped = self._chain(rank).stored(event, self.offloaded.chains(rank))
                 self._hold(added)
@@ -138,6 +157,8 @@ class ExactResidency:
                 self._clear_device(rank)
         if removed:
             self._removed(rank, removed)
+        for event in windowed:
+            windows.stored(rank, event, self._chain(rank))
         self._trim_inherited()
 
     def _removed(self, rank: int, engine_hashes: Sequence[BlockHash]) -> None:
@@ -150,12 +171,14 @@ class ExactResidency:
         broke): what it alone held goes, in both tiers, and with it whatever the router
         had not heard announced."""
         self._clear_device(rank)
+        self.windows.clear_rank(rank)
         self.offloaded.clear_rank(rank)
 
     def _clear_device(self, rank: int) -> None:
         chains = self._chains.pop(rank, None)
         if chains is not None:
             self._release(chains.clear())
+        self.windows.clear_blocks(rank)
         self._inherited.clear()
         self._speculative.clear()
 
@@ -237,6 +260,8 @@ class ExactResidency:
         """Leading ``hashes`` held, announced or not yet, or reserved; with the forecast,
         and not doomed by what the requests dispatched before (``reserved``) need."""
         held = leading_held(hashes, self, reserved)
+        if held and self.windows:
+            held = self.windows.limit(hashes, held)
         if not held or not self.forecast_queue_evictions:
             return held
         doomed_after = self._doomed_tick(reserved)
