@@ -117,6 +117,9 @@ class VllmEngine:
     starts: int = 0
     extra_flags: tuple[str, ...] = field(default=())
     num_blocks: int = NUM_BLOCKS  # its KV cache, in blocks of BLOCK_TOKENS
+    # vLLM refuses a context longer than its cache: a smaller cache needs a shorter one.
+    max_model_len: int = MAX_MODEL_LEN
+    extra_env: dict[str, str] = field(default_factory=dict)  # over the environment below
 
     @property
     def kv_tokens(self) -> int:
@@ -159,7 +162,7 @@ class VllmEngine:
             "--port",
             str(self.port),
             "--max-model-len",
-            str(MAX_MODEL_LEN),
+            str(self.max_model_len),
             "--block-size",
             str(BLOCK_TOKENS),
             "--num-gpu-blocks-override",
@@ -192,6 +195,7 @@ class VllmEngine:
             "PYTHONHASHSEED": "0",
             "VLLM_ENABLE_RESPONSES_API_STORE": "1",  # previous_response_id, GET, cancel
             "VLLM_SERVER_DEV_MODE": "1",  # POST /reset_prefix_cache between tests
+            **self.extra_env,
         }
         log = self.log_path.open("wb")
         self.process = subprocess.Popen(

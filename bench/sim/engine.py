@@ -345,6 +345,9 @@ class Engine:
             if not plan.work:
                 # Nothing fits this instant (every block pinned, or the prompts are
                 # loading from the offload tier); wait for a change or a load's end.
+                # A step that only started loads evicted for them: vLLM publishes it.
+                if plan.offload_queries and scheduler.events is not None:
+                    scheduler.events.flush()
                 timeout = 0.01 if load_end is None else (load_end - now) / self.clock.scale
                 await self._wait_for_change(max(timeout, CLOCK_RESOLUTION_S))
                 self._cursor = self.clock.now()

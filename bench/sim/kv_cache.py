@@ -4,9 +4,11 @@
 * A full block, once computed, is registered under its chained hash; a later request
   whose prompt starts with the same blocks reuses them (a prefix-cache hit).
 * Blocks in use by a running request are pinned (reference count > 0).
-* When a request finishes, its blocks go to the tail of an LRU free queue, last block
-  first, so a prefix's tail is evicted before its head. Freed blocks keep their hash and
-  can still be hit until they are reused.
+* When a request finishes, its cached blocks go to the tail of an LRU free queue, last
+  block first, so a prefix's tail is evicted before its head; freed blocks that hold no
+  hash (a prompt's partial last block) go to its head, to be reused first (vLLM 0.32's
+  ``BlockPool.free_blocks``). Freed blocks keep their hash and can still be hit until
+  they are reused.
 * Allocation takes the block at the head of the free queue (the least recently freed)
   and drops its hash: that is eviction.
 
@@ -160,18 +162,26 @@ class BlockPool:
                 hashes[block] = block_hash
 
     def release(self, blocks: Sequence[int]) -> None:
-        """Unpin a request's blocks; the unreferenced go to the free tail, last block first."""
-        ref, entry, queue = self._ref, self._entry, self._queue
+        """Unpin a request's blocks; the unreferenced go to the free queue, last block
+        first: the cached ones to its tail, the others to its head."""
+        ref, entry, queue, hashes = self._ref, self._entry, self._queue, self._hash
         append = queue.append
         self._releases += 1
         tag = self._releases << self._id_bits
         before = len(queue)
+        first: list[int] = []  # holding no hash: reused first
         for b in reversed(blocks):
             left = ref[b] - 1
             ref[b] = left
             if not left:
+                if hashes[b] == NO_HASH:
+                    first.append(b)
+                    continue
                 entry[b] = e = tag | b
                 append(e)
+        for b in reversed(first):
+            entry[b] = e = tag | b
+            queue.appendleft(e)
         self._num_free += len(queue) - before
         if len(queue) > 2 * self.num_blocks:
             self._compact()
@@ -191,11 +201,12 @@ class BlockPool:
         order = self.free_blocks()
         for blocks in held:
             released: list[int] = []
+            first: list[int] = []
             for b in reversed(blocks):
                 ref[b] -= 1
                 if not ref[b]:
-                    released.append(b)
-            order += released
+                    (first if self._hash[b] == NO_HASH else released).append(b)
+            order = [*first, *order, *released]
         if len(order) != self.num_blocks:
             raise ValueError("the blocks held do not account for every pinned block")
         return [self._hash[b] for b in order]

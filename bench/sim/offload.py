@@ -7,7 +7,9 @@ block per offloaded chunk:
 * Write-through: every block the GPU caches is stored to CPU memory as it is computed,
   whether or not the GPU will evict it; a block already there is not stored again.
 * The tier is an LRU of its own: storing into a full tier evicts its least recently
-  used blocks; a lookup that hits touches what it found.
+  used blocks; a lookup that hits touches what it found, and a request's end its
+  blocks, each last block first (``policies/lru.py``: ``touch``,
+  ``on_request_finished``), so a prompt's tail goes before its head.
 * A request looks here for what continues its GPU prefix hit: the run of blocks after
   the GPU's, all present, is loaded back over the host link before the request runs
   (``Scheduler._schedule_waiting``), and counts as cached in its usage.
@@ -48,8 +50,9 @@ class OffloadTier:
         return found
 
     def touch(self, hashes: Sequence[int]) -> None:
+        """Most recent: ``hashes``, the first of them the most recent of all."""
         blocks = self._blocks
-        for h in hashes:
+        for h in reversed(hashes):
             if h in blocks:
                 blocks.move_to_end(h)
 

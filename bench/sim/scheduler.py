@@ -276,12 +276,17 @@ class Scheduler:
         outcome = StepOutcome()
         pool, block_tokens = self.pool, self.pool.block_tokens
         steps, end = len(times), done + len(times)
+        # Every block the steps need is taken before any request finishes and frees its
+        # own, as step by step: the steps' blocks are allocated when they are scheduled.
         for request, _, context in plan.work:
             if request.status is not RUNNING:
                 continue  # aborted while the span ran
             need = _blocks_for(context + end, block_tokens) - len(request.blocks)
             if need > 0:
                 request.blocks += pool.allocate(need)
+        for request, _, context in plan.work:
+            if request.status is not RUNNING:
+                continue
             first = request.num_computed // block_tokens  # the first block not yet full
             request.append_generated(block_tokens, steps)
             request.num_computed = context + end
@@ -325,6 +330,8 @@ class Scheduler:
 
     def _finish(self, request: SimRequest, now: float) -> None:
         self.running.remove(request)
+        if self.offload is not None:
+            self.offload.touch(request.hashes)
         self._free(request)
         request.status = FINISHED
         request.finish_reason = request.end_reason

@@ -67,7 +67,8 @@ def test_idle_longest_loses_its_prefix_first_tail_first() -> None:
     for p in (a, b, c):
         run_to_completion(scheduler, request(p))
     run_to_completion(scheduler, request(a))  # a is now the most recently used
-    run_to_completion(scheduler, request(prompt_of(160, "d")))  # pressure: evicts 10 blocks
+    # Pressure: 15 blocks where 10 are free (and a's partial recompute, reused first).
+    run_to_completion(scheduler, request(prompt_of(240, "d")))
     hits = {}
     for key, p in (("c", c), ("a", a), ("b", b)):
         probe = request(p)

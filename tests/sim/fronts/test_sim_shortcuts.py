@@ -68,10 +68,18 @@ class OrderedDictPool:
             self.hash[block] = block_hash
 
     def release(self, blocks: Sequence[int]) -> None:
+        """Cached blocks to the tail, last first; the others to the head, reused first."""
+        first = []
         for b in reversed(blocks):
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                self.free[b] = None
+                if self.hash[b] == NO_HASH:
+                    first.append(b)
+                else:
+                    self.free[b] = None
+        for b in reversed(first):
+            self.free[b] = None
+            self.free.move_to_end(b, last=False)
 
 
 def test_block_pool_keeps_the_lru_order_of_an_ordered_dict() -> None:
