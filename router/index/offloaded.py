@@ -13,6 +13,13 @@ a store is a placeholder naming the block by hash alone: it is named as the GPU'
 name that hash, which works while the GPU still holds the block (the store follows the
 computation by a step or so); a placeholder for a block the GPU has already dropped
 cannot be named and is skipped (``unnamed``).
+
+The connector offloads in chunks of one block or more (its ``block_size``), announced
+one event a chunk, and loads whole chunks only: a lookup starts at the chunk holding
+the GPU hit's end and counts the chunks held whole from there, none past the prompt's
+last whole chunk (vLLM's ``_lookup_complete_chunks``). ``continuation`` does the same,
+the chunk's size learned from the stores (a placeholder names a chunk by its last
+block alone: the rest of its blocks are not named, under-counted).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ class OffloadedBlocks:
         "_chains",
         "_held",
         "block_tokens",
+        "chunk_blocks",
         "described",
         "max_blocks",
         "model",
@@ -42,6 +50,7 @@ class OffloadedBlocks:
         self.block_tokens = block_tokens
         self._chains: dict[int, EngineChains] = {}
         self._held: Counter[int] = Counter()  # router hash -> ranks holding it
+        self.chunk_blocks = 1  # router blocks a chunk holds (its stores say)
         self.stores = 0  # CPU-tier stores heard (placeholders too)
         self.described = 0  # of them, stores with their tokens (self-describing)
         self.unnamed = 0  # placeholder blocks the GPU's chains could not name
@@ -61,6 +70,8 @@ class OffloadedBlocks:
             self.unnamed += unnamed
         else:
             self.described += 1
+            per_block = max(1, event.block_size // (self.block_tokens or event.block_size))
+            self.chunk_blocks = max(1, len(event.block_hashes)) * per_block
             added, dropped = chains.stored(event, device)
         self._hold(added)
         self._release(dropped)
@@ -80,14 +91,17 @@ class OffloadedBlocks:
         return self._chains.get(rank)
 
     def continuation(self, hashes: Sequence[int], start: int) -> int:
-        """How many of ``hashes`` from ``start`` on the tier holds, unbroken: what a
-        request whose GPU hit ends at ``start`` would load back."""
-        held, found = self._held, 0
-        for h in hashes[start:]:
-            if h not in held:
-                break
-            found += 1
-        return found
+        """How many of ``hashes`` from ``start`` on a request whose GPU hit ends at
+        ``start`` would load back: the whole chunks the tier holds from the one that
+        holds ``start``."""
+        held, size = self._held, self.chunk_blocks
+        chunk, end = start // size, start
+        while (chunk + 1) * size <= len(hashes) and all(
+            h in held for h in hashes[chunk * size : (chunk + 1) * size]
+        ):
+            chunk += 1
+            end = chunk * size
+        return end - start
 
     def _chain(self, rank: int) -> EngineChains:
         chains = self._chains.get(rank)

@@ -19,6 +19,25 @@ def on(medium: str, ids: list[int], first: int, parent: int | None = None) -> Bl
     return BlockStored(tuple(range(first, first + count)), parent, tuple(ids), BLOCK, None, medium)
 
 
+def chunks(
+    ids: list[int], first: int, blocks: int = 1, parent: int | None = None
+) -> list[BlockStored]:
+    """``ids`` stored to the CPU tier as the connector announces it: one event a chunk of
+    ``blocks`` blocks, each with its parent (the first chunk's: ``parent``)."""
+    size = blocks * BLOCK
+    return [
+        BlockStored(
+            tuple(range(first + i // BLOCK, first + (i + size) // BLOCK)),
+            first + i // BLOCK - 1 if i else parent,
+            tuple(ids[i : i + size]),
+            BLOCK,
+            None,
+            "CPU",
+        )
+        for i in range(0, len(ids), size)
+    ]
+
+
 def by_hash(*engine_hashes: int) -> BlockStored:
     """The offloading connector's default CPU store: the hash alone."""
     return BlockStored(engine_hashes, None, (), 0, None, "CPU")
@@ -34,7 +53,7 @@ def both(residency: ExactResidency, ids: list[int]) -> tuple[int, int]:
 def test_a_block_evicted_from_the_gpu_is_still_on_the_cpu_until_the_tier_drops_it() -> None:
     residency = ExactResidency(CAPACITY, "m", ttl_s=5.0)
     a = tokens(1, 4)
-    residency.apply(0, [on("GPU", a, 10), on("CPU", a, 10)])
+    residency.apply(0, [on("GPU", a, 10), *chunks(a, 10)])
     assert both(residency, a) == (4, 0)
     residency.apply(0, [BlockRemoved((12, 13), "GPU")])
     assert both(residency, a) == (2, 2)
@@ -61,7 +80,7 @@ def test_a_store_whose_parent_only_the_other_tier_holds_is_named() -> None:
     residency = ExactResidency(CAPACITY, "m", ttl_s=5.0)
     a = tokens(1, 4)
     head, tail = a[: 2 * BLOCK], a[2 * BLOCK :]
-    residency.apply(0, [on("GPU", head, 10), on("CPU", head, 10)])
+    residency.apply(0, [on("GPU", head, 10), *chunks(head, 10)])
     residency.apply(0, [BlockRemoved((10, 11), "GPU")])
     # The head is read back from CPU and the tail computed: the GPU announces the tail
     # with the head's last block as parent, which only the CPU tier's chains still name.
@@ -71,14 +90,14 @@ def test_a_store_whose_parent_only_the_other_tier_holds_is_named() -> None:
     assert hashes[2] in residency and hashes[3] in residency
     # And a CPU store whose parent only the GPU names:
     b = tokens(2, 2)
-    residency.apply(0, [on("GPU", b[:BLOCK], 30), on("CPU", b[BLOCK:], 31, parent=30)])
+    residency.apply(0, [on("GPU", b[:BLOCK], 30), *chunks(b[BLOCK:], 31, parent=30)])
     assert router_hashes(b)[1] in residency.offloaded
 
 
 def test_a_reset_of_the_gpu_cache_keeps_the_cpu_tier_and_a_lost_stream_loses_both() -> None:
     residency = ExactResidency(CAPACITY, "m", ttl_s=5.0)
     a = tokens(1, 2)
-    residency.apply(0, [on("GPU", a, 10), on("CPU", a, 10)])
+    residency.apply(0, [on("GPU", a, 10), *chunks(a, 10)])
     residency.apply(0, [AllBlocksCleared()])
     assert both(residency, a) == (0, 2)
     residency.clear_rank(0)
@@ -94,7 +113,7 @@ def test_the_index_answers_for_the_cpu_tier_of_exact_workers_only() -> None:
     assert index.offloaded_continuation("w", hashes, 0) == 0
     assert index.offloaded_tier("w") is None
     index.make_exact("w", "m", 5.0)
-    index.apply_events("w", 0, [on("GPU", a, 10), on("CPU", a, 10), BlockRemoved((12,), "GPU")])
+    index.apply_events("w", 0, [on("GPU", a, 10), *chunks(a, 10), BlockRemoved((12,), "GPU")])
     assert index.match("w", hashes) == 2
     assert index.offloaded_continuation("w", hashes, 2) == 1
     assert index.offloaded_blocks("w") == 3
@@ -149,3 +168,21 @@ def test_the_index_keeps_a_workers_modelled_tier_through_a_purge_and_exact_mode(
     assert not index.offloaded_modelled("w")  # the engine announces its own now
     index.make_approximate("w")
     assert index.offloaded_modelled("w")
+
+
+def test_a_chunk_of_several_blocks_is_loaded_whole_or_not_at_all() -> None:
+    """Offloaded in chunks of two blocks, a prefix is read back from the chunk holding the
+    GPU hit's end, whole chunks only: a chunk missing a block, or cut by the prompt's
+    end, is not."""
+    residency = ExactResidency(CAPACITY, "m", ttl_s=5.0)
+    a = tokens(1, 6)
+    residency.apply(0, [on("GPU", a, 10), *chunks(a, 10, blocks=2)])
+    assert residency.offloaded.chunk_blocks == 2
+    residency.apply(0, [BlockRemoved((11, 12, 13, 14, 15), "GPU")])
+    hashes = router_hashes(a)
+    assert residency.longest_prefix(hashes, {}) == 1
+    # From the chunk [0, 2) holding block 1: all three chunks, to block 6.
+    assert residency.offloaded.continuation(hashes, 1) == 5
+    assert residency.offloaded.continuation(hashes[:5], 1) == 3  # [4, 6) cut by the end
+    residency.apply(0, [BlockRemoved((13,), "CPU")])  # chunk [2, 4) loses a block
+    assert residency.offloaded.continuation(hashes, 1) == 1
