@@ -26,7 +26,15 @@ from bench.sim.config import (
 from bench.sim.vllm_hash import HASH_FUNCTIONS
 from router.cli.help_format import DefaultsHelpFormatter
 from router.errors import ConfigError
-from router.planning.capacity import GPUS, CapacityError, dtype_bytes, gpu, load_model, preset_names
+from router.planning.capacity import (
+    GPUS,
+    CapacityError,
+    ModelShape,
+    dtype_bytes,
+    gpu,
+    load_model,
+    preset_names,
+)
 from router.tokens.model import ModelTokenizer
 
 log = logging.getLogger(__name__)
@@ -172,6 +180,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "the CPU tier's KV events carry tokens and parents (vLLM's default: placeholders)",
     )
     parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="a hybrid model's sliding-window layers: their window (default: the model's "
+        "config, e.g. gemma-3-27b's 1,024; 0: none)",
+    )
+    parser.add_argument(
+        "--window-groups",
+        type=int,
+        default=None,
+        help="KV cache groups vLLM makes of them (default: sliding layers over "
+        "full-attention layers)",
+    )
+    parser.add_argument(
         "--kv-offloading-gbps",
         type=float,
         default=DEFAULT_OFFLOAD_GBPS,
@@ -221,7 +244,24 @@ def engine_config(args: argparse.Namespace, engine_id: str = "0") -> EngineConfi
         kv_offloading_self_describing_events=self_describing_offload_events(
             args.kv_transfer_config
         ),
+        **window_settings(model, args.sliding_window, args.window_groups),
     )
+
+
+def window_settings(model: ModelShape, window: int | None, groups: int | None) -> dict[str, Any]:
+    """``EngineConfig``'s sliding_window and window_groups: as given, else the model's
+    (vLLM makes as many window groups as its sliding layers fill groups the size of its
+    full-attention one)."""
+    sliding = [g for g in model.kv_layout.groups if g.kind == "sliding"]
+    full = sum(g.layers for g in model.kv_layout.groups if g.kind == "full")
+    if window is None and sliding and sliding[0].window is not None:
+        window = sliding[0].window
+    if not window:
+        return {}
+    if groups is None:
+        layers = sum(g.layers for g in sliding) or full
+        groups = max(1, layers // max(1, full))
+    return {"sliding_window": window, "window_groups": groups}
 
 
 GIB = 1 << 30
@@ -295,6 +335,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         "--tokenizer": args.tokenizer,
         "--kv-offloading-size": args.kv_offloading_size,
         "--kv-transfer-config": args.kv_transfer_config,
+        "--sliding-window": args.sliding_window,
+        "--window-groups": args.window_groups,
     }
     for flag, value in optional.items():
         if value is not None:

@@ -98,6 +98,11 @@ class EngineConfig:
     # the tier's BlockStored events carry tokens and parents; off (vLLM's default) they
     # are placeholders (the block's hash alone).
     kv_offloading_self_describing_events: bool = False
+    # A hybrid model's sliding-window layers (``bench/sim/windows.py``): their window in
+    # tokens and how many KV cache groups vLLM makes of them; None: every layer keeps
+    # the whole context.
+    sliding_window: int | None = None
+    window_groups: int = 0
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [
@@ -135,6 +140,18 @@ class EngineConfig:
             (
                 self.kv_offloading_bytes is None or self.flavor == "vllm",
                 "an offload tier is vLLM's (--kv-offloading-size)",
+            ),
+            (
+                (self.sliding_window is None) == (self.window_groups == 0),
+                "sliding_window and window_groups: give both or neither",
+            ),
+            (
+                self.sliding_window is None or (self.sliding_window > 1 and self.window_groups > 0),
+                "sliding_window must be > 1 token and window_groups > 0",
+            ),
+            (
+                self.sliding_window is None or self.flavor == "vllm",
+                "window groups are vLLM's hybrid allocator's",
             ),
         ]
         for ok, message in checks:

@@ -36,6 +36,7 @@ from bench.sim.scheduler import Scheduler, StepOutcome, StepPlan
 from bench.sim.sglang_kv_event_log import SglangEngineEvents
 from bench.sim.sglang_kv_events import SglangKVEventsConfig
 from bench.sim.vllm_hash import BlockHasher
+from bench.sim.windows import WindowGroups
 from router.clock import monotonic
 from router.planning.capacity import plan as capacity_plan
 
@@ -122,12 +123,16 @@ class Engine:
         self.pool = BlockPool(self.num_blocks, config.block_tokens)
         self.prefix_hashes = PrefixHashes(config.block_tokens)
         self.offload = offload_tier(config)
+        windows = None
+        if config.sliding_window is not None:
+            windows = WindowGroups(config.sliding_window, config.window_groups, self.block_tokens)
         self.scheduler = Scheduler(
             self.pool,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.offload,
             self.roofline.load_seconds(config.block_tokens, config.kv_offloading_gbps),
+            windows,
         )
         # How prompts become tokens: the stand-in's, or the model's (``running_engine``).
         self.prompts: Prompts = STAND_IN
@@ -301,6 +306,9 @@ class Engine:
                 config.block_tokens,
                 int_hashes,
                 config.kv_offloading_self_describing_events,
+                None
+                if config.sliding_window is None
+                else (config.sliding_window, config.window_groups),
             )
         self.scheduler.publish_kv_events(log)
 

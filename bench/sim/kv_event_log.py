@@ -32,6 +32,7 @@ MEDIUM = "GPU"
 OFFLOAD_MEDIUM = "CPU"  # vLLM's native offloading connector's tier
 GROUP = 0  # one full-attention KV cache group
 SPEC_KIND = "full_attention"  # vLLM 0.32 names the group's kind
+WINDOW_KIND = "sliding_window"  # a hybrid model's window groups' (bench/sim/windows.py)
 
 
 def fresh_runs(first: int, fresh: Sequence[bool]) -> Iterator[tuple[int, int]]:
@@ -71,6 +72,10 @@ class EventLog(Protocol):
     def removed(self, pool_hash: int) -> None: ...
     def offload_stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None: ...
     def offload_removed(self, pool_hash: int) -> None: ...
+    def window_stored(
+        self, request: SimRequest, first: int, kept: Sequence[int], group: int
+    ) -> None: ...
+    def window_removed(self, group: int, pool_hash: int) -> None: ...
     def idle(self) -> None: ...
     def cleared(self) -> None: ...
     def flush(self) -> None: ...
@@ -96,12 +101,19 @@ class EngineEvents:
         block_tokens: int,
         int_hashes: bool = False,
         self_describing: bool = True,
+        windows: tuple[int, int] | None = None,
     ) -> None:
         self.sink = sink
         self.hasher = hasher
         self.block_tokens = block_tokens
         self.int_hashes = int_hashes
         self.self_describing = self_describing
+        # A hybrid model's (window tokens, window groups): groups 0 .. n-1 are the
+        # window's, the full-attention group comes last (as vLLM numbers them).
+        self.windows = windows
+        self.group = windows[1] if windows is not None else GROUP
+        self._windowed: list[Any] = []  # the window groups' stores, first in a batch
+        self._window_names: dict[tuple[int, int], bytes] = {}  # (group, pool hash) -> name
         self._names: dict[int, bytes] = {}  # a cached block's pool hash -> its vLLM hash
         self._stored: dict[int, StoredBlock] = {}  # and what its BlockStored told
         self._offload_names: dict[int, bytes] = {}  # the same for the offload tier
@@ -123,7 +135,9 @@ class EngineEvents:
         self._stored.pop(pool_hash, None)
         if name is not None:
             self._pending.append(
-                BlockRemoved(block_hashes=[self._external(name)], medium=MEDIUM, group_idx=GROUP)
+                BlockRemoved(
+                    block_hashes=[self._external(name)], medium=MEDIUM, group_idx=self.group
+                )
             )
 
     def offload_stored(self, request: SimRequest, first: int, fresh: Sequence[bool]) -> None:
@@ -138,6 +152,39 @@ class EngineEvents:
                 self._offload_storing.append(self._offloaded_block(request, names, i))
             else:
                 self._offload_storing.append(self._placeholder(names[i]))
+
+    def window_stored(
+        self, request: SimRequest, first: int, kept: Sequence[int], group: int
+    ) -> None:
+        """Window group ``group`` keeps blocks ``kept`` of ``request`` (named as the
+        full-attention group names them); its event's tokens span from block ``first``."""
+        assert self.windows is not None
+        end = max(kept) + 1
+        names = self._engine_hashes(request, end)
+        for i in kept:
+            self._window_names[(group, request.hashes[i])] = names[i]
+        self._windowed.append(
+            BlockStored(
+                block_hashes=[self._external(names[i]) for i in kept],
+                parent_block_hash=self._external(names[first - 1]) if first else None,
+                token_ids=self._token_ids(request, first, end),
+                block_size=self.block_tokens,
+                lora_id=None,
+                medium=MEDIUM,
+                lora_name=None,
+                extra_keys=[None] * len(kept),
+                group_idx=group,
+                kv_cache_spec_kind=WINDOW_KIND,
+                kv_cache_spec_sliding_window=self.windows[0],
+            )
+        )
+
+    def window_removed(self, group: int, pool_hash: int) -> None:
+        name = self._window_names.pop((group, pool_hash), None)
+        if name is not None:
+            self._pending.append(
+                BlockRemoved(block_hashes=[self._external(name)], medium=MEDIUM, group_idx=group)
+            )
 
     def offload_removed(self, pool_hash: int) -> None:
         name = self._offload_names.pop(pool_hash, None)
@@ -156,7 +203,7 @@ class EngineEvents:
             medium=OFFLOAD_MEDIUM,
             lora_name=None,
             extra_keys=None,
-            group_idx=GROUP,
+            group_idx=self.group,
             kv_cache_spec_kind=SPEC_KIND,
         )
 
@@ -169,10 +216,11 @@ class EngineEvents:
             lora_id=None,
             medium=OFFLOAD_MEDIUM,
             lora_name=None,
-            group_idx=GROUP,
+            group_idx=self.group,
         )
 
     def cleared(self) -> None:
+        self._window_names.clear()
         self._names.clear()
         self._stored.clear()
         self._pending.append(AllBlocksCleared())
@@ -203,7 +251,7 @@ class EngineEvents:
                     medium=MEDIUM,
                     lora_name=None,
                     extra_keys=[event_extra_keys(block_extra_keys(0, block.cache_salt))],
-                    group_idx=GROUP,
+                    group_idx=self.group,
                     kv_cache_spec_kind=SPEC_KIND,
                 )
             )
@@ -215,12 +263,15 @@ class EngineEvents:
         if self._offload_evicted:
             self._pending.append(
                 BlockRemoved(
-                    block_hashes=self._offload_evicted, medium=OFFLOAD_MEDIUM, group_idx=GROUP
+                    block_hashes=self._offload_evicted, medium=OFFLOAD_MEDIUM, group_idx=self.group
                 )
             )
             self._offload_evicted = []
         self._pending += self._offload_stored
         self._offload_stored, self._offload_storing = self._offload_storing, []
+        if self._windowed:
+            self._pending[:0] = self._windowed
+            self._windowed = []
         if self._pending:
             self.sink.publish(KVEventBatch(ts=time.time(), events=self._pending))
             self._pending = []
@@ -254,7 +305,7 @@ class EngineEvents:
                     event_extra_keys(block_extra_keys(i, request.cache_salt))
                     for i in range(start, end)
                 ],
-                group_idx=GROUP,
+                group_idx=self.group,
                 kv_cache_spec_kind=SPEC_KIND,
             )
         )

@@ -68,6 +68,7 @@ class SimRequest:
         "status",
         "token_times",
         "updated",
+        "window_junction",
         "words",
     )
 
@@ -114,6 +115,9 @@ class SimRequest:
         self.loading_until: float | None = None
         self.loaded_from = 0
         self.loaded_tokens = 0  # of ``cached_tokens``, read back from the offload tier
+        # Where a hybrid model's full-attention hit ended, cut short by its window groups
+        # (blocks; 0: not cut): they keep the window before it (bench/sim/windows.py).
+        self.window_junction = 0
         self.num_preemptions = 0
         self.status = WAITING
         self.scheduled_at: float | None = None

@@ -26,6 +26,7 @@ from bench.sim.kv_cache import BlockPool
 from bench.sim.kv_event_log import EventLog
 from bench.sim.offload import OffloadTier
 from bench.sim.request import FINISHED, RUNNING, WAITING, SimRequest
+from bench.sim.windows import WindowGroups
 
 
 @dataclass(slots=True)
@@ -64,8 +65,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         offload: OffloadTier | None = None,
         load_seconds_per_block: float = 0.0,
+        windows: WindowGroups | None = None,
     ) -> None:
         self.pool = pool
+        self.windows = windows  # a hybrid model's sliding-window groups
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.offload = offload
@@ -73,12 +76,24 @@ class Scheduler:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.events: EventLog | None = None
+        if windows is not None:
+            pool.on_evict = self._evicted
 
     def publish_kv_events(self, events: EventLog) -> None:
         self.events = events
-        self.pool.on_evict = events.removed
+        self.pool.on_evict = self._evicted if self.windows is not None else events.removed
         if self.offload is not None:
             self.offload.on_evict = events.offload_removed
+
+    def _evicted(self, pool_key: int) -> None:
+        """A cached block was evicted: a window group's, or the full-attention group's."""
+        owner = self.windows.evicted(pool_key) if self.windows is not None else None
+        if self.events is None:
+            return
+        if owner is None:
+            self.events.removed(pool_key)
+        else:
+            self.events.window_removed(*owner)
 
     def _cache(self, request: SimRequest, first: int, full: int) -> None:
         """Register the blocks ``first .. full`` of ``request`` just filled (and, with
@@ -125,7 +140,22 @@ class Scheduler:
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         if not plan.preempted:
             self._schedule_waiting(plan, budget, now)
+            if not plan.work and not self.running and self._give_back_loads(now):
+                self._schedule_waiting(plan, budget, now)
         return plan
+
+    def _give_back_loads(self, now: float) -> bool:
+        """Nothing runs and nothing can start: finished loads hold the blocks a request
+        at the head needs. They give them back (cached on the GPU now, to be hit when
+        they are admitted) and wait as plain requests; whether any did. (vLLM would
+        wait here for a request to leave, and none would.)"""
+        done = [r for r in self.waiting if r.loading_until is not None and r.loading_until <= now]
+        for request in done:
+            self._loaded(request)
+            self._free(request)
+            request.loading_until = None
+            request.num_computed = 0
+        return bool(done)
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         block_tokens = self.pool.block_tokens
@@ -155,7 +185,13 @@ class Scheduler:
         blocks whose chained hash is registered. A hit never covers the last token: at
         least one token must be computed."""
         pool = self.pool
-        return pool.prefix_hit(request.hashes, (request.num_tokens - 1) // pool.block_tokens)
+        hit, free = pool.prefix_hit(request.hashes, (request.num_tokens - 1) // pool.block_tokens)
+        if self.windows is not None and hit:
+            kept = self.windows.limit(request.hashes, len(hit))
+            if kept < len(hit):
+                hit = hit[:kept]
+                free = pool.free_among(hit)
+        return hit, free
 
     def cached_tokens(self, request: SimRequest) -> int:
         """The tokens of ``request`` a hit would cover now (``prefix_hit``)."""
@@ -180,6 +216,8 @@ class Scheduler:
             else:
                 hit, hit_free = self.prefix_hit(request)
                 computed = len(hit) * block_tokens
+                if self.windows is not None:
+                    request.window_junction = self._junction(request, len(hit))
                 if self._start_load(request, hit, hit_free, plan, now):
                     loading.append(self.waiting.popleft())
                     continue
@@ -192,7 +230,8 @@ class Scheduler:
                 pool.touch(hit)
             request.blocks = hit + pool.allocate(need)
             request.num_computed = computed
-            if request.num_preemptions == 0 and request.loading_until is None:
+            first_try = request.num_preemptions == 0 and not request.loaded_tokens
+            if first_try and request.loading_until is None:
                 request.cached_tokens = computed
                 plan.prefix_queries.append((request.num_tokens, computed))
             request.loading_until = None
@@ -318,6 +357,8 @@ class Scheduler:
             if request.first_token_at is None:
                 request.first_token_at = now
                 outcome.first_tokens.append(request)
+                if self.windows is not None:
+                    self._retain(request)
             request.append_generated(block_tokens)
             request.token_times.append(now)
             outcome.advanced.append(request)
@@ -327,6 +368,40 @@ class Scheduler:
         if self.events is not None:
             self.events.flush()
         return outcome
+
+    def _junction(self, request: SimRequest, hit: int) -> int:
+        """Where the full-attention hit ended, if the window groups cut it short (0: they
+        did not): a prefix shared with a cached prompt, whose window they keep next."""
+        pool = self.pool
+        limit = (request.num_tokens - 1) // pool.block_tokens
+        full = len(pool.prefix_hit(request.hashes, limit)[0])
+        return full if full > hit else 0
+
+    def _retain(self, request: SimRequest) -> None:
+        """Its prompt computed: each window group keeps the window before its end (and
+        before its junction), in blocks of the pool, freed at once to its free queue
+        (as far as the pool has room)."""
+        windows, pool = self.windows, self.pool
+        assert windows is not None
+        block_tokens = pool.block_tokens
+        indexes = windows.to_keep(
+            request.hashes, request.prompt_tokens, block_tokens, request.window_junction
+        )
+        for group in range(windows.groups):
+            kept = [i for i in indexes if pool.num_free and self._keep(group, request.hashes[i])]
+            if kept and self.events is not None:
+                first = request.cached_tokens // block_tokens
+                self.events.window_stored(request, first, kept, group)
+
+    def _keep(self, group: int, pool_hash: int) -> bool:
+        assert self.windows is not None
+        key = self.windows.key(group, pool_hash)
+        if key is None:
+            return False
+        (block,) = self.pool.allocate(1)
+        self.pool.register(block, key)
+        self.pool.release([block])
+        return True
 
     def _finish(self, request: SimRequest, now: float) -> None:
         self.running.remove(request)
@@ -361,6 +436,8 @@ class Scheduler:
         self.pool.reset()
         if self.offload is not None:
             self.offload.reset()
+        if self.windows is not None:
+            self.windows.reset()
         return dropped
 
     def reset_prefix_cache(self, reset_running: bool = False) -> tuple[bool, list[SimRequest]]:
@@ -377,6 +454,8 @@ class Scheduler:
         if self.pool.num_free < self.pool.num_blocks:
             return False, preempted
         self.pool.reset()
+        if self.windows is not None:
+            self.windows.reset()
         if self.events is not None:
             self.events.cleared()
         return True, preempted

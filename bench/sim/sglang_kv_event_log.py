@@ -79,6 +79,14 @@ class SglangEngineEvents:
     def idle(self) -> None:
         """Nothing is ever in flight here."""
 
+    def window_stored(
+        self, request: SimRequest, first: int, kept: Sequence[int], group: int
+    ) -> None:
+        """Never called: an SGLang-flavoured engine has no window groups (``EngineConfig``)."""
+
+    def window_removed(self, group: int, pool_hash: int) -> None:
+        """Never called, as ``window_stored``."""
+
     def cleared(self) -> None:
         self._names.clear()
         self._pending.append(AllBlocksCleared())

@@ -26,6 +26,7 @@ from tests.sim.test_sim_kv_event_log import Payloads, tokens
 BLOCK = 4
 LOAD_S_PER_BLOCK = 0.5
 STEP_S = 0.01
+MAX_STEPS = 10_000
 
 
 def request(name: str, prompt: bytes, max_output: int = 1) -> SimRequest:
@@ -50,12 +51,15 @@ class Fleet:
         """Until every request finished, a step every STEP_S; when each first ran."""
         for r in requests:
             self.scheduler.add(r)
-        while self.scheduler.has_work:
+        for _ in range(MAX_STEPS):
+            if not self.scheduler.has_work:
+                break
             plan = self.scheduler.schedule(self.now)
             for r, _, _ in plan.work:
                 self.started.setdefault(r.id, self.now)
             self.now += STEP_S
             self.scheduler.complete(plan, self.now)
+        assert not self.scheduler.has_work, "the engine stalled"
         self.log.idle()
 
     def events(self) -> list[dict[str, Any]]:
@@ -260,3 +264,19 @@ def test_the_transfer_config_says_whether_events_describe_themselves(
 def test_a_transfer_config_the_simulator_does_not_simulate_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match=r"kv-transfer-config|self_describing"):
         self_describing_offload_events(text)
+
+
+def test_loads_that_hold_every_block_give_them_back_rather_than_stall() -> None:
+    """Two prompts loading back at once hold ten of the GPU's twelve blocks, and each
+    needs four more to run: nothing can run. The loads give their blocks back (what was
+    loaded stays cached) and the two run one after the other."""
+    rng = random.Random(8)
+    fleet = Fleet(gpu_blocks=12, cpu_blocks=100)
+    a, b = request("a", tokens(rng, 5 * BLOCK)), request("b", tokens(rng, 5 * BLOCK))
+    fleet.run(a)
+    fleet.run(b)
+    fleet.run(request("c", tokens(rng, 12 * BLOCK - 1)))  # a and b leave the GPU
+    again = [request(f"{r.id}2", r.prompt + tokens(rng, 3 * BLOCK + 1)) for r in (a, b)]
+    fleet.run(*again)
+    assert all(r.finished and r.finish_reason == "length" for r in again)
+    assert [r.cached_tokens for r in again] == [5 * BLOCK, 5 * BLOCK]
