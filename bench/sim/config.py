@@ -153,6 +153,10 @@ class EngineConfig:
                 self.sliding_window is None or self.flavor == "vllm",
                 "window groups are vLLM's hybrid allocator's",
             ),
+            (
+                self.sliding_window is None or self.kv_offloading_bytes is None,
+                "an offload tier beside window groups is not simulated",
+            ),
         ]
         for ok, message in checks:
             if not ok:

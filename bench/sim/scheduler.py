@@ -234,6 +234,8 @@ class Scheduler:
             if first_try and request.loading_until is None:
                 request.cached_tokens = computed
                 plan.prefix_queries.append((request.num_tokens, computed))
+                if self.offload is not None:  # looked there, found nothing to load
+                    plan.offload_queries.append((request.num_tokens - computed, 0))
             request.loading_until = None
             request.status = RUNNING
             self.running.append(request)
@@ -252,13 +254,14 @@ class Scheduler:
         block_tokens = pool.block_tokens
         limit = (request.num_tokens - 1) // block_tokens
         found = offload.continuation(request.hashes, len(hit), limit)
-        first_try = request.num_preemptions == 0
+        if not found or found + hit_free > pool.num_free:
+            return False
+        # Counted once, when it is scheduled (here: its load starts), as vLLM counts it.
+        first_try = request.num_preemptions == 0 and not request.loaded_tokens
         if first_try:
             plan.offload_queries.append(
                 (request.num_tokens - len(hit) * block_tokens, found * block_tokens)
             )
-        if not found or found + hit_free > pool.num_free:
-            return False
         offload.touch(request.hashes[len(hit) : len(hit) + found])
         pool.touch(hit)
         request.blocks = hit + pool.allocate(found)
@@ -272,8 +275,12 @@ class Scheduler:
         return True
 
     def _loaded(self, request: SimRequest) -> None:
-        """``request``'s load from the offload tier ended: the GPU caches what it read."""
-        self._cache(request, request.loaded_from, request.num_computed // self.pool.block_tokens)
+        """``request``'s load from the offload tier ended: the GPU caches what it read
+        (once: a loaded request may wait several steps for room)."""
+        full = request.num_computed // self.pool.block_tokens
+        if request.loaded_from < full:
+            self._cache(request, request.loaded_from, full)
+            request.loaded_from = full
 
     def decode_span(self, plan: StepPlan, limit: int) -> int:
         """Steps (at most ``limit``) that ``plan``'s batch runs unchanged if nothing

@@ -103,7 +103,7 @@ class BlockStored:
     @property
     def placeholder(self) -> bool:
         """A CPU store naming its block by hash alone (no tokens to chain)."""
-        return self.block_size == 0
+        return self.offloaded and not self.token_ids
 
 
 # Removals and clears are decoded straight into these (msgspec, in C): vLLM sends one
@@ -236,10 +236,10 @@ def _check_size(
     block_size: int, tokens: int, blocks: int, medium: str | None, window: int | None
 ) -> None:
     """A sliding-window group's tokens span more blocks than it names (not checked)."""
-    placeholder = medium == OFFLOAD_MEDIUM and tokens == 0 and window is None
+    placeholder = medium == OFFLOAD_MEDIUM and tokens == 0
     if block_size == 0 and not placeholder:
         raise MalformedEvents("block_size 0 is a CPU-tier placeholder's alone")
-    if window is None and tokens != block_size * blocks:
+    if window is None and not placeholder and tokens != block_size * blocks:
         raise MalformedEvents("token_ids are block_size tokens for each block hash")
 
 

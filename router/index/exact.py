@@ -126,9 +126,6 @@ class ExactResidency:
     def apply(self, rank: int, events: Iterable[Event]) -> None:
         removed: list[BlockHash] = []  # consecutive GPU removals, applied together
         windows = self.windows
-        # A step's window groups are announced before its full-attention group, whose
-        # names theirs are read by: they go last.
-        windowed: list[BlockStored] = []
         for event in events:
             if (
                 isinstance(event, BlockRemoved)
@@ -148,7 +145,7 @@ class ExactResidency:
                 if not event.windowed:  # the tier's window groups: not read yet
                     self.offloaded.stored(rank, event, self._chain(rank))
             elif isinstance(event, BlockStored) and event.windowed:
-                windowed.append(event)
+                windows.stored(rank, event)
             elif isinstance(event, BlockStored):
                 added, dropped = self._chain(rank).stored(event, self.offloaded.chains(rank))
                 self._hold(added)
@@ -157,8 +154,10 @@ class ExactResidency:
                 self._clear_device(rank)
         if removed:
             self._removed(rank, removed)
-        for event in windowed:
-            windows.stored(rank, event, self._chain(rank))
+        if windows:
+            # Their blocks are named by the full-attention group's announcements, which
+            # come after theirs (in this piece of the batch or a later one).
+            windows.resolve(rank, self._chain(rank))
         self._trim_inherited()
 
     def _removed(self, rank: int, engine_hashes: Sequence[BlockHash]) -> None:

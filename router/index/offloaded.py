@@ -30,6 +30,10 @@ from collections.abc import Iterable, Sequence
 from router.index.chains import EngineChains
 from router.index.events import BlockHash, BlockStored
 
+# Blocks an offloaded chunk can hold (vLLM's are a few): a store claiming more is taken
+# as this many, so one odd event cannot make every continuation nothing.
+MAX_CHUNK_BLOCKS = 64
+
 
 class OffloadedBlocks:
     __slots__ = (
@@ -71,7 +75,8 @@ class OffloadedBlocks:
         else:
             self.described += 1
             per_block = max(1, event.block_size // (self.block_tokens or event.block_size))
-            self.chunk_blocks = max(1, len(event.block_hashes)) * per_block
+            blocks = min(max(1, len(event.block_hashes)), MAX_CHUNK_BLOCKS)
+            self.chunk_blocks = blocks * per_block
             added, dropped = chains.stored(event, device)
         self._hold(added)
         self._release(dropped)
@@ -93,7 +98,7 @@ class OffloadedBlocks:
     def continuation(self, hashes: Sequence[int], start: int) -> int:
         """How many of ``hashes`` from ``start`` on a request whose GPU hit ends at
         ``start`` would load back: the whole chunks the tier holds from the one that
-        holds ``start``."""
+        holds ``start``, none if that is less than a chunk."""
         held, size = self._held, self.chunk_blocks
         chunk, end = start // size, start
         while (chunk + 1) * size <= len(hashes) and all(
@@ -101,7 +106,7 @@ class OffloadedBlocks:
         ):
             chunk += 1
             end = chunk * size
-        return end - start
+        return end - start if end - start >= size else 0  # vLLM loads no less than a chunk
 
     def _chain(self, rank: int) -> EngineChains:
         chains = self._chains.get(rank)

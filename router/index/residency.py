@@ -370,6 +370,10 @@ class LocalPrefixIndex:
         residency = self._workers.get(worker)
         if residency is None or not residency.offloaded:
             return 0
+        if isinstance(residency, ExactResidency) and residency.windows:
+            # A hybrid model's load needs its window groups' chunks too, which the
+            # router does not follow in the CPU tier: nothing is credited there.
+            return 0
         return residency.offloaded.continuation(hashes, start)
 
     def offloaded_blocks(self, worker: str) -> int:

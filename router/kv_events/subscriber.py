@@ -261,8 +261,8 @@ class RankSubscriber:
         except MalformedEvents as exc:
             self._reset("malformed", str(exc))
             return
-        # A CPU-tier placeholder has no block size: the blocks sized are the others.
-        stored = [e for e in batch.events if isinstance(e, BlockStored) and not e.placeholder]
+        # The GPU's blocks (a CPU tier's may be chunks of several, or placeholders).
+        stored = [e for e in batch.events if isinstance(e, BlockStored) and not e.offloaded]
         ours = self._exactness.block_tokens
         wrong = [e for e in stored if e.block_size % ours]
         if stored:

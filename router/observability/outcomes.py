@@ -62,6 +62,12 @@ class TurnReport:
     lost_tokens: int
 
 
+def read_back(cached_tokens: int, on_device_tokens: int, offloaded_tokens: int) -> bool:
+    """The engine found more cached than the worker's GPU was modelled to hold, and its
+    CPU tier held more: it read some back."""
+    return offloaded_tokens > 0 and cached_tokens > on_device_tokens
+
+
 def classify(
     previous: SessionMemory | None,
     worker: str,
@@ -83,7 +89,7 @@ def classify(
     else:
         expected = min(prompt_tokens, previous.history_tokens)
     if expected <= 0 or cached_tokens >= HIT_SHARE * expected:
-        if offloaded_tokens > 0 and cached_tokens > on_device_tokens:
+        if read_back(cached_tokens, on_device_tokens, offloaded_tokens):
             return TurnReport("reloaded", None, 0)
         return TurnReport("hit", None, 0)
     outcome: TurnOutcome = "partial" if cached_tokens >= MISS_SHARE * expected else "miss"

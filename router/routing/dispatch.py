@@ -151,8 +151,10 @@ class Choice:
 
     @property
     def prefill_tokens(self) -> int:
-        """The prompt's tokens the worker would compute (not what it would read back)."""
-        return max(0, self.route.prompt_tokens - self.matched - self.offloaded)
+        """The prompt's tokens the worker would compute, as the policy priced them (a
+        CPU-tier hit it credited is read back, not computed; one it did not, counted)."""
+        held = max(self.matched, self.decision.predicted_cached_tokens)
+        return max(0, self.route.prompt_tokens - held)
 
 
 class Router:

@@ -33,7 +33,13 @@ from router.clock import monotonic
 from router.fleet.workers import Fleet, Worker
 from router.index.residency import PrefixIndex
 from router.observability.metrics import RouterMetrics
-from router.observability.outcomes import SessionMemory, SessionTracker, Waiting, classify
+from router.observability.outcomes import (
+    SessionMemory,
+    SessionTracker,
+    Waiting,
+    classify,
+    read_back,
+)
 from router.routing.returns import ResidentSessions, ReturnTimes
 
 if TYPE_CHECKING:
@@ -151,12 +157,6 @@ class ResidencyCalibrator:
         self._share.pop(worker, None)
 
 
-def reloaded(dispatch: Dispatch, usage: EngineUsage) -> bool:
-    """The engine found more of the prompt cached than its GPU was modelled to hold, and
-    its CPU tier held more: it read some back."""
-    return dispatch.offloaded > 0 and usage.cached_tokens > dispatch.matched
-
-
 class Learner:
     """What the router learns from each finished request: the fleet's prefill rate, each
     worker's speed, the residency calibration, and what happened to each session's
@@ -198,7 +198,8 @@ class Learner:
         uncached = max(0, usage.prompt_tokens - usage.cached_tokens)
         # A turn that read its prefix back from a CPU tier teaches nothing of prefill
         # speed: its TTFT holds the reload.
-        if dispatch.ttft is not None and not reloaded(dispatch, usage):
+        reloaded = read_back(usage.cached_tokens, dispatch.matched, dispatch.offloaded)
+        if dispatch.ttft is not None and not reloaded:
             prefilled = dispatch.queued_before + uncached
             self.prefill_rate.observe(prefilled, dispatch.ttft)
             if dispatch.queued_before <= uncached and self.prefill_rate.settled:

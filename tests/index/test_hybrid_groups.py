@@ -6,6 +6,7 @@ allows), where counting the full-attention group alone would over-predict."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from router.index.events import BlockStored, decode_batch
 from router.index.exact import ExactResidency
 from router.index.prefix import chain_seed, prefix_key
+from router.index.windows import MAX_GROUPS
 from router.wire.blocks import token_bytes
 
 RECORDED = Path(__file__).parents[1] / "data/vllm/hybrid-gemma3-w64-events.json"
@@ -82,3 +84,46 @@ def test_a_window_groups_store_is_read_though_its_tokens_span_more_blocks() -> N
     (event,) = decode_batch(msgspec.msgpack.encode([0.0, [windowed], None])).events
     assert isinstance(event, BlockStored)
     assert (event.windowed, event.sliding_window, event.group_idx) == (True, 64, 0)
+
+
+def window_store(hashes: tuple[int, ...], group: int | None = 0) -> BlockStored:
+    return BlockStored(hashes, None, (), BLOCK_SIZE, None, "GPU", None, group, WINDOW)
+
+
+BLOCK_SIZE = ROUTER_BLOCK  # engine blocks of the router's size, for the unit tests below
+WINDOW = 2 * ROUTER_BLOCK + 1  # a hit needs the window's two blocks
+
+
+def full_store(ids: list[int]) -> BlockStored:
+    count = len(ids) // BLOCK_SIZE
+    return BlockStored(tuple(range(100, 100 + count)), None, tuple(ids), BLOCK_SIZE, None, "GPU")
+
+
+def test_a_window_block_is_named_when_full_attention_announces_it_in_a_later_piece() -> None:
+    residency = ExactResidency(10_000, MODEL, ttl_s=0.0)
+    ids = list(range(1, 6 * BLOCK_SIZE + 1))
+    residency.apply(0, [window_store((103, 104))])  # the batch's first piece
+    assert residency.longest_prefix(keyed(ids), {}) == 0
+    residency.apply(0, [full_store(ids)])  # the next piece: full attention
+    assert residency.longest_prefix(keyed(ids), {}) == 5
+
+
+def test_the_window_scan_finds_what_checking_every_end_finds() -> None:
+    """``limit`` scans back once; the slow way checks every end's window."""
+    rng = random.Random(5)
+    ids = list(range(1, 40 * BLOCK_SIZE + 1))
+    hashes = keyed(ids)
+    for _ in range(200):
+        residency = ExactResidency(10_000, MODEL, ttl_s=0.0)
+        kept = tuple(100 + i for i in range(40) if rng.random() < 0.4)
+        residency.apply(0, [full_store(ids), window_store(kept)])
+        held = {hashes[h - 100] for h in kept}
+        expected = max(n for n in range(41) if all(h in held for h in hashes[max(0, n - 2) : n]))
+        assert residency.longest_prefix(hashes, {}) == expected
+
+
+def test_window_groups_are_bounded_and_need_their_index() -> None:
+    residency = ExactResidency(10_000, MODEL, ttl_s=0.0)
+    residency.apply(0, [window_store((1,), group=g) for g in range(MAX_GROUPS + 10)])
+    residency.apply(0, [window_store((1,), group=None)])
+    assert residency.windows.dropped == 11

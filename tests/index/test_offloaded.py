@@ -185,4 +185,5 @@ def test_a_chunk_of_several_blocks_is_loaded_whole_or_not_at_all() -> None:
     assert residency.offloaded.continuation(hashes, 1) == 5
     assert residency.offloaded.continuation(hashes[:5], 1) == 3  # [4, 6) cut by the end
     residency.apply(0, [BlockRemoved((13,), "CPU")])  # chunk [2, 4) loses a block
-    assert residency.offloaded.continuation(hashes, 1) == 1
+    assert residency.offloaded.continuation(hashes, 1) == 0  # one block: less than a chunk
+    assert residency.offloaded.continuation(hashes, 0) == 2

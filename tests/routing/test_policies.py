@@ -29,6 +29,9 @@ from policies.round_robin import RoundRobinPolicy
 from policies.session import SessionPolicy
 from policies.ttft import TtftParams, TtftPolicy, estimate_ttft
 from router.apis.request import parse_request
+from router.fleet.workers import Worker
+from router.routing.dispatch import Choice
+from router.routing.policy_slot import ActivePolicy
 
 # Assigning the classes to the registry's protocol makes mypy check they fit it.
 WRITTEN: tuple[PolicyClass, ...] = (
@@ -709,3 +712,20 @@ def test_a_reload_slower_than_prefill_loses_to_a_cold_worker() -> None:
     slow_link = offloading("cpu", 0, 20_000, 5_000.0)  # 4 s to read back, 2 s to compute
     cold = offloading("cold", 0, 0, 5_000.0)
     assert TtftPolicy().choose(request(prompt_tokens=20_500), [slow_link, cold]).worker == "cold"
+
+
+@pytest.mark.parametrize(("credited", "expected"), [(True, 500), (False, 20_500)])
+def test_a_dispatch_counts_as_prefill_what_its_policy_did_not_credit(
+    credited: bool, expected: int
+) -> None:
+    """The queued prefill a dispatch adds to its worker is what the policy priced: a
+    CPU-tier hit it credited is read back, one it did not (blind to the tier) computed.
+    Before, every CPU-tier hit was taken off, whatever the policy saw."""
+    params = TtftParams(count_offloaded=credited)
+    cpu = offloading("cpu", 0, 20_000, 50_000.0)
+    route = request(prompt_tokens=20_500)
+    decision = TtftPolicy(params).choose(route, [cpu])
+    policy = ActivePolicy("ttft", {}, 0, TtftPolicy(params))
+    worker = Worker("cpu", "http://127.0.0.1:1", 100_000)
+    choice = Choice(policy, route, worker, decision, 0, 0, 0.0, 20_000)
+    assert choice.prefill_tokens == expected

@@ -46,6 +46,7 @@ class Fleet:
         self.scheduler.publish_kv_events(self.log)
         self.now = 0.0
         self.started: dict[str, float] = {}
+        self.offload_hits = 0  # tokens the tier's lookups found, as the metrics count them
 
     def run(self, *requests: SimRequest) -> None:
         """Until every request finished, a step every STEP_S; when each first ran."""
@@ -55,6 +56,7 @@ class Fleet:
             if not self.scheduler.has_work:
                 break
             plan = self.scheduler.schedule(self.now)
+            self.offload_hits += sum(hit for _, hit in plan.offload_queries)
             for r, _, _ in plan.work:
                 self.started.setdefault(r.id, self.now)
             self.now += STEP_S
@@ -280,3 +282,4 @@ def test_loads_that_hold_every_block_give_them_back_rather_than_stall() -> None:
     fleet.run(*again)
     assert all(r.finished and r.finish_reason == "length" for r in again)
     assert [r.cached_tokens for r in again] == [5 * BLOCK, 5 * BLOCK]
+    assert fleet.offload_hits == 10 * BLOCK  # each load counted once
