@@ -97,7 +97,7 @@ def router_specs(
     path.write_text(yaml.safe_dump({"workers": workers, "capacity": capacity}))
     specs = []
     for label, knobs in (
-        ("tier-aware", ()),
+        ("tier-aware", ("--policy-knob", "count_offloaded=true")),
         ("tier-blind", ("--policy-knob", "count_offloaded=false")),
     ):
         command = kvrouter_command(
