@@ -22,7 +22,14 @@ its prefill, so it counts as cached and adds its reload to the estimate::
 
 ``reload_rate(w)`` is tokens a second over the worker's host link (its KV bytes per token
 and link speed, ``router.planning.reload``); where it is not known, or with
-``count_offloaded`` off, a CPU-tier hit is not credited.
+``count_offloaded`` off, a CPU-tier hit is not credited. A CPU tier keeps far more than
+the GPU, so every session stays in the tier of the worker that first served it; taken
+at face value that credit would hold each session there for good, however full that
+worker's GPU grows (measured: one worker of four took twice the others' prompt tokens,
+and the hit rate fell). So while the best worker's GPU has no room for what it would
+read back (``spread_reloads``, default on), the reload counts as a tie with prefilling
+elsewhere, as a shared prefix does for a first turn: the near worker with the least
+recent demand takes the turn, which is the holder only when it is also the least busy.
 
 Two knobs trade affinity for load in plain terms: ``cache_weight`` is how much a cached
 token is worth against a token of queued work (1.0 takes the estimate at face value; 0
@@ -124,6 +131,7 @@ class TtftParams:
     return_weight: float = DEFAULT_RETURN_WEIGHT
     ties_spare_returns: bool = False
     count_offloaded: bool = True
+    spread_reloads: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.tie_tolerance < 1:
@@ -204,9 +212,12 @@ class TtftPolicy(Policy):
     ) -> WorkerView:
         best = min(scored, key=lambda s: s.estimate)
         near = best.estimate * (1 + self.params.tie_tolerance)
-        if shared_prefix_ties and best.filled > best.view.capacity_tokens:
-            rate = max(best.view.prefill_tokens_per_s, MIN_RATE)
+        full = best.filled > best.view.capacity_tokens
+        rate = max(best.view.prefill_tokens_per_s, MIN_RATE)
+        if shared_prefix_ties and full:
             near += self.params.cache_weight * best.view.matched_tokens / rate
+        if self.params.spread_reloads and full:
+            near += self.params.cache_weight * credited_offload(best.view, self.params) / rate
         close = [s for s in scored if s.estimate <= near]
         beside_parent = [s for s in close if s.view.name == parent]
         if beside_parent:

@@ -9,7 +9,9 @@ engines publish their KV events (the CPU tier's with their tokens,
 runs in exact mode. Routers, in front of the same fleet:
 
 * ``tier-aware``: ``ttft`` over every engine's GPU and CPU residency, a CPU-tier hit
-  priced by its reload (``offload`` settings: the engines' KV bytes per token, the link);
+  priced by its reload (``offload`` settings: the engines' KV bytes per token, the link),
+  a reload onto a full GPU a tie the least busy near worker takes (``spread_reloads``);
+* ``tier-sticky``: the same without ``spread_reloads``: the reload's saving decides;
 * ``tier-blind``: the same router with ``count_offloaded=false``: it sees the GPU alone;
 * with ``--peer-bin``, SMG 1.13's ``cache_aware`` (it sees neither tier; run inside a
   loopback-only network namespace).
@@ -96,8 +98,10 @@ def router_specs(
     path = run_dir / "tiers.yaml"
     path.write_text(yaml.safe_dump({"workers": workers, "capacity": capacity}))
     specs = []
+    aware = ("--policy-knob", "count_offloaded=true")
     for label, knobs in (
-        ("tier-aware", ("--policy-knob", "count_offloaded=true")),
+        ("tier-aware", (*aware, "--policy-knob", "spread_reloads=true")),
+        ("tier-sticky", (*aware, "--policy-knob", "spread_reloads=false")),
         ("tier-blind", ("--policy-knob", "count_offloaded=false")),
     ):
         command = kvrouter_command(

@@ -57,6 +57,7 @@ TTFT_DEFAULTS = {
     "spread_first_turns": True,
     "subagents_with_parent": False,
     "count_offloaded": True,
+    "spread_reloads": True,
 }
 
 
@@ -182,7 +183,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=1.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
+                "cache_weight=1.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
             ): 1
         }
         status, body = await admin(
@@ -201,13 +202,14 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "spread_first_turns": True,
                 "subagents_with_parent": False,
                 "count_offloaded": True,
+                "spread_reloads": True,
             },
             "version": 1,
         }
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=2.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
+                "cache_weight=2.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
             ): 1
         }  # the old series is gone
         assert await metric(http, router, "kvrouter_policy_changes_total") == 1
@@ -229,6 +231,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "spread_first_turns": True,
                 "subagents_with_parent": False,
                 "count_offloaded": True,
+                "spread_reloads": True,
             },
             "version": 2,
         }
@@ -343,7 +346,7 @@ async def test_a_change_reaches_every_replica_and_the_newest_wins(
             assert await info_series(http, a) == {
                 (
                     "ttft",
-                    "cache_weight=2.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
+                    "cache_weight=2.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
                 ): 1
             }
 

@@ -729,3 +729,26 @@ def test_a_dispatch_counts_as_prefill_what_its_policy_did_not_credit(
     worker = Worker("cpu", "http://127.0.0.1:1", 100_000)
     choice = Choice(policy, route, worker, decision, 0, 0, 0.0, 20_000)
     assert choice.prefill_tokens == expected
+
+
+@pytest.mark.parametrize(("spread", "expected"), [(True, "cold"), (False, "cpu")])
+def test_a_reload_onto_a_full_gpu_is_a_tie_the_least_busy_worker_takes(
+    spread: bool, expected: str
+) -> None:
+    """Both caches full: the worker holding the session in its CPU tier (recently sent
+    much) ties with a cold one (sent little), which takes the turn; without
+    spread_reloads the reload's saving decides alone."""
+    params = TtftParams(spread_reloads=spread)
+    cpu = offloading("cpu", 0, 20_000, 50_000.0)._replace(
+        resident_tokens=100_000, recent_prompt_tokens=300_000
+    )
+    cold = offloading("cold", 0, 0, 50_000.0)._replace(
+        resident_tokens=100_000, recent_prompt_tokens=50_000
+    )
+    assert TtftPolicy(params).choose(request(prompt_tokens=20_500), [cpu, cold]).worker == expected
+
+
+def test_a_reload_onto_a_gpu_with_room_goes_to_its_holder() -> None:
+    cpu = offloading("cpu", 0, 20_000, 50_000.0)._replace(recent_prompt_tokens=300_000)
+    cold = offloading("cold", 0, 0, 50_000.0)
+    assert TtftPolicy().choose(request(prompt_tokens=20_500), [cpu, cold]).worker == "cpu"
