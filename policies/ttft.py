@@ -22,14 +22,19 @@ its prefill, so it counts as cached and adds its reload to the estimate::
 
 ``reload_rate(w)`` is tokens a second over the worker's host link (its KV bytes per token
 and link speed, ``router.planning.reload``); where it is not known, or with
-``count_offloaded`` off, a CPU-tier hit is not credited. A CPU tier keeps far more than
-the GPU, so every session stays in the tier of the worker that first served it; taken
-at face value that credit would hold each session there for good, however full that
-worker's GPU grows (measured: one worker of four took twice the others' prompt tokens,
-and the hit rate fell). So while the best worker's GPU has no room for what it would
-read back (``spread_reloads``, default on), the reload counts as a tie with prefilling
-elsewhere, as a shared prefix does for a first turn: the near worker with the least
-recent demand takes the turn, which is the holder only when it is also the least busy.
+``count_offloaded`` off (the default), a CPU-tier hit is not credited. A CPU tier keeps
+far more than the GPU, so every session stays in the tier of the worker that first
+served it; taken at face value that credit would hold each session there for good,
+however full that worker's GPU grows (measured: one worker of four took twice the
+others' prompt tokens, and the hit rate fell). So while the best worker's GPU has no
+room for what it would read back (``spread_reloads``, default on), the reload counts as
+a tie with prefilling elsewhere, as a shared prefix does for a first turn: the near
+worker with the least recent demand takes the turn, which is the holder only when it
+is also the least busy.
+Even so, on the agent sessions with CPU tiers four times the GPUs, the router blind to
+the tiers hit more and had the shorter tail (a turn read back onto a busy worker's full
+GPU waits for room there, which the estimate does not see; ``docs/benchmarks.md``):
+``count_offloaded`` is off by default.
 
 Two knobs trade affinity for load in plain terms: ``cache_weight`` is how much a cached
 token is worth against a token of queued work (1.0 takes the estimate at face value; 0
@@ -130,7 +135,9 @@ class TtftParams:
     subagents_with_parent: bool = False
     return_weight: float = DEFAULT_RETURN_WEIGHT
     ties_spare_returns: bool = False
-    count_offloaded: bool = True
+    # Off by default: measured, crediting CPU-tier hits lost hit rate and tail to the
+    # same router blind to the tiers (docs/benchmarks.md, CPU tiers).
+    count_offloaded: bool = False
     spread_reloads: bool = True
 
     def __post_init__(self) -> None:

@@ -76,6 +76,8 @@ async def test_a_session_pushed_off_the_gpu_is_read_back_from_its_engines_cpu_ti
             kv_events=RouterKvEvents(speculative_ttl_s=0.1),
             offload=OffloadConfig(tier_tokens=modelled),
             policy="ttft",
+            # The read-back path itself: the tie rule on full caches is a unit test's.
+            policy_knobs={"count_offloaded": True, "spread_reloads": False},
         )
         router = await stack.enter_async_context(serve_router(config))
         if announced:

@@ -56,7 +56,7 @@ TTFT_DEFAULTS = {
     "ties_spare_returns": False,
     "spread_first_turns": True,
     "subagents_with_parent": False,
-    "count_offloaded": True,
+    "count_offloaded": False,
     "spread_reloads": True,
 }
 
@@ -183,7 +183,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=1.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
+                "cache_weight=1.0,count_offloaded=False,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
             ): 1
         }
         status, body = await admin(
@@ -201,7 +201,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "ties_spare_returns": False,
                 "spread_first_turns": True,
                 "subagents_with_parent": False,
-                "count_offloaded": True,
+                "count_offloaded": False,
                 "spread_reloads": True,
             },
             "version": 1,
@@ -209,7 +209,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
         assert await info_series(http, router) == {
             (
                 "ttft",
-                "cache_weight=2.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
+                "cache_weight=2.0,count_offloaded=False,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
             ): 1
         }  # the old series is gone
         assert await metric(http, router, "kvrouter_policy_changes_total") == 1
@@ -230,7 +230,7 @@ async def test_metrics_and_the_workers_listing_show_the_policy(
                 "ties_spare_returns": False,
                 "spread_first_turns": True,
                 "subagents_with_parent": False,
-                "count_offloaded": True,
+                "count_offloaded": False,
                 "spread_reloads": True,
             },
             "version": 2,
@@ -346,7 +346,7 @@ async def test_a_change_reaches_every_replica_and_the_newest_wins(
             assert await info_series(http, a) == {
                 (
                     "ttft",
-                    "cache_weight=2.0,count_offloaded=True,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
+                    "cache_weight=2.0,count_offloaded=False,eviction_weight=0.0,return_weight=0.0,spread_first_turns=True,spread_reloads=True,subagents_with_parent=False,temperature=0.0,tie_tolerance=0.2,ties_spare_returns=False",
                 ): 1
             }
 

@@ -668,6 +668,9 @@ def test_a_switch_knob_takes_true_or_false_only() -> None:
 # --- ttft: the CPU tier ------------------------------------------------------------------
 
 
+CREDITED = TtftParams(count_offloaded=True)
+
+
 def offloading(
     name: str, matched: int, offloaded: int, reload_rate: float, queued: int = 0
 ) -> WorkerView:
@@ -680,7 +683,7 @@ def test_ttft_prices_a_cpu_tier_hit_by_its_reload() -> None:
     """20,000 tokens of history: the worker that held them on its GPU is busy (40,000
     tokens queued, 4 s); another holds them in its CPU tier (0.4 s to read back at
     50,000 tokens/s); a third holds nothing (2 s of prefill)."""
-    policy = TtftPolicy()
+    policy = TtftPolicy(CREDITED)
     busy = offloading("gpu", 20_000, 0, 50_000.0, queued=40_000)
     cpu = offloading("cpu", 0, 20_000, 50_000.0)
     cold = offloading("cold", 0, 0, 50_000.0)
@@ -690,13 +693,13 @@ def test_ttft_prices_a_cpu_tier_hit_by_its_reload() -> None:
         "prefix",
         20_000,
     )
-    estimates = [estimate_ttft(v, 20_500, TtftParams()) for v in (busy, cpu, cold)]
+    estimates = [estimate_ttft(v, 20_500, CREDITED) for v in (busy, cpu, cold)]
     assert estimates == [pytest.approx(4.05), pytest.approx(0.05 + 0.4), pytest.approx(2.05)]
 
 
 @pytest.mark.parametrize(
     ("params", "reload_rate"),
-    [(TtftParams(count_offloaded=False), 50_000.0), (TtftParams(), 0.0)],
+    [(TtftParams(), 50_000.0), (CREDITED, 0.0)],
 )
 def test_a_cpu_tier_hit_is_not_credited_when_told_not_to_or_its_price_is_unknown(
     params: TtftParams, reload_rate: float
@@ -711,7 +714,8 @@ def test_a_cpu_tier_hit_is_not_credited_when_told_not_to_or_its_price_is_unknown
 def test_a_reload_slower_than_prefill_loses_to_a_cold_worker() -> None:
     slow_link = offloading("cpu", 0, 20_000, 5_000.0)  # 4 s to read back, 2 s to compute
     cold = offloading("cold", 0, 0, 5_000.0)
-    assert TtftPolicy().choose(request(prompt_tokens=20_500), [slow_link, cold]).worker == "cold"
+    policy = TtftPolicy(CREDITED)
+    assert policy.choose(request(prompt_tokens=20_500), [slow_link, cold]).worker == "cold"
 
 
 @pytest.mark.parametrize(("credited", "expected"), [(True, 500), (False, 20_500)])
@@ -738,7 +742,7 @@ def test_a_reload_onto_a_full_gpu_is_a_tie_the_least_busy_worker_takes(
     """Both caches full: the worker holding the session in its CPU tier (recently sent
     much) ties with a cold one (sent little), which takes the turn; without
     spread_reloads the reload's saving decides alone."""
-    params = TtftParams(spread_reloads=spread)
+    params = TtftParams(count_offloaded=True, spread_reloads=spread)
     cpu = offloading("cpu", 0, 20_000, 50_000.0)._replace(
         resident_tokens=100_000, recent_prompt_tokens=300_000
     )
@@ -751,4 +755,4 @@ def test_a_reload_onto_a_full_gpu_is_a_tie_the_least_busy_worker_takes(
 def test_a_reload_onto_a_gpu_with_room_goes_to_its_holder() -> None:
     cpu = offloading("cpu", 0, 20_000, 50_000.0)._replace(recent_prompt_tokens=300_000)
     cold = offloading("cold", 0, 0, 50_000.0)
-    assert TtftPolicy().choose(request(prompt_tokens=20_500), [cpu, cold]).worker == "cpu"
+    assert TtftPolicy(CREDITED).choose(request(prompt_tokens=20_500), [cpu, cold]).worker == "cpu"
