@@ -20,9 +20,10 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -90,10 +91,11 @@ def install_vllm() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-def write_model(directory: Path) -> Path:
-    """The tiny model's directory: its config, sampling defaults and Qwen3's tokenizer."""
+def write_model(directory: Path, config: Mapping[str, Any] = QWEN3_TINY) -> Path:
+    """A tiny model's directory (by default the Qwen3 one): its config, sampling defaults
+    and Qwen3's tokenizer."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(QWEN3_TINY, indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     (directory / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     tokenizer = qwen3_dir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
