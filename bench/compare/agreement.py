@@ -188,6 +188,15 @@ def engine_flags(
     return flags
 
 
+def exact_workers(config: DemoConfig, urls: Sequence[str], base_port: int) -> list[dict[str, Any]]:
+    """The router config file's workers: each engine with its KV events' endpoints."""
+    workers = []
+    for i, url in enumerate(urls):
+        publish, replay = kv_endpoints(config, base_port, i)
+        workers.append({"url": url, "kv_events": {"endpoint": publish, "replay_endpoint": replay}})
+    return workers
+
+
 def router_specs(
     config: DemoConfig,
     urls: Sequence[str],
@@ -198,10 +207,7 @@ def router_specs(
 ) -> list[RouterSpec]:
     port = config.router_port
     tokens = ("--tokenizer", str(model_dir))
-    workers = []
-    for i, url in enumerate(urls):
-        publish, replay = kv_endpoints(config, base_port, i)
-        workers.append({"url": url, "kv_events": {"endpoint": publish, "replay_endpoint": replay}})
+    workers = exact_workers(config, urls, base_port)
     commands = {
         "text": kvrouter_command(config, "ttft", urls, port, "--log-requests"),
         "tokens": kvrouter_command(config, "ttft", urls, port, "--log-requests", *tokens),

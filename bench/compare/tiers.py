@@ -44,7 +44,7 @@ from bench.compare.agreement import (
     add_exact_mode_arguments,
     engine_flags,
     engine_records,
-    kv_endpoints,
+    exact_workers,
     log_of,
     read_request_log,
 )
@@ -89,10 +89,7 @@ def router_specs(
     peer_bin: Path | None,
 ) -> list[RouterSpec]:
     port = config.router_port
-    workers = []
-    for i, url in enumerate(urls):
-        publish, replay = kv_endpoints(config, base_port, i)
-        workers.append({"url": url, "kv_events": {"endpoint": publish, "replay_endpoint": replay}})
+    workers = exact_workers(config, urls, base_port)
     # The engines' model, for the KV bytes a token takes (what a reload reads).
     capacity = {"model": DEFAULT_MODEL, "gpu": "h100", "kv_tokens": config.kv_tokens}
     path = run_dir / "tiers.yaml"
